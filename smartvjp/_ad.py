@@ -1,0 +1,207 @@
+"""Differentiation rules: JVP, direct linearize, transpose, forward mode.
+
+Which JAX machinery calls which rule (jax 0.10):
+
+* ``jax.grad``/``jax.vjp`` (and ``jit``/``scan``/``cond`` bodies) use direct
+  linearize: :func:`_call_linearize` runs ``fwd`` now and stages
+  ``smartvjp_lin`` for the backward pass.
+* ``jax.checkpoint`` (and linearize with ``jax_use_direct_linearize=False``)
+  uses the JVP rule :func:`_call_jvp`, which binds the combined
+  ``smartvjp_jvp``; partial evaluation (``_partial_eval.py``) decides then
+  which of ``f``/``fwd``/``bwd``/``fwd_bwd`` run where.
+* The transpose of ``smartvjp_lin`` runs ``bwd``; that of
+  ``smartvjp_fused_lin`` runs ``fwd_bwd``.
+* Forward mode (``jax.jvp``/``jacfwd``/``linearize`` evaluation) evaluates
+  ``smartvjp_jvp``/``smartvjp_lin`` directly: the tangent map is the
+  transpose of the linear map ``g -> bwd(res, g)`` (an extension over
+  ``jax.custom_vjp``, which refuses forward mode).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+
+from smartvjp import _compat as C
+from smartvjp._bwd import run_bwd, run_fwd_bwd
+from smartvjp._primitives import (
+    bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, jvp_p,
+    lin_p, split_jvp_args, tangent_avals)
+
+
+def closure_error(call) -> Exception:
+  return TypeError(
+      f"smart_custom_vjp function {call.name} is being differentiated with "
+      "respect to a value it closes over. That isn't supported (as with "
+      "jax.custom_vjp) because the custom rules only say how to "
+      "differentiate with respect to explicit arguments. Pass the value as "
+      "an argument instead, or use jax.closure_convert.")
+
+
+def _split_tangents(call, tangents):
+  const_t, prim_t = tangents[:call.num_consts], tangents[call.num_consts:]
+  if any(type(t) is not C.Zero for t in const_t):
+    raise closure_error(call)
+  in_nz = tuple(type(t) is not C.Zero and possible
+                for t, possible in zip(prim_t, call.in_nz_possible))
+  nz_tangents = [t for t, nz in zip(prim_t, in_nz) if nz]
+  return in_nz, nz_tangents
+
+
+def expand_tangents(call, nz_outs):
+  """Per-output tangents: the nonzero ones given, ``Zero`` for the rest."""
+  it = iter(nz_outs)
+  outs = [next(it) if nz else C.Zero(a.to_tangent_aval())
+          for a, nz in zip(call.out_avals, call.out_nz)]
+  assert next(it, None) is None
+  return outs
+
+
+# -- JVP (reached by jax.checkpoint and by non-direct linearize) --------------
+
+def _call_jvp(primals, tangents, *, call):
+  in_nz, nz_tangents = _split_tangents(call, tangents)
+  f_consts, primals = primals[:call.num_consts], primals[call.num_consts:]
+  if not any(in_nz):
+    outs = call_p.bind(*f_consts, *primals, call=call)
+    return outs, expand_tangents(call, [])
+  fwd, fwd_consts = call.fwd_for(in_nz)
+  outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,
+                    call=call, fwd=fwd, in_nz=in_nz, remat=False)
+  primal_outs, nz_out = outs[:call.num_outs], outs[call.num_outs:]
+  return primal_outs, expand_tangents(call, nz_out)
+
+
+C.ad.primitive_jvps[call_p] = _call_jvp
+
+
+# -- direct linearize (jax.grad / jax.vjp by default) -------------------------
+
+def _call_linearize(is_vjp, nonzeros, *primals_in, call):
+  del is_vjp
+  if any(nonzeros[:call.num_consts]):
+    raise closure_error(call)
+  f_consts, primals = primals_in[:call.num_consts], primals_in[call.num_consts:]
+  in_nz = tuple(nz and possible for nz, possible in
+                zip(nonzeros[call.num_consts:], call.in_nz_possible))
+  if not any(in_nz):
+    outs = call_p.bind(*f_consts, *primals, call=call)
+    return (outs, [False] * call.num_outs, [],
+            lambda _res, *_t: expand_tangents(call, []))
+  fwd, fwd_consts = call.fwd_for(in_nz)
+  if fwd is None:  # only fwd_bwd was given: f now, fwd_bwd in the backward pass
+    primal_outs = call_p.bind(*f_consts, *primals, call=call)
+    residuals, prim = list(primals), fused_lin_p
+    params = dict(call=call, in_nz=in_nz)
+  else:
+    primal_outs, residuals = bind_primal_and_residuals(
+        call, fwd, f_consts, fwd_consts, primals)
+    prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz)
+
+  def linearized(residuals, *tangents):
+    nz_t = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
+    return expand_tangents(call, prim.bind(*residuals, *nz_t, **params))
+
+  return primal_outs, list(call.out_nz), residuals, linearized
+
+
+C.ad.primitive_linearizations[call_p] = _call_linearize
+
+
+# -- transposes ---------------------------------------------------------------
+
+def _full_cts(call, cts):
+  it = iter(cts)
+  out = [next(it) if nz else C.Zero(a.to_tangent_aval())
+         for a, nz in zip(call.out_avals, call.out_nz)]
+  return out
+
+
+def _nz_inputs(cts_in, in_nz):
+  return [ct for ct, nz in zip(cts_in, in_nz) if nz]
+
+
+def _lin_transpose(cts, *args, call, fwd, in_nz):
+  n_res = len(fwd.res_avals)
+  cts_out = _full_cts(call, cts)
+  if all(type(ct) is C.Zero for ct in cts_out):
+    return [None] * n_res + [C.Zero(a.to_tangent_aval()) for a, nz in
+                             zip(call.in_avals, in_nz) if nz]
+  cts_in = run_bwd(call, fwd, args[:n_res], cts_out)
+  return [None] * n_res + _nz_inputs(cts_in, in_nz)
+
+
+def _fused_lin_transpose(cts, *args, call, in_nz):
+  n = call.num_primals
+  cts_out = _full_cts(call, cts)
+  if all(type(ct) is C.Zero for ct in cts_out):
+    return [None] * n + [C.Zero(a.to_tangent_aval()) for a, nz in
+                         zip(call.in_avals, in_nz) if nz]
+  cts_in = run_fwd_bwd(call, args[:n], in_nz, cts_out)
+  return [None] * n + _nz_inputs(cts_in, in_nz)
+
+
+C.ad.primitive_transposes[lin_p] = _lin_transpose
+C.ad.primitive_transposes[fused_lin_p] = _fused_lin_transpose
+
+
+# -- forward mode: the tangent map is the transpose of the cotangent map ------
+
+def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents):
+  """Tangent outputs = transpose of ``g -> cotangent_map(g)`` at the tangents."""
+  ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+              for a in tangent_avals(call.out_avals, call.out_nz)]
+
+  def nz_map(*nz_cts):
+    return [C.instantiate_zeros(c) for c in
+            _nz_inputs(cotangent_map(expand_tangents(call, nz_cts)), in_nz)]
+
+  try:
+    transposed = jax.linear_transpose(nz_map, *ct_avals)
+    return list(transposed(list(nz_tangents)))
+  except Exception as e:  # noqa: BLE001 - re-raised with context below
+    name = call.rules.rule_name(which)
+    raise TypeError(
+        f"forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) "
+        f"of smart_custom_vjp function {call.name} needs a {which} rule "
+        f"({name}) that JAX can transpose in its cotangent argument (JAX "
+        f"code, linear in g); transposing it failed with: "
+        f"{type(e).__name__}: {e}") from e
+
+
+def _lin_forward(*args, call, fwd, in_nz):
+  n_res = len(fwd.res_avals)
+  res, nz_t = args[:n_res], args[n_res:]
+  return _transpose_cotangent_map(
+      call, "bwd", lambda cts: run_bwd(call, fwd, res, cts), in_nz, nz_t)
+
+
+def _fused_lin_forward(*args, call, in_nz):
+  n = call.num_primals
+  primals, nz_t = args[:n], args[n:]
+  return _transpose_cotangent_map(
+      call, "fwd_bwd", lambda cts: run_fwd_bwd(call, primals, in_nz, cts),
+      in_nz, nz_t)
+
+
+def _jvp_forward(*args, call, fwd, in_nz, remat):
+  del remat
+  f_consts, fwd_consts, primals, nz_t = split_jvp_args(args, call, fwd)
+  if fwd is None:
+    primal_outs = eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f",
+                              [*f_consts, *primals])
+    return [*primal_outs, *_fused_lin_forward(*primals, *nz_t, call=call,
+                                              in_nz=in_nz)]
+  fwd_inputs = [*fwd_consts, *primals]
+  outs = eval_scoped(fwd.jaxpr, f"smartvjp/{call.name}/fwd", fwd_inputs)
+  primal_outs = outs[:call.num_outs]
+  res = fwd.assemble_residuals(fwd_inputs, outs[call.num_outs:])
+  return [*primal_outs, *_lin_forward(*res, *nz_t, call=call, fwd=fwd,
+                                      in_nz=in_nz)]
+
+
+for _p, _impl in ((jvp_p, _jvp_forward), (lin_p, _lin_forward),
+                  (fused_lin_p, _fused_lin_forward)):
+  _p.def_impl(_impl)
+  C.register_lowering_from_impl(_p, _impl)

@@ -1,0 +1,242 @@
+"""The user API: ``smart_custom_vjp``, a drop-in for ``jax.custom_vjp``."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Generic, Sequence, TypeVar
+
+from jax import tree_util
+
+from smartvjp import _compat as C
+from smartvjp import _ad, _partial_eval  # noqa: F401  (register rules)
+from smartvjp._errors import rule_error
+from smartvjp._primitives import call_p
+from smartvjp._spec import Rules, trace_call
+
+ReturnValue = TypeVar("ReturnValue")
+
+
+class smart_custom_vjp(Generic[ReturnValue]):
+  """A ``jax.custom_vjp`` that puts ``f`` in the forward pass under remat.
+
+  Use it exactly as ``jax.custom_vjp``::
+
+    @smart_custom_vjp
+    def f(x, w):                    # primal: cheapest kernel, no residuals
+      return gelu_matmul(x, w)
+
+    def f_fwd(x, w):                # primal output and residuals
+      y = x @ w
+      return gelu(y), (x, w, y)
+
+    def f_bwd(res, g):              # one cotangent per argument
+      x, w, y = res
+      dy = g * gelu_grad(y)
+      return dy @ w.T, x.T @ dy
+
+    f.defvjp(f_fwd, f_bwd)          # optionally also fwd_bwd=f_fwd_bwd
+
+  Args:
+    fun: the primal function ``f(*args) -> out``. Arguments and output are
+      pytrees of arrays (any shapes and dtypes, integer ones included).
+    nondiff_argnums: positions of arguments that are static (functions,
+      hashable or not; never tracers), passed to ``bwd`` first as in
+      ``jax.custom_vjp``.
+    nondiff_argnames: the same, by name.
+
+  What runs where (per call site; see ``README.md`` for the measured table):
+
+  * plain evaluation, under ``jit`` or not: ``f`` only; ``fwd``/``bwd`` are
+    never traced.
+  * ``jax.grad``/``jax.vjp`` without remat: ``fwd`` then ``bwd``.
+  * under ``jax.checkpoint``/``jax.remat``, when the policy does not save
+    this call's residuals: ``f`` in the forward pass; ``fwd`` + ``bwd`` (or
+    ``fwd_bwd`` if given) in the rematerialized backward region. A residual
+    that is just an input of the call is never recomputed, so a ``fwd`` whose
+    residuals are all inputs does not run at all.
+  * under ``jax.checkpoint`` when the policy saves the residuals: ``fwd``
+    in the forward pass, ``bwd`` in the backward pass, ``f`` never.
+
+  How a policy decides: a residual that ``fwd`` wraps in
+  ``jax.ad_checkpoint.checkpoint_name(r, name)`` is decided by asking the
+  policy about that name (so ``save_only_these_names`` works); unnamed
+  residuals by asking it about the call's own primitive
+  (``everything_saveable`` saves; ``nothing_saveable``, ``dots_saveable``
+  recompute). All saveable: save; otherwise recompute all (saving a part would
+  still need ``fwd`` again in the backward region).
+
+  Design: jax-ml/jax#21303 (the seed issue) and the ``optimize_remat`` DCE
+  rule of jax-ml/jax#22735, which this replaces by partial-evaluation rules
+  on smartvjp's own primitives (``design/``).
+
+  Raises:
+    AttributeError: when called before ``defvjp``.
+    TypeError: when arguments cannot be bound to ``fun``'s signature, when a
+      nondiff argument is a tracer (``UnexpectedTracerError``), when a rule
+      returns the wrong structure, shape or dtype (the message names the
+      rule, the pytree path and expected vs actual), or when a closed-over
+      value is differentiated.
+  """
+
+  def __init__(self, fun: Callable[..., ReturnValue],
+               nondiff_argnums: Sequence[int] = (),
+               nondiff_argnames: Sequence[str] = ()):
+    functools.update_wrapper(self, fun)
+    self.fun = fun
+    argnums = set(nondiff_argnums)
+    if nondiff_argnames:
+      params = list(inspect.signature(fun).parameters)
+      for name in nondiff_argnames:
+        if name not in params:
+          raise ValueError(
+              f"nondiff_argnames contains {name!r}, which is not a parameter "
+              f"of {getattr(fun, '__name__', fun)} (parameters: {params}).")
+        argnums.add(params.index(name))
+    self.nondiff_argnums = tuple(sorted(argnums))
+    self.fwd: Callable | None = None
+    self.bwd: Callable | None = None
+    self.fwd_bwd: Callable | None = None
+    self.symbolic_zeros = False
+    self.optimize_remat = False
+    self._rules: Rules | None = None
+    self._cache: dict = {}
+
+  def __getattr__(self, name):
+    # like jax.custom_vjp: attributes of the wrapped function show through
+    if name in ("fun", "__wrapped__"):
+      raise AttributeError(name)
+    return getattr(self.fun, name)
+
+  def defvjp(self, fwd: Callable | None = None, bwd: Callable | None = None,
+             symbolic_zeros: bool = False, optimize_remat: bool = False, *,
+             fwd_bwd: Callable | None = None) -> None:
+    """Defines the rules; the signature of ``jax.custom_vjp.defvjp`` + ``fwd_bwd``.
+
+    Args:
+      fwd: ``fwd(*args) -> (out, residuals)``, all arguments in place
+        (nondiff ones included); ``out`` must match ``f``'s output in pytree
+        structure, shapes and dtypes; ``residuals`` is any pytree of arrays.
+      bwd: ``bwd(*nondiff_args, residuals, g) -> tuple`` with one cotangent
+        pytree (or ``None``) per differentiable argument; ``g`` has the
+        structure of ``f``'s output.
+      symbolic_zeros: as in ``jax.custom_vjp``: ``fwd`` (and ``fwd_bwd``)
+        receive ``jax.custom_derivatives.CustomVJPPrimal`` leaves with
+        ``.value``/``.perturbed``, and cotangents may be ``SymbolicZero``.
+      optimize_remat: accepted for drop-in compatibility; it changes nothing
+        because smartvjp's remat behaviour is always on.
+      fwd_bwd: optional fused rule ``fwd_bwd(*args, g) -> tuple`` returning
+        what ``bwd`` returns; it recomputes what it needs from the primal
+        arguments. Used in the rematerialized backward region instead of
+        ``fwd`` + ``bwd``, and everywhere when ``fwd``/``bwd`` are not given.
+
+    Returns:
+      None.
+
+    Raises:
+      TypeError: unless ``fwd`` and ``bwd``, or ``fwd_bwd``, or all three
+        are given, or when a given rule is not callable.
+    """
+    del optimize_remat  # always on
+    has_pair = fwd is not None and bwd is not None
+    if (fwd is None) != (bwd is None) or not (has_pair or fwd_bwd is not None):
+      given = [n for n, r in (("fwd", fwd), ("bwd", bwd), ("fwd_bwd", fwd_bwd))
+               if r is not None]
+      raise TypeError(
+          f"smart_custom_vjp function {_fname(self.fun)}: defvjp needs fwd "
+          "and bwd, or fwd_bwd, or all three; got "
+          f"{', '.join(given) if given else 'none of them'}.")
+    for n, r in (("fwd", fwd), ("bwd", bwd), ("fwd_bwd", fwd_bwd)):
+      if r is not None and not callable(r):
+        raise TypeError(
+            f"smart_custom_vjp function {_fname(self.fun)}: defvjp's {n} "
+            f"must be callable, got {type(r).__name__}.")
+    self.fwd, self.bwd, self.fwd_bwd = fwd, bwd, fwd_bwd
+    self.symbolic_zeros = bool(symbolic_zeros)
+    self._rules = Rules(fun=self.fun, fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd,
+                        symbolic_zeros=self.symbolic_zeros,
+                        nondiff_argnums=self.nondiff_argnums)
+    self._cache = {}
+
+  def __call__(self, *args: Any, **kwargs: Any) -> ReturnValue:
+    rules = self._rules
+    if rules is None:
+      raise AttributeError(
+          f"No VJP defined for smart_custom_vjp function {_fname(self.fun)} "
+          "using defvjp.")
+    args = _resolve_kwargs(self.fun, args, kwargs)
+    for i in self.nondiff_argnums:
+      _check_no_tracers(self.fun, args, i)
+    nondiff = tuple(args[i] for i in self.nondiff_argnums)
+    dyn = tuple(a for i, a in enumerate(args) if i not in self.nondiff_argnums)
+    leaves, in_tree = tree_util.tree_flatten(dyn)
+    avals = tuple(_aval(rules, dyn, i, x) for i, x in enumerate(leaves))
+    call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
+    outs = call_p.bind(*consts, *leaves, call=call)
+    return tree_util.tree_unflatten(call.out_tree, outs)
+
+  def _spec(self, rules, nondiff, num_args, in_tree, avals):
+    key = (in_tree, avals, tuple(_static_key(v) for v in nondiff),
+           num_args, C.config_key())
+    hit = self._cache.get(key)
+    if hit is not None:
+      return hit
+    call, consts = trace_call(rules, nondiff, num_args, in_tree, avals)
+    if not any(isinstance(c, C.Tracer) for c in consts):
+      self._cache[key] = (call, consts)
+    return call, consts
+
+
+def _fname(fun) -> str:
+  return getattr(fun, "__name__", repr(fun))
+
+
+def _static_key(v):
+  try:
+    hash(v)
+    return ("hash", v)
+  except TypeError:
+    return ("id", id(v))
+
+
+def _aval(rules, dyn, i, x):
+  try:
+    return C.get_aval(x)
+  except TypeError:
+    path = tree_util.keystr(tree_util.tree_flatten_with_path(dyn)[0][i][0])
+    raise rule_error(
+        TypeError, rules, "fun",
+        f"was called with a value of type {type(x).__name__} at "
+        f"(differentiable) arguments{path}, which is not a valid JAX type; "
+        "mark non-array arguments with nondiff_argnums.") from None
+
+
+def _resolve_kwargs(fun, args, kwargs):
+  if not kwargs:
+    return tuple(args)
+  try:
+    ba = inspect.signature(fun).bind(*args, **kwargs)
+  except TypeError as e:
+    raise TypeError(
+        f"The input arguments to the smart_custom_vjp function {_fname(fun)} "
+        f"could not be resolved to positional arguments: {e}") from e
+  ba.apply_defaults()
+  if ba.kwargs:
+    raise TypeError(
+        f"smart_custom_vjp function {_fname(fun)}: keyword-only arguments "
+        f"{list(ba.kwargs)} are not supported (as with jax.custom_vjp); pass "
+        "them positionally.")
+  return ba.args
+
+
+def _check_no_tracers(fun, args, i):
+  for leaf in tree_util.tree_leaves(args[i]):
+    if isinstance(leaf, C.Tracer):
+      from jax.errors import UnexpectedTracerError
+      raise UnexpectedTracerError(
+          f"Found a JAX Tracer passed to smart_custom_vjp function "
+          f"{_fname(fun)} as argument {i}, a position marked non-"
+          "differentiable by nondiff_argnums/nondiff_argnames. Tracers "
+          "cannot be non-differentiable arguments (as with jax.custom_vjp); "
+          "use nondiff_argnums only for values that are not arrays, e.g. "
+          "functions, and pass arrays as ordinary arguments.")

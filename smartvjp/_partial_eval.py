@@ -1,0 +1,144 @@
+"""Partial evaluation of ``smartvjp_jvp``: where each rule runs.
+
+Two of JAX's partial evaluators meet ``smartvjp_jvp``:
+
+* **Policy-driven** (``pe.partial_eval_jaxpr_custom_rules``), used by
+  ``jax.checkpoint`` to split its differentiated body into the forward pass
+  (known) and the rematerialized backward region (staged). See
+  :func:`_jvp_partial_eval_custom`.
+* **Trace-time** (``pe.custom_partial_eval_rules``, a ``JaxprTrace``), reached
+  by the backward pass of ``jax.checkpoint`` (``remat_transpose``) and by
+  linearize when ``jax_use_direct_linearize=False``. See
+  :func:`_jvp_partial_eval`.
+
+The design is the one asked for in jax-ml/jax#21303 ("avoid making the mess
+in the first place"): under remat the forward pass runs ``f``, and ``fwd``
+(or the fused ``fwd_bwd``) runs only in the backward region; no dead-code
+elimination of kernels is relied upon.
+"""
+
+from __future__ import annotations
+
+from smartvjp import _compat as C
+from smartvjp._primitives import (
+    bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
+    split_jvp_args)
+
+
+# -- the policy ---------------------------------------------------------------
+
+def residual_policy(saveable, eqn) -> str:
+  """``"save"`` or ``"recompute"`` for one call under a remat policy.
+
+  Each residual that ``fwd`` wrapped in ``checkpoint_name(r, name)`` is
+  decided by asking the policy about that ``name_p`` equation, as it would be
+  asked inside ``fwd``'s own jaxpr; the unnamed ones by asking it about the
+  call's own primitive (so ``everything_saveable`` saves while
+  ``nothing_saveable`` and ``dots_saveable`` recompute). Residuals that are
+  inputs of the call cost nothing to keep and are not asked about. If every
+  residual asked about is saveable, the residuals are saved (the forward pass
+  runs ``fwd``, the backward pass only ``bwd``); otherwise everything is
+  recomputed (the forward pass runs ``f``, the backward region ``fwd`` +
+  ``bwd`` or ``fwd_bwd``), because saving only some residuals would still
+  need ``fwd`` in the backward region, which is never cheaper. ``Offloadable``
+  answers count as saveable (the residuals stay in device memory).
+  """
+  fwd = eqn.params["fwd"]
+  if fwd is None:
+    return "recompute"
+  new_res_avals = fwd.jaxpr.out_avals[eqn.params["call"].num_outs:]
+  if fwd.num_new_res == 0:
+    return "recompute"  # nothing to save; f is never dearer than fwd
+  answers = []
+  unnamed = False
+  for name, aval in zip(fwd.new_res_names, new_res_avals):
+    if name is None:
+      unnamed = True
+    else:
+      answers.append(C.policy_answer(saveable, C.name_p, [aval],
+                                     dict(name=name)))
+  if unnamed:
+    avals = [v.aval for v in eqn.invars]
+    answers.append(C.policy_answer(saveable, jvp_p, avals, eqn.params))
+  return ("save" if all(not isinstance(a, type(C.Recompute)) for a in answers)
+          else "recompute")
+
+
+# -- policy-driven partial eval (jax.checkpoint) ------------------------------
+
+def _stage_all(unks_in, inst_in, eqn):
+  new_inst = [x for x, inst in zip(eqn.invars, inst_in)
+              if type(x) is C.Var and not inst]
+  n = len(eqn.outvars)
+  return None, eqn, [True] * n, [True] * n, new_inst
+
+
+def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
+  call, fwd = eqn.params["call"], eqn.params["fwd"]
+  n_known = len(eqn.invars) - sum(eqn.params["in_nz"])
+  if any(unks_in[:n_known]):
+    return _stage_all(unks_in, inst_in, eqn)
+  n_out = call.num_outs
+  n_tan = len(eqn.outvars) - n_out
+  f_consts, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
+  unks_out = [False] * n_out + [True] * n_tan
+
+  def needed(vars_, insts):
+    return [v for v, i in zip(vars_, insts) if type(v) is C.Var and not i]
+
+  if residual_policy(saveable, eqn) == "save":
+    fwd_inputs = [*fwd_consts, *primals]
+    new_res = [C.Var(a) for a in fwd.jaxpr.out_avals[n_out:]]
+    known = C.new_jaxpr_eqn(
+        fwd_inputs, [*eqn.outvars[:n_out], *new_res], fwd_p,
+        dict(call=call, fwd=fwd), fwd.jaxpr.effects, eqn.source_info, eqn.ctx)
+    residuals = fwd.assemble_residuals(fwd_inputs, new_res)
+    staged = C.new_jaxpr_eqn(
+        [*residuals, *tangents], eqn.outvars[n_out:], lin_p,
+        dict(call=call, fwd=fwd, in_nz=eqn.params["in_nz"]), set(),
+        eqn.source_info, eqn.ctx)
+    inst_of = dict(zip(eqn.invars, inst_in))
+    forwarded = [r for r in residuals
+                 if type(r) is C.Var and r not in new_res and not inst_of[r]]
+    inst_out = [False] * n_out + [True] * n_tan
+    return known, staged, unks_out, inst_out, [*new_res, *forwarded]
+
+  # Recompute: f in the forward pass, the whole jvp in the backward region.
+  known = C.new_jaxpr_eqn(
+      [*f_consts, *primals], eqn.outvars[:n_out], call_p, dict(call=call),
+      call.jaxpr.effects, eqn.source_info, eqn.ctx)
+  staged = eqn.replace(params=dict(eqn.params, remat=True))
+  res = needed(eqn.invars[:n_known], inst_in[:n_known])
+  return known, staged, unks_out, [True] * len(eqn.outvars), res
+
+
+C.pe.partial_eval_jaxpr_custom_rules[jvp_p] = _jvp_partial_eval_custom
+
+
+# -- trace-time partial eval (remat backward pass, non-direct linearize) -------
+
+def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, remat):
+  params = dict(call=call, fwd=fwd, in_nz=in_nz, remat=remat)
+  n_known = len(tracers) - sum(in_nz)
+  known_tracers, tangent_tracers = tracers[:n_known], tracers[n_known:]
+  if (not all(t.is_known() for t in known_tracers)
+      or all(t.is_known() for t in tangent_tracers)):
+    return trace.default_process_primitive(jvp_p, tracers, params)
+  vals = [t.pval.get_known() for t in known_tracers]
+  f_consts, fwd_consts, primals, _ = split_jvp_args(vals, call, fwd)
+  use_fused = fwd is None or (remat and call.rules.fwd_bwd is not None)
+  with C.core.set_current_trace(trace.parent_trace):
+    if use_fused:
+      primal_outs = call_p.bind(*f_consts, *primals, call=call)
+      lin_inputs, prim = primals, fused_lin_p
+      lin_params = dict(call=call, in_nz=in_nz)
+    else:
+      primal_outs, lin_inputs = bind_primal_and_residuals(
+          call, fwd, f_consts, fwd_consts, primals)
+      prim, lin_params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz)
+  staged_in = [*map(trace.new_instantiated_const, lin_inputs), *tangent_tracers]
+  tangent_outs = trace.default_process_primitive(prim, staged_in, lin_params)
+  return [*primal_outs, *tangent_outs]
+
+
+C.pe.custom_partial_eval_rules[jvp_p] = _jvp_partial_eval

@@ -1,0 +1,183 @@
+"""smartvjp's primitives and their evaluation rules.
+
+Five primitives, all with multiple results:
+
+``smartvjp_call``       ``[*f_consts, *primals] -> primal_outs``: evaluates ``f``.
+``smartvjp_fwd``        ``[*fwd_consts, *primals] -> [*primal_outs, *new_res]``:
+                        evaluates ``fwd``.
+``smartvjp_jvp``        ``[*f_consts, *fwd_consts, *primals, *nz_tangents]
+                        -> [*primal_outs, *nz_tangent_outs]``: "primal and
+                        tangent outputs together"; only partial evaluation
+                        decides which rules it becomes. ``remat=True`` marks a
+                        call whose forward pass ran ``f`` and whose backward
+                        region must run ``fwd`` (or ``fwd_bwd``).
+``smartvjp_lin``        ``[*residuals, *nz_tangents] -> nz_tangent_outs``:
+                        linear in the tangents; its transpose runs ``bwd``.
+``smartvjp_fused_lin``  ``[*primals, *nz_tangents] -> nz_tangent_outs``:
+                        linear in the tangents; its transpose runs ``fwd_bwd``.
+
+This module holds what every primitive needs to be evaluated: abstract
+evaluation, eager implementation, lowering (under a ``smartvjp/<f>/<rule>``
+named scope), dead-code elimination and printing. Differentiation rules live
+in ``_ad.py``, partial evaluation in ``_partial_eval.py``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+
+from smartvjp import _compat as C
+
+call_p = C.new_primitive("smartvjp_call")
+fwd_p = C.new_primitive("smartvjp_fwd")
+jvp_p = C.new_primitive("smartvjp_jvp")
+lin_p = C.new_primitive("smartvjp_lin")
+fused_lin_p = C.new_primitive("smartvjp_fused_lin")
+
+
+def eval_scoped(jaxpr: C.ClosedJaxpr, scope: str, args):
+  """Evaluates a traced rule under the named scope ``scope``."""
+  with jax.named_scope(scope):
+    return C.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
+
+
+def tangent_avals(avals, nz):
+  return [a.to_tangent_aval() for a, n in zip(avals, nz) if n]
+
+
+def split_jvp_args(args, call, fwd):
+  """``[*f_consts, *fwd_consts, *primals, *nz_tangents]`` -> four lists."""
+  n1 = call.num_consts
+  n2 = n1 + (fwd.num_consts if fwd is not None else 0)
+  n3 = n2 + call.num_primals
+  return list(args[:n1]), list(args[n1:n2]), list(args[n2:n3]), list(args[n3:])
+
+
+def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
+  """Runs ``fwd``; returns ``(primal_outs, residuals)`` (all residual leaves).
+
+  When every residual of ``fwd`` is an input forwarded unchanged (as in the
+  seed's ``fwd`` that returns ``(sin(x), (x,))``), ``fwd`` computes nothing
+  that ``f`` does not, so ``f`` runs in its place.
+  """
+  fwd_inputs = [*fwd_consts, *primals]
+  if fwd.num_new_res == 0:
+    outs = call_p.bind(*f_consts, *primals, call=call)
+    return list(outs), fwd.assemble_residuals(fwd_inputs, [])
+  outs = fwd_p.bind(*fwd_inputs, call=call, fwd=fwd)
+  primal_outs, new_res = outs[:call.num_outs], outs[call.num_outs:]
+  return list(primal_outs), fwd.assemble_residuals(fwd_inputs, new_res)
+
+
+# -- smartvjp_call ------------------------------------------------------------
+
+def _call_abstract_eval(*avals, call):
+  return list(call.out_avals), call.jaxpr.effects
+
+
+def _call_lower(*args, call):
+  return eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f", args)
+
+
+call_p.def_effectful_abstract_eval(_call_abstract_eval)
+call_p.def_impl(partial(C.apply_primitive, call_p))
+C.register_lowering_from_impl(call_p, _call_lower)
+
+
+# -- smartvjp_fwd -------------------------------------------------------------
+
+def _fwd_abstract_eval(*avals, call, fwd):
+  return list(fwd.jaxpr.out_avals), fwd.jaxpr.effects
+
+
+def _fwd_lower(*args, call, fwd):
+  return eval_scoped(fwd.jaxpr, f"smartvjp/{call.name}/fwd", args)
+
+
+fwd_p.def_effectful_abstract_eval(_fwd_abstract_eval)
+fwd_p.def_impl(partial(C.apply_primitive, fwd_p))
+C.register_lowering_from_impl(fwd_p, _fwd_lower)
+
+
+# -- smartvjp_jvp -------------------------------------------------------------
+
+def _jvp_abstract_eval(*avals, call, fwd, in_nz, remat):
+  effects = call.jaxpr.effects
+  if fwd is not None:
+    effects = effects | fwd.jaxpr.effects
+  outs = [*call.out_avals, *tangent_avals(call.out_avals, call.out_nz)]
+  return outs, effects
+
+
+jvp_p.def_effectful_abstract_eval(_jvp_abstract_eval)
+
+
+# -- smartvjp_lin / smartvjp_fused_lin ------------------------------------------
+
+def _lin_abstract_eval(*avals, call, **_):
+  return tangent_avals(call.out_avals, call.out_nz)
+
+
+lin_p.def_abstract_eval(_lin_abstract_eval)
+fused_lin_p.def_abstract_eval(_lin_abstract_eval)
+
+
+# -- dead-code elimination ----------------------------------------------------
+
+def _dce_whole(used_outputs, eqn):
+  """Drop an equation none of whose outputs is used, else keep it whole.
+
+  Unordered debug effects inside a rule do not keep it alive: which rule runs
+  where is smartvjp's decision, and a ``jax.debug.print`` in ``fwd`` must not
+  change it.
+  """
+  if not any(used_outputs) and C.only_unordered_debug_effects(eqn.effects):
+    return [False] * len(eqn.invars), None
+  return [True] * len(eqn.invars), eqn
+
+
+def _dce_jvp(used_outputs, eqn):
+  """A jvp equation whose tangents are unused is just ``f``."""
+  call, fwd = eqn.params["call"], eqn.params["fwd"]
+  n = call.num_outs
+  if any(used_outputs[n:]):
+    return [True] * len(eqn.invars), eqn
+  if not any(used_outputs[:n]):
+    return _dce_whole(used_outputs, eqn)
+  f_consts, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
+  new_eqn = C.new_jaxpr_eqn(
+      [*f_consts, *primals], eqn.outvars[:n], call_p, dict(call=call),
+      call.jaxpr.effects, eqn.source_info, eqn.ctx)
+  used = ([True] * len(f_consts) + [False] * len(fwd_consts)
+          + [True] * len(primals) + [False] * len(tangents))
+  return used, new_eqn
+
+
+for _p in (call_p, fwd_p, lin_p, fused_lin_p):
+  C.pe.dce_rules[_p] = _dce_whole
+C.pe.dce_rules[jvp_p] = _dce_jvp
+
+
+# -- printing -----------------------------------------------------------------
+
+def _pp_rule(eqn, context, settings):
+  params = dict(eqn.params)
+  call = params.pop("call")
+  shown = {"f": call.name}
+  fwd = params.pop("fwd", None)
+  if eqn.primitive in (fwd_p, lin_p, jvp_p) and call.rules.fwd is not None:
+    shown["fwd"] = call.rules.rule_name("fwd")
+  if eqn.primitive in (lin_p, jvp_p) and call.rules.bwd is not None:
+    shown["bwd"] = call.rules.rule_name("bwd")
+  if eqn.primitive in (fused_lin_p, jvp_p) and call.rules.fwd_bwd is not None:
+    shown["fwd_bwd"] = call.rules.rule_name("fwd_bwd")
+  if fwd is not None and fwd.num_new_res:
+    shown["num_res"] = fwd.num_new_res
+  shown.update(params)
+  return C.pp_eqn(eqn.replace(params=shown), context, settings)
+
+
+for _p in (call_p, fwd_p, jvp_p, lin_p, fused_lin_p):
+  C.core.pp_eqn_rules[_p] = _pp_rule

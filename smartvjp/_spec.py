@@ -1,0 +1,236 @@
+"""Traced forms of the user's rules, one per abstract signature.
+
+A :class:`CallSpec` is what the primitives carry as a parameter: ``f`` traced
+to a jaxpr for one abstract signature, plus the user's ``fwd``/``bwd``/
+``fwd_bwd`` callables. ``fwd`` is traced lazily, the first time
+differentiation needs it, into a :class:`FwdSpec`. Both are compared by
+identity, so equations that share a spec share compiled code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from jax import tree_util
+
+from smartvjp import _compat as C
+from smartvjp._errors import check_jax_leaves, describe_tree, rule_error
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rules:
+  """The user's functions for one ``smart_custom_vjp`` after ``defvjp``."""
+  fun: Callable
+  fwd: Callable | None
+  bwd: Callable | None
+  fwd_bwd: Callable | None
+  symbolic_zeros: bool
+  nondiff_argnums: tuple[int, ...]
+
+  @property
+  def name(self) -> str:
+    return _name(self.fun)
+
+  def rule_name(self, which: str) -> str:
+    return _name(getattr(self, which))
+
+
+def _name(fn) -> str:
+  return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FwdSpec:
+  """``fwd`` traced for one perturbation pattern.
+
+  ``jaxpr`` maps ``[*consts, *primals]`` to ``[*primal_outs, *new_res]``,
+  where ``new_res`` are the residual leaves that are not simply inputs.
+  ``res_src[i]`` is the position in ``[*consts, *primals]`` that residual leaf
+  ``i`` forwards, or ``None`` when it is the next of ``new_res``.
+  """
+  jaxpr: C.ClosedJaxpr
+  num_consts: int
+  res_tree: Any
+  res_avals: tuple
+  res_src: tuple
+  new_res_names: tuple
+  perturbed: tuple
+
+  @property
+  def num_new_res(self) -> int:
+    return len(self.new_res_names)
+
+  def assemble_residuals(self, fwd_inputs, new_res):
+    """All residual leaves, in ``res_tree`` order."""
+    it = iter(new_res)
+    res = [fwd_inputs[s] if s is not None else next(it) for s in self.res_src]
+    assert next(it, None) is None
+    return res
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CallSpec:
+  """``f`` traced for one abstract signature, with the user's rules.
+
+  ``jaxpr`` maps ``[*consts, *primals]`` to the flat primal outputs; the
+  primals are the leaves of the differentiable arguments (``in_tree`` is the
+  tree of their tuple) and ``nondiff`` holds the static arguments.
+  """
+  rules: Rules
+  nondiff: tuple
+  num_args: int
+  in_tree: Any
+  in_avals: tuple
+  out_tree: Any
+  out_avals: tuple
+  jaxpr: C.ClosedJaxpr
+  num_consts: int
+  fwd_cache: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def name(self) -> str:
+    return self.rules.name
+
+  @property
+  def num_primals(self) -> int:
+    return len(self.in_avals)
+
+  @property
+  def num_outs(self) -> int:
+    return len(self.out_avals)
+
+  @property
+  def out_nz(self) -> tuple[bool, ...]:
+    """Which outputs carry tangents (integer outputs have float0 tangents)."""
+    return tuple(_has_tangent(a) for a in self.out_avals)
+
+  @property
+  def in_nz_possible(self) -> tuple[bool, ...]:
+    return tuple(_has_tangent(a) for a in self.in_avals)
+
+  def full_args(self, dyn_leaves) -> list:
+    """Positional arguments for ``fwd``/``fwd_bwd``: nondiff ones in place."""
+    dyn = iter(tree_util.tree_unflatten(self.in_tree, list(dyn_leaves)))
+    nondiff = dict(zip(self.rules.nondiff_argnums, self.nondiff))
+    return [nondiff[i] if i in nondiff else next(dyn)
+            for i in range(self.num_args)]
+
+  def fwd_inputs(self, primals, in_nz):
+    if self.rules.symbolic_zeros:
+      return [C.CustomVJPPrimal(x, nz) for x, nz in zip(primals, in_nz)]
+    return list(primals)
+
+  def fwd_for(self, in_nz) -> tuple[FwdSpec | None, list]:
+    """``fwd`` traced for this perturbation pattern: ``(spec, consts)``."""
+    if self.rules.fwd is None:
+      return None, []
+    key = tuple(in_nz) if self.rules.symbolic_zeros else None
+    hit = self.fwd_cache.get(key)
+    if hit is not None:
+      return hit
+    spec, consts = _trace_fwd(self, tuple(in_nz))
+    if not any(isinstance(c, C.Tracer) for c in consts):
+      self.fwd_cache[key] = (spec, consts)
+    return spec, consts
+
+
+def _has_tangent(aval) -> bool:
+  try:
+    return aval.to_tangent_aval().dtype != C.float0
+  except AttributeError:
+    return False
+
+
+def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
+               in_avals: tuple) -> tuple[CallSpec, list]:
+  """Traces ``f`` for one abstract signature."""
+  store = {}
+  nondiff_map = dict(zip(rules.nondiff_argnums, nondiff))
+
+  def f_flat(*primals):
+    dyn = iter(tree_util.tree_unflatten(in_tree, list(primals)))
+    args = [nondiff_map[i] if i in nondiff_map else next(dyn)
+            for i in range(num_args)]
+    out = rules.fun(*args)
+    leaves, tree = tree_util.tree_flatten(out)
+    check_jax_leaves(out, rules, "fun", "output")
+    store["out_tree"] = tree
+    return leaves
+
+  example = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape")
+             else a for a in in_avals]
+  closed, consts = C.trace_to_closed_jaxpr(
+      f_flat, in_avals, "smart_custom_vjp f", rules.fun, example)
+  spec = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
+                  in_tree=in_tree, in_avals=in_avals,
+                  out_tree=store["out_tree"],
+                  out_avals=tuple(closed.out_avals[:]),
+                  jaxpr=closed, num_consts=len(consts))
+  return spec, consts
+
+
+def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
+  rules = call.rules
+  store = {}
+
+  def fwd_flat(*primals):
+    args = call.full_args(call.fwd_inputs(primals, in_nz))
+    pair = rules.fwd(*args)
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+      raise rule_error(
+          TypeError, rules, "fwd",
+          "must return a pair (primal_output, residuals), "
+          f"but returned {describe_tree(pair)}.")
+    primal_out, res = pair
+    _check_primal_out(call, primal_out)
+    check_jax_leaves(res, rules, "fwd", "residuals")
+    out_leaves = tree_util.tree_leaves(primal_out)
+    res_leaves, res_tree = tree_util.tree_flatten(res)
+    store["res_tree"] = res_tree
+    return [*out_leaves, *res_leaves]
+
+  closed, consts = C.trace_to_closed_jaxpr(
+      fwd_flat, call.in_avals, "smart_custom_vjp fwd", rules.fwd,
+      [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in call.in_avals])
+  jaxpr = closed.jaxpr
+  n_out = call.num_outs
+  res_vars = jaxpr.outvars[n_out:]
+  in_pos = {v: i for i, v in enumerate(jaxpr.invars)}
+  names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
+           if e.primitive is C.name_p}
+  res_src = tuple(in_pos.get(v) if isinstance(v, C.Var) else None
+                  for v in res_vars)
+  new_res = [v for v, s in zip(res_vars, res_src) if s is None]
+  pruned = jaxpr.replace(outvars=[*jaxpr.outvars[:n_out], *new_res])
+  spec = FwdSpec(
+      jaxpr=C.ClosedJaxpr(pruned, ()),
+      num_consts=len(consts),
+      res_tree=store["res_tree"],
+      res_avals=tuple(v.aval for v in res_vars),
+      res_src=res_src,
+      new_res_names=tuple(names.get(v) if isinstance(v, C.Var) else None
+                          for v in new_res),
+      perturbed=in_nz)
+  return spec, consts
+
+
+def _check_primal_out(call: CallSpec, primal_out) -> None:
+  rules = call.rules
+  leaves, tree = tree_util.tree_flatten(primal_out)
+  if tree != call.out_tree:
+    raise rule_error(
+        TypeError, rules, "fwd",
+        "returned a primal output whose pytree structure differs from "
+        f"{rules.name}'s output: expected {call.out_tree}, got {tree}.")
+  paths = [tree_util.keystr(p) for p, _ in
+           tree_util.tree_flatten_with_path(primal_out)[0]]
+  for path, leaf, want in zip(paths, leaves, call.out_avals):
+    got = C.get_aval(leaf)
+    if got.shape != want.shape or got.dtype != want.dtype:
+      raise rule_error(
+          TypeError, rules, "fwd",
+          f"returned a primal output that differs from {rules.name}'s output "
+          f"at output{path}: expected {want.str_short()}, "
+          f"got {got.str_short()}.")

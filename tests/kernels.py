@@ -1,0 +1,100 @@
+"""Counting kernels for the tests: opaque to JAX and XLA.
+
+Two kinds, because JAX and XLA remove a ``pure_callback`` whose outputs are
+all unused, while a real kernel (Pallas, Triton, an FFI call) is never
+removed:
+
+* ``callback`` kernels: ``jax.pure_callback`` to numpy.
+* ``never_dce`` kernels: a test primitive whose dead-code-elimination rule
+  keeps it and which lowers to a side-effecting host callback, so neither
+  JAX nor XLA can remove it: like ``pallas_call``/``triton_kernel_call``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from jax.interpreters import mlir
+from jax._src.interpreters import partial_eval as pe  # test-only internal
+from jax.extend.core import Primitive
+
+COUNTS: collections.Counter = collections.Counter()
+
+
+def reset():
+  COUNTS.clear()
+
+
+def counts(*names):
+  return {n: COUNTS[n] for n in names if COUNTS[n]}
+
+
+def _host(name, fn, *args):
+  COUNTS[name] += 1
+  outs = fn(*[np.asarray(a) for a in args])
+  return tuple(np.asarray(o) for o in outs)
+
+
+# -- never-DCE'd kernel primitive ------------------------------------------------
+
+kernel_p = Primitive("test_opaque_kernel")
+kernel_p.multiple_results = True
+
+
+@kernel_p.def_abstract_eval
+def _kernel_abstract_eval(*avals, name, fn, out_avals):
+  return list(out_avals)
+
+
+def _kernel_lower(*args, name, fn, out_avals):
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+  return io_callback(functools.partial(_host, name, fn), tuple(shapes), *args,
+                     ordered=False)
+
+
+kernel_p.def_impl(functools.partial(jax._src.dispatch.apply_primitive, kernel_p))
+mlir.register_lowering(kernel_p, mlir.lower_fun(_kernel_lower,
+                                                multiple_results=True))
+pe.dce_rules[kernel_p] = lambda used, eqn: ([True] * len(eqn.invars), eqn)
+
+
+def kernel(name, fn, out_like, *args, never_dce=False):
+  """Runs numpy ``fn(*args) -> tuple`` as an opaque kernel counted as ``name``."""
+  out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_like)
+  if never_dce:
+    return kernel_p.bind(*args, name=name, fn=fn, out_avals=out_avals)
+  shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals)
+  return jax.pure_callback(functools.partial(_host, name, fn), shapes, *args,
+                           vmap_method="sequential")
+
+
+# -- the standard test function F(x) = sin(x) with all four rules as kernels ---
+
+def sin_rules(never_dce=False, prefix=""):
+  """(f, fwd, bwd, fwd_bwd) for sin, each one opaque kernel."""
+  k = functools.partial(kernel, never_dce=never_dce)
+  n = lambda s: prefix + s
+
+  def f(x):
+    (y,) = k(n("f"), lambda x: (np.sin(x),), [x], x)
+    return y
+
+  def fwd(x):
+    y, c = k(n("fwd"), lambda x: (np.sin(x), np.cos(x)), [x, x], x)
+    return y, (c,)
+
+  def bwd(res, g):
+    (c,) = res
+    (dx,) = k(n("bwd"), lambda c, g: (c * g,), [g], c, g)
+    return (dx,)
+
+  def fwd_bwd(x, g):
+    (dx,) = k(n("fwd_bwd"), lambda x, g: (np.cos(x) * g,), [g], x, g)
+    return (dx,)
+
+  return f, fwd, bwd, fwd_bwd

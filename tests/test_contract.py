@@ -1,0 +1,153 @@
+"""The core contract: kernel executions per call site, row by row.
+
+Every row runs with direct linearize on and off, and with both kinds of
+counting kernel (``pure_callback``, which JAX/XLA may remove when unused, and
+a never-DCE'd primitive, like a Pallas or Triton call). Every value is
+compared against ``jax.custom_vjp`` with the same rules.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import kernels as K
+from smartvjp import smart_custom_vjp
+
+X = jnp.array([0.3, -1.2, 2.0], jnp.float32)
+
+
+def build(never_dce, fwd_bwd="no", seed_fwd=False, named=None):
+  """(smart F, jax.custom_vjp F) with kernel rules for sin."""
+  f, fwd, bwd, fb = K.sin_rules(never_dce)
+  if seed_fwd:  # the seed's own fwd: residual is the input x
+    def fwd(x):
+      (y,) = K.kernel("fwd", lambda x: (np.sin(x),), [x], x, never_dce=never_dce)
+      return y, (x,)
+
+    def bwd(res, g):
+      (x,) = res
+      (dx,) = K.kernel("bwd", lambda x, g: (np.cos(x) * g,), [g], x, g,
+                       never_dce=never_dce)
+      return (dx,)
+  if named:
+    plain_fwd = fwd
+
+    def fwd(x):
+      y, (c,) = plain_fwd(x)
+      return y, (checkpoint_name(c, named),)
+
+  smart = smart_custom_vjp(f)
+  if fwd_bwd == "only":
+    smart.defvjp(fwd_bwd=fb)
+  elif fwd_bwd == "also":
+    smart.defvjp(fwd, bwd, fwd_bwd=fb)
+  else:
+    smart.defvjp(fwd, bwd)
+  ref = jax.custom_vjp(f)
+  ref.defvjp(fwd, bwd)
+  return smart, ref
+
+
+def loss(F, remat=False, policy=None):
+  G = jax.checkpoint(F, policy=policy) if remat else F
+  return lambda x: jnp.sum(G(x) ** 2)
+
+
+def run(fn, *args):
+  K.reset()
+  out = jax.block_until_ready(fn(*args))
+  return out, dict(K.COUNTS)
+
+
+def check(smart_prog, ref_prog, expected, *args):
+  out, got = run(smart_prog, *args)
+  ref, _ = run(ref_prog, *args)
+  np.testing.assert_allclose(out, ref, rtol=1e-6)
+  assert got == expected
+
+
+def test_primal(never_dce):
+  F, R = build(never_dce)
+  check(F, R, {"f": 1}, X)
+  check(jax.jit(F), jax.jit(R), {"f": 1}, X)
+
+
+def test_grad_without_remat(never_dce, linearize_mode):
+  F, R = build(never_dce)
+  check(jax.jit(jax.grad(loss(F))), jax.jit(jax.grad(loss(R))),
+        {"fwd": 1, "bwd": 1}, X)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_grad_with_checkpoint(never_dce, linearize_mode, jit):
+  F, R = build(never_dce)
+  wrap = jax.jit if jit else (lambda f: f)
+  check(wrap(jax.grad(loss(F, True))), wrap(jax.grad(loss(R, True))),
+        {"f": 1, "fwd": 1, "bwd": 1}, X)
+
+
+def test_seed_fwd_residual_is_input(never_dce, linearize_mode):
+  F, R = build(never_dce, seed_fwd=True)
+  check(jax.jit(jax.grad(loss(F, True))), jax.jit(jax.grad(loss(R, True))),
+        {"f": 1, "bwd": 1}, X)
+
+
+def test_scan_of_checkpointed_layer(never_dce, linearize_mode):
+  F, R = build(never_dce)
+
+  def scanned(F):
+    def body(c, _):
+      return jax.checkpoint(F)(c), None
+    return lambda x: jnp.sum(jax.lax.scan(body, x, None, length=4)[0] ** 2)
+
+  check(jax.jit(jax.grad(scanned(F))), jax.jit(jax.grad(scanned(R))),
+        {"f": 4, "fwd": 4, "bwd": 4}, X)
+
+
+def test_two_calls_in_one_checkpoint(never_dce, linearize_mode):
+  F, R = build(never_dce)
+  two = lambda F: (lambda x: jnp.sum(jax.checkpoint(lambda x: F(F(x)))(x) ** 2))
+  check(jax.jit(jax.grad(two(F))), jax.jit(jax.grad(two(R))),
+        {"f": 2, "fwd": 2, "bwd": 2}, X)
+
+
+def test_everything_saveable(never_dce, linearize_mode):
+  F, R = build(never_dce)
+  p = jax.checkpoint_policies.everything_saveable
+  check(jax.jit(jax.grad(loss(F, True, p))), jax.jit(jax.grad(loss(R, True, p))),
+        {"fwd": 1, "bwd": 1}, X)
+
+
+def test_named_residual_saved_by_policy(never_dce, linearize_mode):
+  F, R = build(never_dce, named="gelu_res")
+  p = jax.checkpoint_policies.save_only_these_names("gelu_res")
+  check(jax.jit(jax.grad(loss(F, True, p))), jax.jit(jax.grad(loss(R, True, p))),
+        {"fwd": 1, "bwd": 1}, X)
+
+
+def test_named_residual_not_listed_is_recomputed(never_dce, linearize_mode):
+  F, R = build(never_dce, named="gelu_res")
+  p = jax.checkpoint_policies.save_only_these_names("other")
+  check(jax.jit(jax.grad(loss(F, True, p))), jax.jit(jax.grad(loss(R, True, p))),
+        {"f": 1, "fwd": 1, "bwd": 1}, X)
+
+
+def test_checkpoint_with_fwd_bwd(never_dce, linearize_mode):
+  F, R = build(never_dce, fwd_bwd="also")
+  check(jax.jit(jax.grad(loss(F, True))), jax.jit(jax.grad(loss(R, True))),
+        {"f": 1, "fwd_bwd": 1}, X)
+
+
+def test_no_checkpoint_with_fwd_bwd(never_dce, linearize_mode):
+  F, R = build(never_dce, fwd_bwd="also")
+  check(jax.jit(jax.grad(loss(F))), jax.jit(jax.grad(loss(R))),
+        {"fwd": 1, "bwd": 1}, X)
+
+
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
+def test_only_fwd_bwd(never_dce, linearize_mode, remat):
+  F, R = build(never_dce, fwd_bwd="only")
+  check(jax.jit(jax.grad(loss(F, remat))), jax.jit(jax.grad(loss(R, remat))),
+        {"f": 1, "fwd_bwd": 1}, X)
