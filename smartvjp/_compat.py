@@ -74,6 +74,17 @@ def trace_to_closed_jaxpr(
   return core.ClosedJaxpr(jaxpr, ()), list(consts)
 
 
+def register_weak_param_type(cls: type) -> type:
+  """Lets JAX's caches keyed on primitive params hold ``cls`` weakly.
+
+  Without it, JAX's abstract-eval cache (up to 2048 entries) keeps every
+  spec, and with it the user's per-step functions, alive.
+  """
+  from jax._src.util import weakref_cache_key_types
+  weakref_cache_key_types.add(cls)
+  return cls
+
+
 def config_key() -> Any:
   """Everything in JAX's configuration that can change a trace (x64, ...)."""
   return _config.trace_context()

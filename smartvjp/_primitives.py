@@ -17,14 +17,14 @@ Five primitives, all with multiple results:
                         linear in the tangents; its transpose runs ``fwd_bwd``.
 
 This module holds what every primitive needs to be evaluated: abstract
-evaluation, eager implementation, lowering (under a ``smartvjp/<f>/<rule>``
+evaluation, eager implementation (the traced jaxpr evaluated op by op, as
+``jax.custom_vjp`` does, so no compiled executable keeps a per-step function
+alive), lowering (under a ``smartvjp/<f>/<rule>``
 named scope), dead-code elimination and printing. Differentiation rules live
 in ``_ad.py``, partial evaluation in ``_partial_eval.py``.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 
@@ -82,7 +82,7 @@ def _call_lower(*args, call):
 
 
 call_p.def_effectful_abstract_eval(_call_abstract_eval)
-call_p.def_impl(partial(C.apply_primitive, call_p))
+call_p.def_impl(_call_lower)
 C.register_lowering_from_impl(call_p, _call_lower)
 
 
@@ -97,7 +97,7 @@ def _fwd_lower(*args, call, fwd):
 
 
 fwd_p.def_effectful_abstract_eval(_fwd_abstract_eval)
-fwd_p.def_impl(partial(C.apply_primitive, fwd_p))
+fwd_p.def_impl(_fwd_lower)
 C.register_lowering_from_impl(fwd_p, _fwd_lower)
 
 

@@ -41,6 +41,7 @@ def _name(fn) -> str:
   return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+@C.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class FwdSpec:
   """``fwd`` traced for one perturbation pattern.
@@ -70,6 +71,7 @@ class FwdSpec:
     return res
 
 
+@C.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class CallSpec:
   """``f`` traced for one abstract signature, with the user's rules.
