@@ -1,0 +1,35 @@
+"""The examples run and show what the README says they show."""
+
+import importlib.util
+import os
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
+
+
+def load(name):
+  spec = importlib.util.spec_from_file_location(
+      name, os.path.join(EXAMPLES, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_seed_remat_table(capsys):
+  seed = load("seed_remat")
+  table = seed.main()
+  out = capsys.readouterr().out
+  assert "WRONG" not in out
+  remat = "jit(grad(remat(F))), fwd computes its residual"
+  assert table[remat, "jax.custom_vjp"][0] == {"fwd": 2, "bwd": 1}
+  assert table[remat, "smartvjp"][0] == {"f": 1, "fwd": 1, "bwd": 1}
+  literal = "jit(grad(remat(F))), seed's fwd (residual = x)"
+  assert table[literal, "smartvjp"][0] == {"f": 1, "bwd": 1}
+  named = "named residual, save_only_these_names"
+  assert table[named, "optimize_remat"][0] == {"f": 1, "fwd": 1, "bwd": 1}
+  assert table[named, "smartvjp"][0] == {"fwd": 1, "bwd": 1}
+  fused = "remat(F) with fused fwd_bwd"
+  assert table[fused, "smartvjp"][0] == {"f": 1, "fwd_bwd": 1}
+  scan = "scan of 4 remat(F) layers"
+  assert table[scan, "smartvjp"][0] == {"f": 4, "fwd": 4, "bwd": 4}
