@@ -97,7 +97,7 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
   else:
     primal_outs, residuals = bind_primal_and_residuals(
         call, fwd, f_consts, fwd_consts, primals)
-    prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz)
+    prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
 
   def linearized(residuals, *tangents):
     nz_t = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
@@ -122,13 +122,17 @@ def _nz_inputs(cts_in, in_nz):
   return [ct for ct, nz in zip(cts_in, in_nz) if nz]
 
 
-def _lin_transpose(cts, *args, call, fwd, in_nz):
+def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   n_res = len(fwd.res_avals)
   cts_out = _full_cts(call, cts)
   if all(type(ct) is C.Zero for ct in cts_out):
     return [None] * n_res + [C.Zero(a.to_tangent_aval()) for a, nz in
                              zip(call.in_avals, in_nz) if nz]
-  cts_in = run_bwd(call, fwd, args[:n_res], cts_out)
+  res = list(args[:n_res])
+  if reload is not None:  # residuals a policy offloaded come back to device
+    res = [jax.device_put(r, C.device_memory_space()) if back else r
+           for r, back in zip(res, reload)]
+  cts_in = run_bwd(call, fwd, res, cts_out)
   return [None] * n_res + _nz_inputs(cts_in, in_nz)
 
 
@@ -170,7 +174,7 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents):
         f"{type(e).__name__}: {e}") from e
 
 
-def _lin_forward(*args, call, fwd, in_nz):
+def _lin_forward(*args, call, fwd, in_nz, reload):
   n_res = len(fwd.res_avals)
   res, nz_t = args[:n_res], args[n_res:]
   return _transpose_cotangent_map(
@@ -198,7 +202,7 @@ def _jvp_forward(*args, call, fwd, in_nz, remat):
   primal_outs = outs[:call.num_outs]
   res = fwd.assemble_residuals(fwd_inputs, outs[call.num_outs:])
   return [*primal_outs, *_lin_forward(*res, *nz_t, call=call, fwd=fwd,
-                                      in_nz=in_nz)]
+                                      in_nz=in_nz, reload=None)]
 
 
 for _p, _impl in ((jvp_p, _jvp_forward), (lin_p, _lin_forward),

@@ -85,6 +85,15 @@ def register_weak_param_type(cls: type) -> type:
   return cls
 
 
+def memory_space(kind: str):
+  """The memory space of a memory kind (``"device"``, ``"pinned_host"``)."""
+  return core.mem_kind_to_space(kind)
+
+
+def device_memory_space():
+  return core.mem_kind_to_space("device")
+
+
 def config_key() -> Any:
   """Everything in JAX's configuration that can change a trace (x64, ...)."""
   return _config.trace_context()

@@ -27,8 +27,12 @@ from smartvjp._primitives import (
 
 # -- the policy ---------------------------------------------------------------
 
-def residual_policy(saveable, eqn) -> str:
-  """``"save"`` or ``"recompute"`` for one call under a remat policy.
+def residual_policy(saveable, eqn):
+  """How a remat policy treats one call's residuals.
+
+  Returns ``None`` to recompute, or a tuple with one entry per residual that
+  ``fwd`` computes: ``None`` to save it in place, or the memory space to
+  offload it to (``Offloadable.dst``).
 
   Each residual that ``fwd`` wrapped in ``checkpoint_name(r, name)`` is
   decided by asking the policy about that ``name_p`` equation, as it would be
@@ -36,32 +40,31 @@ def residual_policy(saveable, eqn) -> str:
   call's own primitive (so ``everything_saveable`` saves while
   ``nothing_saveable`` and ``dots_saveable`` recompute). Residuals that are
   inputs of the call cost nothing to keep and are not asked about. If every
-  residual asked about is saveable, the residuals are saved (the forward pass
-  runs ``fwd``, the backward pass only ``bwd``); otherwise everything is
-  recomputed (the forward pass runs ``f``, the backward region ``fwd`` +
-  ``bwd`` or ``fwd_bwd``), because saving only some residuals would still
-  need ``fwd`` in the backward region, which is never cheaper. ``Offloadable``
-  answers count as saveable (the residuals stay in device memory).
+  residual asked about is saveable or offloadable, the residuals are kept (the
+  forward pass runs ``fwd``, the backward pass only ``bwd``); otherwise
+  everything is recomputed (the forward pass runs ``f``, the backward region
+  ``fwd`` + ``bwd`` or ``fwd_bwd``), because keeping only some residuals would
+  still need ``fwd`` in the backward region, which is never cheaper.
   """
-  fwd = eqn.params["fwd"]
-  if fwd is None:
-    return "recompute"
-  new_res_avals = fwd.jaxpr.out_avals[eqn.params["call"].num_outs:]
-  if fwd.num_new_res == 0:
-    return "recompute"  # nothing to save; f is never dearer than fwd
+  call, fwd = eqn.params["call"], eqn.params["fwd"]
+  if fwd is None or fwd.num_new_res == 0:
+    return None  # nothing to keep; f is never dearer than fwd
+  new_res_avals = fwd.jaxpr.out_avals[call.num_outs:]
+  call_answer = None
   answers = []
-  unnamed = False
   for name, aval in zip(fwd.new_res_names, new_res_avals):
-    if name is None:
-      unnamed = True
-    else:
+    if name is not None:
       answers.append(C.policy_answer(saveable, C.name_p, [aval],
                                      dict(name=name)))
-  if unnamed:
-    avals = [v.aval for v in eqn.invars]
-    answers.append(C.policy_answer(saveable, jvp_p, avals, eqn.params))
-  return ("save" if all(not isinstance(a, type(C.Recompute)) for a in answers)
-          else "recompute")
+      continue
+    if call_answer is None:
+      call_answer = C.policy_answer(
+          saveable, jvp_p, [v.aval for v in eqn.invars], eqn.params)
+    answers.append(call_answer)
+  if any(isinstance(a, type(C.Recompute)) for a in answers):
+    return None
+  return tuple(C.memory_space(a.dst) if isinstance(a, C.Offloadable) else None
+               for a in answers)
 
 
 # -- policy-driven partial eval (jax.checkpoint) ------------------------------
@@ -86,17 +89,25 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   def needed(vars_, insts):
     return [v for v, i in zip(vars_, insts) if type(v) is C.Var and not i]
 
-  if residual_policy(saveable, eqn) == "save":
+  kept = residual_policy(saveable, eqn)
+  if kept is not None:
     fwd_inputs = [*fwd_consts, *primals]
-    new_res = [C.Var(a) for a in fwd.jaxpr.out_avals[n_out:]]
+    offload = kept if any(s is not None for s in kept) else None
+    new_res = [C.Var(a if s is None else a.update(memory_space=s))
+               for a, s in zip(fwd.jaxpr.out_avals[n_out:], kept)]
     known = C.new_jaxpr_eqn(
         fwd_inputs, [*eqn.outvars[:n_out], *new_res], fwd_p,
-        dict(call=call, fwd=fwd), fwd.jaxpr.effects, eqn.source_info, eqn.ctx)
+        dict(call=call, fwd=fwd, offload=offload), fwd.jaxpr.effects,
+        eqn.source_info, eqn.ctx)
     residuals = fwd.assemble_residuals(fwd_inputs, new_res)
+    reload = None
+    if offload is not None:
+      reload = tuple(fwd.assemble_residuals(
+          [False] * len(fwd_inputs), [s is not None for s in kept]))
     staged = C.new_jaxpr_eqn(
         [*residuals, *tangents], eqn.outvars[n_out:], lin_p,
-        dict(call=call, fwd=fwd, in_nz=eqn.params["in_nz"]), set(),
-        eqn.source_info, eqn.ctx)
+        dict(call=call, fwd=fwd, in_nz=eqn.params["in_nz"], reload=reload),
+        set(), eqn.source_info, eqn.ctx)
     inst_of = dict(zip(eqn.invars, inst_in))
     forwarded = [r for r in residuals
                  if type(r) is C.Var and r not in new_res and not inst_of[r]]
@@ -135,7 +146,8 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, remat):
     else:
       primal_outs, lin_inputs = bind_primal_and_residuals(
           call, fwd, f_consts, fwd_consts, primals)
-      prim, lin_params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz)
+      prim, lin_params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz,
+                                     reload=None)
   staged_in = [*map(trace.new_instantiated_const, lin_inputs), *tangent_tracers]
   tangent_outs = trace.default_process_primitive(prim, staged_in, lin_params)
   return [*primal_outs, *tangent_outs]

@@ -66,7 +66,7 @@ def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
   if fwd.num_new_res == 0:
     outs = call_p.bind(*f_consts, *primals, call=call)
     return list(outs), fwd.assemble_residuals(fwd_inputs, [])
-  outs = fwd_p.bind(*fwd_inputs, call=call, fwd=fwd)
+  outs = fwd_p.bind(*fwd_inputs, call=call, fwd=fwd, offload=None)
   primal_outs, new_res = outs[:call.num_outs], outs[call.num_outs:]
   return list(primal_outs), fwd.assemble_residuals(fwd_inputs, new_res)
 
@@ -88,12 +88,22 @@ C.register_lowering_from_impl(call_p, _call_lower)
 
 # -- smartvjp_fwd -------------------------------------------------------------
 
-def _fwd_abstract_eval(*avals, call, fwd):
-  return list(fwd.jaxpr.out_avals), fwd.jaxpr.effects
+def _fwd_abstract_eval(*avals, call, fwd, offload):
+  outs = list(fwd.jaxpr.out_avals)
+  if offload is not None:  # residuals a policy offloads (Offloadable.dst)
+    n = call.num_outs
+    outs[n:] = [a if space is None else a.update(memory_space=space)
+                for a, space in zip(outs[n:], offload)]
+  return outs, fwd.jaxpr.effects
 
 
-def _fwd_lower(*args, call, fwd):
-  return eval_scoped(fwd.jaxpr, f"smartvjp/{call.name}/fwd", args)
+def _fwd_lower(*args, call, fwd, offload):
+  outs = eval_scoped(fwd.jaxpr, f"smartvjp/{call.name}/fwd", args)
+  if offload is not None:
+    n = call.num_outs
+    outs[n:] = [r if space is None else jax.device_put(r, space)
+                for r, space in zip(outs[n:], offload)]
+  return outs
 
 
 fwd_p.def_effectful_abstract_eval(_fwd_abstract_eval)
@@ -175,7 +185,7 @@ def _pp_rule(eqn, context, settings):
     shown["fwd_bwd"] = call.rules.rule_name("fwd_bwd")
   if fwd is not None and fwd.num_new_res:
     shown["num_res"] = fwd.num_new_res
-  shown.update(params)
+  shown.update((k, v) for k, v in params.items() if v is not None)
   return C.pp_eqn(eqn.replace(params=shown), context, settings)
 
 

@@ -151,3 +151,14 @@ def test_only_fwd_bwd(never_dce, linearize_mode, remat):
   F, R = build(never_dce, fwd_bwd="only")
   check(jax.jit(jax.grad(loss(F, remat))), jax.jit(jax.grad(loss(R, remat))),
         {"f": 1, "fwd_bwd": 1}, X)
+
+
+def test_offloaded_named_residual(never_dce, linearize_mode):
+  F, R = build(never_dce, named="gelu_res")
+  p = jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=["gelu_res"],
+      offload_src="device", offload_dst="pinned_host")
+  check(jax.jit(jax.grad(loss(F, True, p))), jax.jit(jax.grad(loss(R, True, p))),
+        {"fwd": 1, "bwd": 1}, X)
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss(F, True, p)))(X))
+  assert "<host>" in jaxpr and "device_put" in jaxpr
