@@ -87,9 +87,10 @@ class CallSpec:
   in_avals: tuple
   out_tree: Any
   out_avals: tuple
-  jaxpr: C.ClosedJaxpr
+  jaxpr: C.ClosedJaxpr | None  # None for the linear-only batched specs
   num_consts: int
   fwd_cache: dict = dataclasses.field(default_factory=dict)
+  batch_cache: dict = dataclasses.field(default_factory=dict)
 
   @property
   def name(self) -> str:

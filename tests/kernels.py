@@ -98,3 +98,43 @@ def sin_rules(never_dce=False, prefix=""):
     return (dx,)
 
   return f, fwd, bwd, fwd_bwd
+
+
+def xw_rules(prefix=""):
+  """(f, fwd, bwd, fwd_bwd) for sin(x) * w, each one callback kernel.
+
+  The kernels are elementwise with ``w`` broadcast against ``x``; ``bwd``
+  reduces ``dw`` to ``w``'s shape, so a batched ``x`` with an unbatched ``w``
+  needs the cotangent of ``w`` summed over the batch.
+  """
+  n = lambda s: prefix + s
+
+  def reduce_to(a, shape):
+    while a.ndim > len(shape):
+      a = a.sum(0)
+    return a
+
+  def f(x, w):
+    (y,) = kernel(n("f"), lambda x, w: (np.sin(x) * w,), [x], x, w)
+    return y
+
+  def fwd(x, w):
+    y, c, s = kernel(n("fwd"), lambda x, w: (np.sin(x) * w, np.cos(x), np.sin(x)),
+                     [x, x, x], x, w)
+    return y, (c, s, w)
+
+  def bwd(res, g):
+    c, s, w = res
+    dx, dw = kernel(n("bwd"), lambda c, s, w, g: (c * w * g,
+                                                  reduce_to(s * g, w.shape)),
+                    [g, w], c, s, w, g)
+    return dx, dw
+
+  def fwd_bwd(x, w, g):
+    dx, dw = kernel(n("fwd_bwd"),
+                    lambda x, w, g: (np.cos(x) * w * g,
+                                     reduce_to(np.sin(x) * g, w.shape)),
+                    [g, w], x, w, g)
+    return dx, dw
+
+  return f, fwd, bwd, fwd_bwd

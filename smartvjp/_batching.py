@@ -1,0 +1,276 @@
+"""Batching (``jax.vmap``) rules for smartvjp's primitives.
+
+A batched call is a new smartvjp call whose rules are the user's rules under
+``jax.vmap``, as ``jax.custom_vjp`` batches its rules: ``f`` and ``fwd`` map
+every output to axis 0; ``bwd`` and ``fwd_bwd`` are traced under ``vmap`` and
+the cotangent of an argument that was not batched is summed over the batch.
+A ``vmap_method="sequential"`` callback kernel therefore runs once per example
+per rule. ``smartvjp_fwd`` is batched by batching its traced jaxpr, which
+keeps its output layout.
+
+The batched rules work on flat lists of leaves (their ``in_tree`` is a tuple
+of leaves), call the user's functions on the unbatched pytrees inside
+``vmap``, and so check the user's outputs against the user's own shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import tree_util
+
+from smartvjp import _compat as C
+from smartvjp._bwd import flatten_cotangents
+from smartvjp._primitives import (
+    call_p, fused_lin_p, fwd_p, jvp_p, lin_p, split_jvp_args)
+from smartvjp._spec import CallSpec, Rules, trace_call
+
+
+def _vmap(fn, in_axes, axis_data):
+  return jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_size=axis_data.size,
+                  axis_name=axis_data.name,
+                  spmd_axis_name=axis_data.spmd_name)
+
+
+def _named(fn, like):
+  fn.__name__ = getattr(like, "__name__", "rule")
+  return fn
+
+
+def _none_for_zeros(cts):
+  return [None if type(c) is C.Zero else c for c in cts]
+
+
+def _sum_unbatched(cts, in_dims):
+  return tuple(None if c is None else (c if d is not None else jnp.sum(c, 0))
+               for c, d in zip(cts, in_dims))
+
+
+def _split_symbolic(g_leaves):
+  """Array leaves to map over, and a function rebuilding the full leaves."""
+  zeros = [type(g) is C.SymbolicZero for g in g_leaves]
+  arrays = [g for g, z in zip(g_leaves, zeros) if not z]
+  unbatched = [C.SymbolicZero(_unbatched_aval(g.aval)) if z else None
+               for g, z in zip(g_leaves, zeros)]
+
+  def rebuild(arrays_in):
+    it = iter(arrays_in)
+    return [u if z else next(it) for u, z in zip(unbatched, zeros)]
+  return arrays, rebuild
+
+
+def _unbatched_aval(aval):
+  return aval.update(shape=aval.shape[1:])
+
+
+def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
+  """The user's rules under vmap, over flat leaves (batched ones at axis 0)."""
+  rules = call.rules
+  n = call.num_primals
+
+  def fun(*leaves):
+    def one(consts, leaves):
+      return tuple(C.core.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
+    return _vmap(one, (list(const_dims), list(in_dims)), axis_data)(
+        list(consts), list(leaves))
+
+  def fwd(*leaves):
+    if rules.symbolic_zeros:
+      vals = [l.value for l in leaves]
+      perturbed = [l.perturbed for l in leaves]
+    else:
+      vals, perturbed = list(leaves), [True] * n
+
+    def one(*vals):
+      out, res = rules.fwd(*call.full_args(call.fwd_inputs(vals, perturbed)))
+      return tuple(tree_util.tree_leaves(out)), res
+    return _vmap(one, list(in_dims), axis_data)(*vals)
+
+  def bwd(res, g):
+    arrays, rebuild = _split_symbolic(list(g))
+
+    def one(res, arrays):
+      cts = flatten_cotangents(call, _call_bwd(rules, call, res, rebuild(arrays)),
+                               "bwd")
+      return _none_for_zeros(cts)
+    return _sum_unbatched(_vmap(one, (0, 0), axis_data)(res, arrays), in_dims)
+
+  def fwd_bwd(*args):
+    leaves, g = args[:n], args[n]
+    if rules.symbolic_zeros:
+      vals = [l.value for l in leaves]
+      perturbed = [l.perturbed for l in leaves]
+    else:
+      vals, perturbed = list(leaves), [True] * n
+    arrays, rebuild = _split_symbolic(list(g))
+
+    def one(vals, arrays):
+      args = call.full_args(call.fwd_inputs(vals, perturbed))
+      py_g = tree_util.tree_unflatten(call.out_tree, rebuild(arrays))
+      cts = flatten_cotangents(call, rules.fwd_bwd(*args, py_g), "fwd_bwd")
+      return _none_for_zeros(cts)
+    out = _vmap(one, (list(in_dims), 0), axis_data)(vals, arrays)
+    return _sum_unbatched(out, in_dims)
+
+  return Rules(
+      fun=_named(fun, rules.fun),
+      fwd=_named(fwd, rules.fwd) if rules.fwd is not None else None,
+      bwd=_named(bwd, rules.bwd) if rules.bwd is not None else None,
+      fwd_bwd=(_named(fwd_bwd, rules.fwd_bwd)
+               if rules.fwd_bwd is not None else None),
+      symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=())
+
+
+def _call_bwd(rules, call, res, g_leaves):
+  py_g = tree_util.tree_unflatten(call.out_tree, g_leaves)
+  return rules.bwd(*call.nondiff, res, py_g)
+
+
+def _batched_avals(call, in_dims, axis_data):
+  return tuple(C.core.unmapped_aval(axis_data.size, 0, a,
+                                    axis_data.explicit_mesh_axis)
+               if d is not None else a for a, d in zip(call.in_avals, in_dims))
+
+
+def batched_call(call, consts, const_dims, in_dims, axis_data):
+  """``(batched CallSpec, its consts)``; ``in_dims`` are 0 or None."""
+  key = (tuple(const_dims), tuple(in_dims), axis_data)
+  cacheable = not any(isinstance(c, C.Tracer) for c in consts)
+  hit = call.batch_cache.get(key) if cacheable else None
+  if hit is not None:
+    return hit
+  rules = batched_rules(call, consts, const_dims, in_dims, axis_data)
+  in_avals = _batched_avals(call, in_dims, axis_data)
+  in_tree = tree_util.tree_structure(tuple(range(len(in_avals))))
+  out = trace_call(rules, (), len(in_avals), in_tree, in_avals)
+  if cacheable:
+    call.batch_cache[key] = out
+  return out
+
+
+def linear_only_call(call, in_dims, axis_data):
+  """A batched CallSpec for the linear primitives: rules only, no ``f`` jaxpr."""
+  key = ("linear", tuple(in_dims), axis_data)
+  hit = call.batch_cache.get(key)
+  if hit is not None:
+    return hit
+  rules = batched_rules(call, (), (), in_dims, axis_data)
+  in_avals = _batched_avals(call, in_dims, axis_data)
+  out_avals = tuple(C.core.unmapped_aval(axis_data.size, 0, a,
+                                         axis_data.explicit_mesh_axis)
+                    for a in call.out_avals)
+  spec = CallSpec(
+      rules=rules, nondiff=(), num_args=len(in_avals),
+      in_tree=tree_util.tree_structure(tuple(range(len(in_avals)))),
+      in_avals=in_avals,
+      out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))),
+      out_avals=out_avals, jaxpr=None, num_consts=0)
+  call.batch_cache[key] = spec
+  return spec
+
+
+def _front(axis_data, x, d):
+  return C.batching.bdim_at_front(x, d, axis_data.size,
+                                  axis_data.explicit_mesh_axis)
+
+
+def _to_front_or_none(axis_data, xs, dims):
+  """Mapped values to axis 0; ``"broadcast"`` ones get a new axis 0."""
+  return ([x if d is None else
+           _front(axis_data, x, None if d == "broadcast" else d)
+           for x, d in zip(xs, dims)],
+          [None if d is None else 0 for d in dims])
+
+
+# -- smartvjp_call ------------------------------------------------------------
+
+def _call_batch(axis_data, args, dims, *, call):
+  if all(d is None for d in dims):
+    return call_p.bind(*args, call=call), [None] * call.num_outs
+  consts, primals = args[:call.num_consts], args[call.num_consts:]
+  cdims, pdims = dims[:call.num_consts], dims[call.num_consts:]
+  primals, pdims = _to_front_or_none(axis_data, primals, pdims)
+  bcall, bconsts = batched_call(call, consts, cdims, pdims, axis_data)
+  outs = call_p.bind(*bconsts, *primals, call=bcall)
+  return outs, [0] * len(outs)
+
+
+# -- smartvjp_fwd: batch the traced jaxpr, keep the output layout -------------
+
+def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
+  if all(d is None for d in dims):
+    return fwd_p.bind(*args, call=call, fwd=fwd, offload=offload), \
+        [None] * len(fwd.jaxpr.out_avals)
+  n_out = len(fwd.jaxpr.out_avals)
+  batched, out_batched = C.batching.batch_jaxpr_axes(
+      fwd.jaxpr, axis_data, dims, [C.batching.zero_if_mapped] * n_out)
+  extra = list(batched.consts)
+  jaxpr = C.pe.convert_constvars_jaxpr(batched.jaxpr)
+  shift = len(extra)
+  bfwd = dataclasses.replace(
+      fwd, jaxpr=C.ClosedJaxpr(jaxpr, ()), num_consts=fwd.num_consts + shift,
+      res_src=tuple(None if s is None else s + shift for s in fwd.res_src))
+  outs = fwd_p.bind(*extra, *args, call=call, fwd=bfwd, offload=offload)
+  return outs, [0 if b else None for b in out_batched]
+
+
+# -- smartvjp_jvp -------------------------------------------------------------
+
+def _jvp_batch(axis_data, args, dims, *, call, fwd, in_nz, remat):
+  if all(d is None for d in dims):
+    return jvp_p.bind(*args, call=call, fwd=fwd, in_nz=in_nz, remat=remat), \
+        [None] * (call.num_outs + sum(call.out_nz))
+  f_consts, _, primals, tangents = split_jvp_args(args, call, fwd)
+  cdims, _, pdims, tdims = split_jvp_args(dims, call, fwd)
+  pdims, tdims = _batch_primals_of_batched_tangents(pdims, tdims, in_nz)
+  primals, pdims = _to_front_or_none(axis_data, primals, pdims)
+  tangents = [_front(axis_data, t, d) for t, d in zip(tangents, tdims)]
+  bcall, bconsts = batched_call(call, f_consts, cdims, pdims, axis_data)
+  bfwd, bfwd_consts = bcall.fwd_for(in_nz)
+  outs = jvp_p.bind(*bconsts, *bfwd_consts, *primals, *tangents, call=bcall,
+                    fwd=bfwd, in_nz=in_nz, remat=remat)
+  return outs, [0] * len(outs)
+
+
+def _batch_primals_of_batched_tangents(pdims, tdims, in_nz):
+  """Tangents are always mapped at 0 (broadcast if needed); a primal whose
+  tangent is mapped gets mapped too, so the batched rules see one batch."""
+  tdims_full = iter(tdims)
+  new_pdims = []
+  for d, nz in zip(pdims, in_nz):
+    td = next(tdims_full) if nz else None
+    new_pdims.append(d if d is not None or td is None else "broadcast")
+  return new_pdims, tdims
+
+
+def _lin_batch(axis_data, args, dims, *, call, fwd, in_nz, reload):
+  if all(d is None for d in dims):
+    return lin_p.bind(*args, call=call, fwd=fwd, in_nz=in_nz, reload=reload), \
+        [None] * sum(call.out_nz)
+  args = [_front(axis_data, x, d) for x, d in zip(args, dims)]
+  bcall = linear_only_call(call, [0] * call.num_primals, axis_data)
+  n_res = len(fwd.res_avals)
+  bfwd = dataclasses.replace(
+      fwd, res_avals=tuple(C.get_aval(r) for r in args[:n_res]))
+  outs = lin_p.bind(*args, call=bcall, fwd=bfwd, in_nz=in_nz, reload=reload)
+  return outs, [0] * len(outs)
+
+
+def _fused_lin_batch(axis_data, args, dims, *, call, in_nz):
+  if all(d is None for d in dims):
+    return fused_lin_p.bind(*args, call=call, in_nz=in_nz), \
+        [None] * sum(call.out_nz)
+  args = [_front(axis_data, x, d) for x, d in zip(args, dims)]
+  bcall = linear_only_call(call, [0] * call.num_primals, axis_data)
+  outs = fused_lin_p.bind(*args, call=bcall, in_nz=in_nz)
+  return outs, [0] * len(outs)
+
+
+C.batching.fancy_primitive_batchers[call_p] = _call_batch
+C.batching.fancy_primitive_batchers[fwd_p] = _fwd_batch
+C.batching.fancy_primitive_batchers[jvp_p] = _jvp_batch
+C.batching.fancy_primitive_batchers[lin_p] = _lin_batch
+C.batching.fancy_primitive_batchers[fused_lin_p] = _fused_lin_batch
