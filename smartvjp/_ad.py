@@ -26,8 +26,8 @@ import jax
 from smartvjp import _compat as C
 from smartvjp._bwd import run_bwd, run_fwd_bwd
 from smartvjp._primitives import (
-    bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, jvp_p,
-    lin_p, split_jvp_args, tangent_avals)
+    bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
+    fwd_p, jvp_p, lin_p, rule_eval, rule_p, split_jvp_args, tangent_avals)
 
 
 def closure_error(call) -> Exception:
@@ -209,3 +209,91 @@ for _p, _impl in ((jvp_p, _jvp_forward), (lin_p, _lin_forward),
                   (fused_lin_p, _fused_lin_forward)):
   _p.def_impl(_impl)
   C.register_lowering_from_impl(_p, _impl)
+
+
+# -- higher order: JVPs of the rules' own primitives --------------------------
+#
+# Differentiating a program that already contains smartvjp's rules (grad of
+# grad, jax.hessian, jacfwd of jacrev) differentiates the rules themselves:
+# ``fwd`` (bound by the inner linearize) and, through the transposes, ``bwd``.
+# Those are the user's JAX code, so their JVP is JAX's JVP of that code.
+
+def _rule_jvp(prim, impl, role, primals, tangents, /, **params):
+  call = params["call"]
+  tangents = [C.instantiate_zeros(t) for t in tangents]
+  try:
+    outs, out_tangents = jax.jvp(partial(impl, **params), tuple(primals),
+                                 tuple(tangents))
+  except Exception as e:  # noqa: BLE001 - re-raised naming the rule
+    name = call.rules.rule_name(role)
+    raise TypeError(
+        f"higher-order differentiation of smart_custom_vjp function "
+        f"{call.name} needs the derivative of its {role} rule ({name}), "
+        f"which JAX could not differentiate ({type(e).__name__}: {e}). "
+        "Rules that are opaque kernels support one level of reverse mode; "
+        "write the rule in differentiable JAX code, or give it a "
+        "custom_vjp of its own, for higher orders.") from e
+  return list(outs), list(out_tangents)
+
+
+def _linear_in_tangents_jvp(prim, impl, role, n_nonlinear, primals,
+                            tangents, /, **params):
+  """Linear primitives: when only the tangent inputs move, the JVP is itself."""
+  if all(type(t) is C.Zero for t in tangents[:n_nonlinear]):
+    lin_tangents = [C.instantiate_zeros(t) for t in tangents[n_nonlinear:]]
+    outs = prim.bind(*primals, **params)
+    return outs, prim.bind(*primals[:n_nonlinear], *lin_tangents, **params)
+  return _rule_jvp(prim, impl, role, primals, tangents, **params)
+
+
+def _fwd_jvp(primals, tangents, **params):
+  return _rule_jvp(fwd_p, fwd_eval, "fwd", primals, tangents, **params)
+
+
+def _jvp_jvp(primals, tangents, **params):
+  return _rule_jvp(jvp_p, _jvp_forward, "bwd", primals, tangents, **params)
+
+
+def _lin_jvp(primals, tangents, **params):
+  n_res = len(params["fwd"].res_avals)
+  return _linear_in_tangents_jvp(lin_p, _lin_forward, "bwd", n_res, primals,
+                                 tangents, **params)
+
+
+def _fused_lin_jvp(primals, tangents, **params):
+  n = params["call"].num_primals
+  return _linear_in_tangents_jvp(fused_lin_p, _fused_lin_forward, "fwd_bwd",
+                                 n, primals, tangents, **params)
+
+
+def _bwd_jvp(primals, tangents, **params):
+  return _rule_jvp(rule_p, rule_eval, params["which"], primals, tangents,
+                   **params)
+
+
+C.ad.primitive_jvps[rule_p] = _bwd_jvp
+
+
+def _bwd_transpose(cts, *args, call, which, jaxpr):
+  """``bwd``/``fwd_bwd`` are linear in the cotangent; forward mode transposes
+  them (this fails, and forward mode reports it, when they are opaque)."""
+  undefined = [C.is_undefined_primal(a) for a in args]
+  lin_avals = [a.aval for a, u in zip(args, undefined) if u]
+
+  def linear_part(*lin):
+    it = iter(lin)
+    full = [next(it) if u else a for a, u in zip(args, undefined)]
+    return rule_eval(*full, call=call, which=which, jaxpr=jaxpr)
+
+  transposed = jax.linear_transpose(
+      linear_part, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in lin_avals])
+  out_cts = transposed([C.instantiate_zeros(c) for c in cts])
+  it = iter(out_cts)
+  return [next(it) if u else None for u in undefined]
+
+
+C.ad.primitive_transposes[rule_p] = _bwd_transpose
+C.ad.primitive_jvps[fwd_p] = _fwd_jvp
+C.ad.primitive_jvps[jvp_p] = _jvp_jvp
+C.ad.primitive_jvps[lin_p] = _lin_jvp
+C.ad.primitive_jvps[fused_lin_p] = _fused_lin_jvp

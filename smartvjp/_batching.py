@@ -25,7 +25,8 @@ from jax import tree_util
 from smartvjp import _compat as C
 from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
-    call_p, fused_lin_p, fwd_p, jvp_p, lin_p, split_jvp_args)
+    bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
+    rule_p, split_jvp_args)
 from smartvjp._spec import CallSpec, Rules, trace_call
 
 
@@ -223,8 +224,11 @@ def _jvp_batch(axis_data, args, dims, *, call, fwd, in_nz, remat):
   if all(d is None for d in dims):
     return jvp_p.bind(*args, call=call, fwd=fwd, in_nz=in_nz, remat=remat), \
         [None] * (call.num_outs + sum(call.out_nz))
-  f_consts, _, primals, tangents = split_jvp_args(args, call, fwd)
-  cdims, _, pdims, tdims = split_jvp_args(dims, call, fwd)
+  f_consts, fwd_consts, primals, tangents = split_jvp_args(args, call, fwd)
+  cdims, wdims, pdims, tdims = split_jvp_args(dims, call, fwd)
+  if all(d is None for d in (*cdims, *wdims, *pdims)):
+    return _jvp_batch_tangents_only(axis_data, call, fwd, in_nz, f_consts,
+                                    fwd_consts, primals, tangents, tdims)
   pdims, tdims = _batch_primals_of_batched_tangents(pdims, tdims, in_nz)
   primals, pdims = _to_front_or_none(axis_data, primals, pdims)
   tangents = [_front(axis_data, t, d) for t, d in zip(tangents, tdims)]
@@ -233,6 +237,24 @@ def _jvp_batch(axis_data, args, dims, *, call, fwd, in_nz, remat):
   outs = jvp_p.bind(*bconsts, *bfwd_consts, *primals, *tangents, call=bcall,
                     fwd=bfwd, in_nz=in_nz, remat=remat)
   return outs, [0] * len(outs)
+
+
+def _jvp_batch_tangents_only(axis_data, call, fwd, in_nz, f_consts, fwd_consts,
+                             primals, tangents, tdims):
+  """Only tangents mapped (``jacfwd``): primal rules once, tangents batched."""
+  if fwd is None:
+    primal_outs = call_p.bind(*f_consts, *primals, call=call)
+    tangent_outs, _ = _fused_lin_batch(
+        axis_data, [*primals, *tangents], [None] * len(primals) + list(tdims),
+        call=call, in_nz=in_nz)
+  else:
+    primal_outs, res = bind_primal_and_residuals(call, fwd, f_consts,
+                                                 fwd_consts, primals)
+    tangent_outs, _ = _lin_batch(
+        axis_data, [*res, *tangents], [None] * len(res) + list(tdims),
+        call=call, fwd=fwd, in_nz=in_nz, reload=None)
+  return ([*primal_outs, *tangent_outs],
+          [None] * len(primal_outs) + [0] * len(tangent_outs))
 
 
 def _batch_primals_of_batched_tangents(pdims, tdims, in_nz):
@@ -274,3 +296,20 @@ C.batching.fancy_primitive_batchers[fwd_p] = _fwd_batch
 C.batching.fancy_primitive_batchers[jvp_p] = _jvp_batch
 C.batching.fancy_primitive_batchers[lin_p] = _lin_batch
 C.batching.fancy_primitive_batchers[fused_lin_p] = _fused_lin_batch
+
+
+# -- smartvjp_bwd: batch the traced rule --------------------------------------
+
+def _rule_batch(axis_data, args, dims, *, call, which, jaxpr):
+  n_out = len(jaxpr.out_avals)
+  if all(d is None for d in dims):
+    return rule_p.bind(*args, call=call, which=which, jaxpr=jaxpr), \
+        [None] * n_out
+  batched, out_batched = C.batching.batch_jaxpr_axes(
+      jaxpr, axis_data, dims, [C.batching.zero_if_mapped] * n_out)
+  new = C.ClosedJaxpr(C.pe.convert_constvars_jaxpr(batched.jaxpr), ())
+  outs = rule_p.bind(*batched.consts, *args, call=call, which=which, jaxpr=new)
+  return outs, [0 if b else None for b in out_batched]
+
+
+C.batching.fancy_primitive_batchers[rule_p] = _rule_batch

@@ -8,11 +8,11 @@ and cotangents of integer inputs ignored (they are ``float0``).
 
 from __future__ import annotations
 
-import jax
 from jax import tree_util
 
 from smartvjp import _compat as C
 from smartvjp._errors import describe_tree, rule_error
+from smartvjp._primitives import rule_p
 
 
 def _prepare_cts(call, cts_out):
@@ -23,23 +23,66 @@ def _prepare_cts(call, cts_out):
 
 
 def run_bwd(call, fwd, residuals, cts_out) -> list:
-  """``bwd(*nondiff, res, g)``, flattened to one cotangent per primal leaf."""
+  """``bwd(*nondiff, res, g)``, one cotangent (array or ``Zero``) per primal leaf."""
   rules = call.rules
-  py_res = tree_util.tree_unflatten(fwd.res_tree, list(residuals))
-  py_ct = tree_util.tree_unflatten(call.out_tree, _prepare_cts(call, cts_out))
-  with jax.named_scope(f"smartvjp/{call.name}/bwd"):
-    out = rules.bwd(*call.nondiff, py_res, py_ct)
-  return flatten_cotangents(call, out, "bwd")
+
+  def user(res, cts):
+    py_res = tree_util.tree_unflatten(fwd.res_tree, list(res))
+    py_ct = tree_util.tree_unflatten(call.out_tree, list(cts))
+    return flatten_cotangents(call, rules.bwd(*call.nondiff, py_res, py_ct),
+                              "bwd")
+  return _bind_rule(call, "bwd", fwd, user, list(residuals),
+                    _prepare_cts(call, cts_out))
 
 
 def run_fwd_bwd(call, primals, in_nz, cts_out) -> list:
-  """``fwd_bwd(*args, g)``, flattened to one cotangent per primal leaf."""
+  """``fwd_bwd(*args, g)``, one cotangent (array or ``Zero``) per primal leaf."""
   rules = call.rules
-  args = call.full_args(call.fwd_inputs(primals, in_nz))
-  py_ct = tree_util.tree_unflatten(call.out_tree, _prepare_cts(call, cts_out))
-  with jax.named_scope(f"smartvjp/{call.name}/fwd_bwd"):
-    out = rules.fwd_bwd(*args, py_ct)
-  return flatten_cotangents(call, out, "fwd_bwd")
+
+  def user(primals, cts):
+    args = call.full_args(call.fwd_inputs(primals, in_nz))
+    py_ct = tree_util.tree_unflatten(call.out_tree, list(cts))
+    return flatten_cotangents(call, rules.fwd_bwd(*args, py_ct), "fwd_bwd")
+  return _bind_rule(call, "fwd_bwd", tuple(in_nz), user, list(primals),
+                    _prepare_cts(call, cts_out))
+
+
+def _bind_rule(call, which, key, user, inputs, cts):
+  """Traces ``user`` (a rule) once per signature and binds ``smartvjp_bwd``.
+
+  Only nonzero cotangents are inputs of the traced rule; ``SymbolicZero``
+  ones (``symbolic_zeros=True``) are part of the signature.
+  """
+  zero_in = tuple(type(c) is C.SymbolicZero for c in cts)
+  args = [*inputs, *(c for c, z in zip(cts, zero_in) if not z)]
+  avals = tuple(C.get_aval(a) for a in args)
+  cache_key = (which, key, avals, zero_in, C.config_key())
+  hit = call.rule_cache.get(cache_key)
+  if hit is None:
+    store = {}
+
+    def flat(*args):
+      ins, nz_cts = args[:len(inputs)], iter(args[len(inputs):])
+      full = [c if z else next(nz_cts) for c, z in zip(cts, zero_in)]
+      outs = user(ins, full)
+      store["zero_out"] = tuple(type(o) is C.Zero for o in outs)
+      return [o for o in outs if type(o) is not C.Zero]
+
+    jaxpr, consts = C.trace_to_closed_jaxpr(
+        flat, avals, f"smart_custom_vjp {which}", getattr(call.rules, which),
+        avals)
+    hit = (jaxpr, consts, store["zero_out"])
+    if not any(isinstance(c, C.Tracer) for c in consts):
+      call.rule_cache[cache_key] = hit
+  jaxpr, consts, zero_out = hit
+  outs = iter(rule_p.bind(*consts, *args, call=call, which=which, jaxpr=jaxpr))
+  return [C.Zero(_ct_aval(a)) if z else next(outs)
+          for a, z in zip(call.in_avals, zero_out)]
+
+
+def _ct_aval(aval):
+  return aval.to_ct_aval() if hasattr(aval, "to_ct_aval") \
+      else aval.to_tangent_aval()
 
 
 def flatten_cotangents(call, out, which: str) -> list:
@@ -87,8 +130,7 @@ def flatten_cotangents(call, out, which: str) -> list:
 
   results = []
   for entry, aval in zip(flat, call.in_avals):
-    ct_aval = aval.to_ct_aval() if hasattr(aval, "to_ct_aval") \
-        else aval.to_tangent_aval()
+    ct_aval = _ct_aval(aval)
     if entry is None or ct_aval.dtype == C.float0:
       results.append(C.Zero(ct_aval))
       continue

@@ -1,6 +1,6 @@
 """smartvjp's primitives and their evaluation rules.
 
-Five primitives, all with multiple results:
+Six primitives, all with multiple results:
 
 ``smartvjp_call``       ``[*f_consts, *primals] -> primal_outs``: evaluates ``f``.
 ``smartvjp_fwd``        ``[*fwd_consts, *primals] -> [*primal_outs, *new_res]``:
@@ -15,6 +15,9 @@ Five primitives, all with multiple results:
                         linear in the tangents; its transpose runs ``bwd``.
 ``smartvjp_fused_lin``  ``[*primals, *nz_tangents] -> nz_tangent_outs``:
                         linear in the tangents; its transpose runs ``fwd_bwd``.
+``smartvjp_bwd``        ``[*consts, *inputs, *nz_cotangents] -> nz_cotangents_in``:
+                        evaluates ``bwd`` or ``fwd_bwd`` (param ``which``),
+                        traced when the transpose runs.
 
 This module holds what every primitive needs to be evaluated: abstract
 evaluation, eager implementation (the traced jaxpr evaluated op by op, as
@@ -35,6 +38,7 @@ fwd_p = C.new_primitive("smartvjp_fwd")
 jvp_p = C.new_primitive("smartvjp_jvp")
 lin_p = C.new_primitive("smartvjp_lin")
 fused_lin_p = C.new_primitive("smartvjp_fused_lin")
+rule_p = C.new_primitive("smartvjp_bwd")
 
 
 def eval_scoped(jaxpr: C.ClosedJaxpr, scope: str, args):
@@ -97,7 +101,7 @@ def _fwd_abstract_eval(*avals, call, fwd, offload):
   return outs, fwd.jaxpr.effects
 
 
-def _fwd_lower(*args, call, fwd, offload):
+def fwd_eval(*args, call, fwd, offload):
   outs = eval_scoped(fwd.jaxpr, f"smartvjp/{call.name}/fwd", args)
   if offload is not None:
     n = call.num_outs
@@ -107,8 +111,8 @@ def _fwd_lower(*args, call, fwd, offload):
 
 
 fwd_p.def_effectful_abstract_eval(_fwd_abstract_eval)
-fwd_p.def_impl(_fwd_lower)
-C.register_lowering_from_impl(fwd_p, _fwd_lower)
+fwd_p.def_impl(fwd_eval)
+C.register_lowering_from_impl(fwd_p, fwd_eval)
 
 
 # -- smartvjp_jvp -------------------------------------------------------------
@@ -132,6 +136,21 @@ def _lin_abstract_eval(*avals, call, **_):
 
 lin_p.def_abstract_eval(_lin_abstract_eval)
 fused_lin_p.def_abstract_eval(_lin_abstract_eval)
+
+
+# -- smartvjp_bwd (bwd or fwd_bwd, traced at transpose time) -------------------
+
+def _rule_abstract_eval(*avals, call, which, jaxpr):
+  return list(jaxpr.out_avals), jaxpr.effects
+
+
+def rule_eval(*args, call, which, jaxpr):
+  return eval_scoped(jaxpr, f"smartvjp/{call.name}/{which}", args)
+
+
+rule_p.def_effectful_abstract_eval(_rule_abstract_eval)
+rule_p.def_impl(rule_eval)
+C.register_lowering_from_impl(rule_p, rule_eval)
 
 
 # -- dead-code elimination ----------------------------------------------------
@@ -165,7 +184,7 @@ def _dce_jvp(used_outputs, eqn):
   return used, new_eqn
 
 
-for _p in (call_p, fwd_p, lin_p, fused_lin_p):
+for _p in (call_p, fwd_p, lin_p, fused_lin_p, rule_p):
   C.pe.dce_rules[_p] = _dce_whole
 C.pe.dce_rules[jvp_p] = _dce_jvp
 
@@ -183,11 +202,15 @@ def _pp_rule(eqn, context, settings):
     shown["bwd"] = call.rules.rule_name("bwd")
   if eqn.primitive in (fused_lin_p, jvp_p) and call.rules.fwd_bwd is not None:
     shown["fwd_bwd"] = call.rules.rule_name("fwd_bwd")
+  which = params.pop("which", None)
+  if which is not None:
+    params.pop("jaxpr")
+    shown[which] = call.rules.rule_name(which)
   if fwd is not None and fwd.num_new_res:
     shown["num_res"] = fwd.num_new_res
   shown.update((k, v) for k, v in params.items() if v is not None)
   return C.pp_eqn(eqn.replace(params=shown), context, settings)
 
 
-for _p in (call_p, fwd_p, jvp_p, lin_p, fused_lin_p):
+for _p in (call_p, fwd_p, jvp_p, lin_p, fused_lin_p, rule_p):
   C.core.pp_eqn_rules[_p] = _pp_rule

@@ -91,6 +91,7 @@ class CallSpec:
   num_consts: int
   fwd_cache: dict = dataclasses.field(default_factory=dict)
   batch_cache: dict = dataclasses.field(default_factory=dict)
+  rule_cache: dict = dataclasses.field(default_factory=dict)
 
   @property
   def name(self) -> str:

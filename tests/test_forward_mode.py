@@ -1,0 +1,86 @@
+"""Forward mode (jvp, jacfwd, linearize): an extension over jax.custom_vjp.
+
+The JVP at x is the transpose of g -> bwd(res(x), g); checked against JAX's
+own forward mode of the plain function."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels as K
+from smartvjp import smart_custom_vjp
+
+X = jnp.array([0.3, -1.2, 2.0], jnp.float32)
+
+
+def gelu_matmul(fused=None):
+  def f(x, w):
+    return jax.nn.gelu(x @ w)
+
+  def fwd(x, w):
+    y = x @ w
+    return jax.nn.gelu(y), (x, w, y)
+
+  def bwd(res, g):
+    x, w, y = res
+    _, vjp = jax.vjp(jax.nn.gelu, y)
+    (dy,) = vjp(g)
+    return dy @ w.T, x.T @ dy
+
+  def fwd_bwd(x, w, g):
+    return bwd((x, w, x @ w), g)
+
+  s = smart_custom_vjp(f)
+  if fused == "only":
+    s.defvjp(fwd_bwd=fwd_bwd)
+  else:
+    s.defvjp(fwd, bwd)
+  return s, f
+
+
+@pytest.mark.parametrize("fused", [None, "only"])
+def test_jvp_jacfwd_linearize(fused):
+  s, plain = gelu_matmul(fused)
+  k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(k1, (4, 3))
+  w = jax.random.normal(k2, (3, 2))
+  tx = jax.random.normal(k3, (4, 3))
+  tw = jnp.ones((3, 2))
+  ys, ts = jax.jvp(s, (x, w), (tx, tw))
+  yr, tr = jax.jvp(plain, (x, w), (tx, tw))
+  np.testing.assert_allclose(ys, yr, rtol=1e-5)
+  np.testing.assert_allclose(ts, tr, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(jax.jit(jax.jacfwd(s, argnums=1))(x, w),
+                             jax.jacfwd(plain, argnums=1)(x, w), rtol=1e-5,
+                             atol=1e-6)
+  _, lin = jax.linearize(s, x, w)
+  np.testing.assert_allclose(lin(tx, tw), tr, rtol=1e-5, atol=1e-6)
+  jf = jax.jacfwd(jax.checkpoint(lambda x: s(x, w)))(x)
+  np.testing.assert_allclose(jf, jax.jacfwd(lambda x: plain(x, w))(x),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_forward_mode_through_while_loop():
+  s, plain = gelu_matmul()
+  w = jnp.eye(3) * 0.5
+
+  def loop(F):
+    return lambda x: jax.lax.while_loop(lambda c: c[1] < 3,
+                                        lambda c: (F(c[0], w), c[1] + 1),
+                                        (x, 0))[0]
+
+  x = jnp.ones((2, 3))
+  np.testing.assert_allclose(loop(s)(x), loop(plain)(x), rtol=1e-6)
+  ts = jax.jvp(loop(s), (x,), (jnp.ones_like(x),))[1]
+  tr = jax.jvp(loop(plain), (x,), (jnp.ones_like(x),))[1]
+  np.testing.assert_allclose(ts, tr, rtol=1e-5, atol=1e-6)
+
+
+def test_opaque_bwd_forward_mode_error():
+  f, fwd, bwd, _ = K.sin_rules()
+  F = smart_custom_vjp(f)
+  F.defvjp(fwd, bwd)
+  with pytest.raises(TypeError, match="forward-mode.*needs a bwd rule \\(bwd\\) "
+                     "that JAX can transpose"):
+    jax.jvp(F, (X,), (X,))

@@ -1,0 +1,89 @@
+"""Higher-order reverse mode (grad of grad, jacrev of jacrev, hessian), with
+and without remat, where optimize_remat=True raises."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels as K
+from smartvjp import smart_custom_vjp
+
+X = jnp.array([0.3, -1.2, 2.0], jnp.float32)
+
+
+def rules():
+  def f(x, w):
+    return jnp.sin(x) * w
+
+  def fwd(x, w):
+    return jnp.sin(x) * w, (jnp.cos(x), jnp.sin(x), w)
+
+  def bwd(res, g):
+    c, s, w = res
+    return c * w * g, jnp.sum(s * g)
+  return f, fwd, bwd
+
+
+def both():
+  f, fwd, bwd = rules()
+  s = smart_custom_vjp(f)
+  s.defvjp(fwd, bwd)
+  r = jax.custom_vjp(f)
+  r.defvjp(fwd, bwd)
+  return s, r
+
+
+def close(a, b):
+  jax.tree_util.tree_map(
+      lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_grad_of_grad(linearize_mode, remat):
+  s, r = both()
+  w = jnp.float32(1.5)
+
+  def g(F):
+    G = jax.checkpoint(F) if remat else F
+    inner = jax.grad(lambda x, w: jnp.sum(G(x, w) ** 3), argnums=(0, 1))
+    return jax.grad(lambda x, w: jnp.sum(inner(x, w)[0]) + inner(x, w)[1],
+                    argnums=(0, 1))
+
+  close(jax.jit(g(s))(X, w), jax.jit(g(r))(X, w))
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_jacrev_jacrev_and_hessian(linearize_mode, remat):
+  s, r = both()
+  w = jnp.float32(0.7)
+
+  def h(F, how):
+    G = jax.checkpoint(F) if remat else F
+    loss = lambda x: jnp.sum(G(x, w) ** 2)
+    return how(loss)
+
+  close(h(s, lambda f: jax.jacrev(jax.jacrev(f)))(X),
+        h(r, lambda f: jax.jacrev(jax.jacrev(f)))(X))
+  close(jax.jit(h(s, jax.hessian))(X), jax.jit(h(r, jax.hessian))(X))
+
+
+def test_optimize_remat_cannot_do_grad_of_grad_but_we_can():
+  f, fwd, bwd = rules()
+  o = jax.custom_vjp(f)
+  o.defvjp(fwd, bwd, optimize_remat=True)
+  s, r = both()
+  w = jnp.float32(1.5)
+  gg = lambda F: jax.grad(jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x, w))))
+  with pytest.raises(Exception):
+    gg(o)(jnp.float32(0.4))
+  np.testing.assert_allclose(gg(s)(jnp.float32(0.4)), gg(r)(jnp.float32(0.4)),
+                             rtol=1e-6)
+
+
+def test_opaque_rule_error_names_the_rule():
+  f, fwd, bwd, _ = K.sin_rules()
+  F = smart_custom_vjp(f)
+  F.defvjp(fwd, bwd)
+  with pytest.raises(TypeError, match=r"derivative of its (fwd|bwd) rule \((fwd|bwd)\)"):
+    jax.grad(jax.grad(lambda x: jnp.sum(F(x))))(jnp.float32(0.5))
