@@ -1,0 +1,82 @@
+"""Effects: debug prints/callbacks inside f, fwd or bwd do not change which
+rule runs where (optimize_remat=True silently stops rematerializing when fwd
+has one); ordered effects that cannot be rematerialized raise, as in JAX."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import io_callback
+
+import kernels as K
+from smartvjp import smart_custom_vjp
+
+X = jnp.array([0.3, -1.2, 2.0], jnp.float32)
+
+
+def with_prints(where):
+  f, fwd, bwd, _ = K.sin_rules()
+  seen = []
+
+  def note(name):
+    def cb(*_):
+      seen.append(name)
+    return cb
+
+  def pf(x):
+    if "f" in where:
+      jax.debug.print("f {}", x[0])
+    return f(x)
+
+  def pfwd(x):
+    if "fwd" in where:
+      jax.debug.callback(note("fwd"), x)
+    return fwd(x)
+
+  def pbwd(res, g):
+    if "bwd" in where:
+      jax.debug.callback(note("bwd"), g)
+    return bwd(res, g)
+
+  return pf, pfwd, pbwd, seen
+
+
+@pytest.mark.parametrize("where", [("f",), ("fwd",), ("bwd",), ("f", "fwd", "bwd")])
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_debug_effects_do_not_move_rules(linearize_mode, where, remat):
+  pf, pfwd, pbwd, seen = with_prints(where)
+  F = smart_custom_vjp(pf)
+  F.defvjp(pfwd, pbwd)
+  G = jax.checkpoint(F) if remat else F
+  K.reset()
+  g = jax.jit(jax.grad(lambda x: jnp.sum(G(x) ** 2)))(X)
+  jax.effects_barrier()
+  expected = {"fwd": 1, "bwd": 1}
+  if remat:
+    expected["f"] = 1
+  assert dict(K.COUNTS) == expected
+  np.testing.assert_allclose(g, 2 * np.sin(X) * np.cos(X), rtol=1e-6)
+  assert seen.count("fwd") == ("fwd" in where)
+  assert seen.count("bwd") == ("bwd" in where)
+
+
+def test_optimize_remat_stops_rematerializing_with_debug_in_fwd():
+  pf, pfwd, pbwd, _ = with_prints(("fwd",))
+  O = jax.custom_vjp(pf)
+  O.defvjp(pfwd, pbwd, optimize_remat=True)
+  K.reset()
+  jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(O)(x) ** 2)))(X)
+  assert dict(K.COUNTS) == {"fwd": 1, "bwd": 1}   # residuals saved, not remat
+
+
+def test_ordered_effects_cannot_be_rematerialized():
+  def f(x):
+    io_callback(lambda x: None, None, x, ordered=True)
+    return jnp.sin(x)
+
+  F = smart_custom_vjp(f)
+  F.defvjp(lambda x: (f(x), jnp.cos(x)), lambda c, g: (c * g,))
+  np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(F(x)))(X), np.cos(X),
+                             rtol=1e-6)
+  with pytest.raises(NotImplementedError, match="Effects not supported"):
+    jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x)))(X)

@@ -1,0 +1,106 @@
+"""symbolic_zeros=True exactly as in jax.custom_vjp, also under remat (where
+optimize_remat raises NotImplementedError) and inside scan."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.custom_derivatives import SymbolicZero
+
+from smartvjp import smart_custom_vjp
+
+X = jnp.array([0.3, -1.2, 2.0], jnp.float32)
+W = jnp.array([1.5, 0.5, -1.0], jnp.float32)
+
+
+def make(cls, log):
+  def f(x, w):
+    return jnp.sin(x) * w, jnp.cos(x)
+
+  def fwd(x, w):
+    log.append(("fwd", x.perturbed, w.perturbed))
+    assert isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+    res = (jnp.cos(x.value), jnp.sin(x.value), w.value)
+    if not w.perturbed:   # residual structure depends on perturbation
+      res = res[:2] + (w.value, jnp.float32(0))
+    return f(x.value, w.value), res
+
+  def bwd(res, g):
+    gy, gc = g
+    log.append(("bwd", type(gy) is SymbolicZero, type(gc) is SymbolicZero))
+    c, s, w = res[:3]
+    dx = jnp.zeros_like(c) if type(gy) is SymbolicZero else c * w * gy
+    if type(gc) is not SymbolicZero:
+      dx = dx - s * gc
+    dw = None if type(gy) is SymbolicZero else s * gy
+    return dx, dw
+
+  F = cls(f)
+  F.defvjp(fwd, bwd, symbolic_zeros=True)
+  return F
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+@pytest.mark.parametrize("argnums", [(0,), (0, 1)])
+def test_perturbed_flags_and_symbolic_cotangents(linearize_mode, remat, argnums):
+  ls, lr = [], []
+  s, r = make(smart_custom_vjp, ls), make(jax.custom_vjp, lr)
+
+  def loss(F):
+    G = jax.checkpoint(F) if remat else F
+    return lambda x, w: jnp.sum(G(x, w)[0] ** 2)   # second output unused
+
+  gs = jax.jit(jax.grad(loss(s), argnums))(X, W)
+  gr = jax.jit(jax.grad(loss(r), argnums))(X, W)
+  for a, b in zip(gs, gr):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  assert set(ls) == set(lr)
+  assert ("bwd", False, True) in ls          # unused output: SymbolicZero
+  assert ("fwd", True, 1 in argnums) in ls   # w perturbed only if differentiated
+
+
+def test_symbolic_zeros_inside_scan(linearize_mode):
+  ls, lr = [], []
+  s, r = make(smart_custom_vjp, ls), make(jax.custom_vjp, lr)
+
+  def loss(F):
+    def body(c, w):
+      y, _ = jax.checkpoint(F)(c, w)
+      return y, None
+    return lambda x, ws: jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+  ws = jnp.stack([W, W * 0.5])
+  for argnums in [(0,), (0, 1)]:
+    gs = jax.jit(jax.grad(loss(s), argnums))(X, ws)
+    gr = jax.jit(jax.grad(loss(r), argnums))(X, ws)
+    for a, b in zip(gs, gr):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_optimize_remat_refuses_symbolic_zeros():
+  with pytest.raises(NotImplementedError):
+    make(lambda f: _opt(f), [])
+
+
+def _opt(f):
+  class Opt:
+    def __init__(self, f):
+      self.F = jax.custom_vjp(f)
+
+    def defvjp(self, fwd, bwd, symbolic_zeros):
+      self.F.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros,
+                    optimize_remat=True)
+  return Opt(f)
+
+
+def test_custom_vjp_primal_tree_values_in_fwd():
+  @smart_custom_vjp
+  def f(p):
+    return p["a"] * 2.0
+
+  def fwd(p):
+    vals = jax.custom_derivatives.custom_vjp_primal_tree_values(p)
+    return f(vals), None
+
+  f.defvjp(fwd, lambda _, g: ({"a": 2.0 * g},), symbolic_zeros=True)
+  assert jax.grad(lambda a: f({"a": a}))(1.0) == 2.0
