@@ -158,5 +158,14 @@ def flatten_cotangents(call, out, which: str) -> list:
           f"output{tree_util.keystr(path)}, but the corresponding input of "
           f"{rules.name} has type {aval.str_short()} (expected cotangent "
           f"{ct_aval.str_short()}).")
+    if not C.typecompat(ct_aval, got):
+      raise rule_error(
+          ValueError, rules, which,
+          f"returned a cotangent of type {got.str_short()} at "
+          f"output{tree_util.keystr(path)}, whose sharding or varying manual "
+          f"axes (shard_map) differ from those of the corresponding input of "
+          f"{rules.name}, {aval.str_short()} (expected cotangent "
+          f"{ct_aval.str_short()}); a psum over the missing axes is usually "
+          "what is needed.")
     results.append(ct)
   return results

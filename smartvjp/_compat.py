@@ -48,6 +48,7 @@ new_jaxpr_eqn = pe.new_jaxpr_eqn
 is_undefined_primal = ad.is_undefined_primal
 instantiate_zeros = ad.instantiate_zeros
 get_aval = core.typeof
+typecompat = core.typecompat  # shape, dtype, sharding, varying axes; no weak_type
 
 
 def new_primitive(name: str) -> Primitive:
