@@ -141,3 +141,11 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 def pp_eqn(eqn, context, settings):
   return core._pp_eqn(eqn, context, settings)
+
+
+def define_string_option(name: str, help: str):
+  """An optional-string JAX config option that is part of the trace context
+  (so jitted functions retrace when it changes)."""
+  from jax._src import config as _cfg
+  return _cfg.optional_string_state(name, default=None, help=help,
+                                    include_in_trace_context=True)

@@ -20,6 +20,7 @@ elimination of kernels is relied upon.
 from __future__ import annotations
 
 from smartvjp import _compat as C
+from smartvjp._check import maybe_check
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
     split_jvp_args)
@@ -148,6 +149,8 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, remat):
           call, fwd, f_consts, fwd_consts, primals)
       prim, lin_params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz,
                                      reload=None)
+      if remat and fwd.num_new_res:  # f ran in the forward pass, fwd here
+        maybe_check(call, f_consts, primals, primal_outs)
   staged_in = [*map(trace.new_instantiated_const, lin_inputs), *tangent_tracers]
   tangent_outs = trace.default_process_primitive(prim, staged_in, lin_params)
   return [*primal_outs, *tangent_outs]

@@ -1,0 +1,82 @@
+"""Opt-in numerics check: under remat the forward pass uses ``f``'s value and
+the backward region ``fwd``'s, so they had better agree.
+
+Enable with ``smartvjp.check_primals("warn"|"raise", rtol=..., atol=...)`` (a
+context manager), or globally with ``jax.config.update("smartvjp_check_primals",
+"raise:1e-5:1e-6")`` (mode, rtol, atol; ``"warn"`` or ``"raise"`` alone use the
+default tolerances). It is read when a program is traced and is part of JAX's trace
+context, so jitted functions retrace when it changes. When on, the
+rematerialized backward region also runs ``f`` and compares its outputs with
+``fwd``'s primal outputs on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import jax
+import numpy as np
+
+from smartvjp import _compat as C
+from smartvjp._primitives import call_p
+
+_option = C.define_string_option(
+    "smartvjp_check_primals",
+    "Compare f's and fwd's primal outputs where both run (remat): "
+    "'warn' or 'raise', optionally followed by ':rtol:atol'.")
+
+
+def _settings():
+  """``(mode, rtol, atol)`` from the option; mode is off, warn or raise."""
+  value = _option.value
+  if not value or value == "off":
+    return "off", 0.0, 0.0
+  mode, *tols = value.split(":")
+  if mode not in ("warn", "raise") or len(tols) not in (0, 2):
+    raise ValueError(
+        f"smartvjp_check_primals must be 'off', 'warn' or 'raise', optionally "
+        f"followed by ':rtol:atol'; got {value!r}.")
+  rtol, atol = (float(t) for t in tols) if tols else (1e-5, 1e-6)
+  return mode, rtol, atol
+
+
+class PrimalMismatchError(ValueError):
+  """``f`` and ``fwd`` disagree on the primal output beyond the tolerance."""
+
+
+@contextlib.contextmanager
+def check_primals(mode: str = "raise", rtol: float = 1e-5, atol: float = 1e-6):
+  """Within this context, compare ``f`` with ``fwd`` wherever both run.
+
+  Args:
+    mode: ``"raise"`` (a :class:`PrimalMismatchError`, surfaced by JAX when
+      the computation runs), ``"warn"`` (a ``RuntimeWarning``) or ``"off"``.
+    rtol, atol: tolerances as in ``numpy.allclose``, per output leaf.
+  """
+  with _option(f"{mode}:{rtol!r}:{atol!r}" if mode != "off" else "off"):
+    _settings()  # validate now
+    yield
+
+
+def maybe_check(call, f_consts, primals, fwd_outs) -> None:
+  mode, rtol, atol = _settings()
+  if mode == "off":
+    return
+  f_outs = call_p.bind(*f_consts, *primals, call=call)
+  names = (call.name, call.rules.rule_name("fwd"))
+
+  def compare(f_vals, fwd_vals):
+    for i, (a, b) in enumerate(zip(f_vals, fwd_vals)):
+      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+        msg = (f"smartvjp check_primals: f ({names[0]}) and fwd ({names[1]}) "
+               f"disagree at primal output leaf {i}: max abs difference "
+               f"{np.max(np.abs(a - b)):.3g} (rtol={rtol}, atol={atol}). Under "
+               "remat the forward pass used f's value and the backward pass "
+               "fwd's.")
+        if mode == "raise":
+          raise PrimalMismatchError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=1)
+
+  jax.debug.callback(compare, list(f_outs), list(fwd_outs))

@@ -1,0 +1,72 @@
+"""The opt-in check that f and fwd agree where both run (remat)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import smartvjp
+from smartvjp import smart_custom_vjp
+
+X = jnp.array([0.3, -1.2, 2.0], jnp.float32)
+
+
+def make(offset):
+  @smart_custom_vjp
+  def f_inference(x):
+    return jnp.sin(x)
+
+  def fwd_training(x):
+    return jnp.sin(x) + offset, jnp.cos(x)
+
+  f_inference.defvjp(fwd_training, lambda c, g: (c * g,))
+  return f_inference
+
+
+def remat_grad(F):
+  return jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x) ** 2)))
+
+
+def test_off_by_default_and_quiet_when_equal():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    remat_grad(make(0.5))(X).block_until_ready()   # off: no check
+    with smartvjp.check_primals("raise"):
+      remat_grad(make(0.0))(X).block_until_ready()
+
+
+def test_raise_names_both_rules():
+  with smartvjp.check_primals("raise", rtol=1e-6, atol=1e-6):
+    with pytest.raises(Exception, match=r"f \(f_inference\) and fwd "
+                       r"\(fwd_training\) disagree"):
+      remat_grad(make(1e-3))(X).block_until_ready()
+      jax.effects_barrier()
+
+
+def test_warn_and_tolerance():
+  with smartvjp.check_primals("warn", rtol=0.0, atol=1e-2):
+    with warnings.catch_warnings(record=True) as w:
+      warnings.simplefilter("always")
+      remat_grad(make(1e-3))(X).block_until_ready()   # within atol
+      jax.effects_barrier()
+      assert not w
+      g = remat_grad(make(1.0))(X)
+      jax.effects_barrier()
+      assert any("disagree" in str(x.message) for x in w)
+  # the check only observes: the loss saw f's value (sin), bwd fwd's residual
+  np.testing.assert_allclose(g, 2 * np.sin(X) * np.cos(X), rtol=1e-5)
+
+
+def test_global_option_and_bad_values():
+  jax.config.update("smartvjp_check_primals", "raise:0:1e-9")
+  try:
+    with pytest.raises(Exception, match="disagree"):
+      remat_grad(make(1e-3))(X).block_until_ready()
+      jax.effects_barrier()
+  finally:
+    jax.config.update("smartvjp_check_primals", None)
+  with pytest.raises(ValueError, match="must be 'off', 'warn' or 'raise'"):
+    with smartvjp.check_primals("loud"):
+      pass
