@@ -5,12 +5,14 @@ import os
 
 import pytest
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
-
-
 def load(name):
+  return load_from("examples", name)
+
+
+def load_from(folder, name):
   spec = importlib.util.spec_from_file_location(
-      name, os.path.join(EXAMPLES, f"{name}.py"))
+      name, os.path.join(os.path.dirname(__file__), os.pardir, folder,
+                         f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -33,3 +35,17 @@ def test_seed_remat_table(capsys):
   assert table[fused, "smartvjp"][0] == {"f": 1, "fwd_bwd": 1}
   scan = "scan of 4 remat(F) layers"
   assert table[scan, "smartvjp"][0] == {"f": 4, "fwd": 4, "bwd": 4}
+
+
+def test_counts_benchmark_smartvjp_column():
+  counts = load_from("benchmarks", "counts")
+  table = counts.measure()
+  smart = {row: cells["smartvjp"] for row, cells in table.items()}
+  assert all(ok for _, ok, _ in smart.values()), smart
+  assert smart["grad(checkpoint(F))"][0] == {"f": 1, "fwd": 1, "bwd": 1}
+  assert smart["checkpoint, everything_saveable"][0] == {"fwd": 1, "bwd": 1}
+  assert smart["debug print in fwd, checkpoint"][0] == {"f": 1, "fwd": 1,
+                                                         "bwd": 1}
+  assert table["grad(checkpoint(F))"]["jax.custom_vjp"][0] == {"fwd": 2,
+                                                                "bwd": 1}
+  assert table["jax.jvp (forward mode)"]["jax.custom_vjp"][2] == "TypeError"

@@ -1,0 +1,223 @@
+"""Kernel executions and what works, per transformation, side by side.
+
+Columns: ``jax.custom_vjp``, ``jax.custom_vjp(optimize_remat=True)``, JAX's
+experimental ``jax_custom_vjp3`` + ``jax_remat3`` flags, and smartvjp. Rows
+that count use Pallas ``interpret=True`` kernels that count their launches
+(never removed by DCE, like real kernels; see ``examples/seed_remat.py``);
+rows that need differentiable rules use the same rules written in JAX and
+report whether the program works and gives the right value.
+
+Run:  python benchmarks/counts.py [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+import seed_remat as S  # noqa: E402
+
+from smartvjp import smart_custom_vjp  # noqa: E402
+
+IMPLS = ["jax.custom_vjp", "optimize_remat", "vjp3+remat3", "smartvjp"]
+X = jnp.linspace(-1.0, 2.0, 8, dtype=jnp.float32)
+
+
+@contextlib.contextmanager
+def flags(impl):
+  names = ("jax_custom_vjp3", "jax_remat3")
+  old = {n: getattr(jax.config, n) for n in names}
+  on = impl == "vjp3+remat3"
+  for n in names:
+    jax.config.update(n, on)
+  try:
+    yield
+  finally:
+    for n, v in old.items():
+      jax.config.update(n, v)
+
+
+def make(impl, f, fwd, bwd, fwd_bwd=None, symbolic_zeros=False):
+  if impl == "smartvjp":
+    F = smart_custom_vjp(f)
+    F.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros, fwd_bwd=fwd_bwd)
+    return F
+  if fwd_bwd is not None:
+    return None  # no fused rule in jax.custom_vjp
+  F = jax.custom_vjp(f)
+  F.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros,
+           optimize_remat=impl == "optimize_remat")
+  return F
+
+
+# -- rule sets ----------------------------------------------------------------
+
+def kernels(kind="computed"):
+  fwd, bwd = S.seed_rules() if kind == "seed" else S.computed_rules(
+      "res" if kind == "named" else None)
+  return dict(f=S.f_kernel, fwd=fwd, bwd=bwd)
+
+
+def jax_rules():
+  return dict(f=jnp.sin, fwd=lambda x: (jnp.sin(x), jnp.cos(x)),
+              bwd=lambda c, g: (c * g,))
+
+
+def symbolic_rules():
+  def fwd(x):
+    return jnp.sin(x.value), jnp.cos(x.value)
+
+  def bwd(c, g):
+    return (jnp.zeros_like(c) if type(g) is SymbolicZero else c * g,)
+  return dict(f=jnp.sin, fwd=fwd, bwd=bwd, symbolic_zeros=True)
+
+
+def debug_fwd_rules():
+  k = kernels()
+  inner = k["fwd"]
+
+  def fwd(x):
+    jax.debug.print("fwd ran", ordered=False)
+    return inner(x)
+  return dict(k, fwd=fwd)
+
+
+def remat_loss(F, policy=None):
+  return lambda x: jnp.sum(jax.checkpoint(F, policy=policy)(x) ** 2)
+
+
+def scan_loss(F, n=4):
+  body = lambda c, _: (jax.checkpoint(F)(c), None)
+  return lambda x: jnp.sum(jax.lax.scan(body, x, None, length=n)[0] ** 2)
+
+
+def while_fn(F):
+  return lambda x: jax.lax.while_loop(lambda c: c[1] < 2,
+                                      lambda c: (F(c[0]), c[1] + 1), (x, 0))[0]
+
+
+# (row, rules, extra defvjp kwargs, program(F), counted?)
+ROWS = [
+    ("F(x) under jit", kernels, {}, lambda F: jax.jit(F), True),
+    ("grad, no remat", kernels, {},
+     lambda F: jax.jit(jax.grad(lambda x: jnp.sum(F(x) ** 2))), True),
+    ("grad(checkpoint(F))", kernels, {},
+     lambda F: jax.jit(jax.grad(remat_loss(F))), True),
+    ("the same, eager", kernels, {}, lambda F: jax.grad(remat_loss(F)), True),
+    ("seed's fwd (residual = x), checkpoint", lambda: kernels("seed"), {},
+     lambda F: jax.jit(jax.grad(remat_loss(F))), True),
+    ("scan of 4 checkpointed layers", kernels, {},
+     lambda F: jax.jit(jax.grad(scan_loss(F))), True),
+    ("checkpoint(F∘F)", kernels, {},
+     lambda F: jax.jit(jax.grad(lambda x: jnp.sum(
+         jax.checkpoint(lambda x: F(F(x)))(x) ** 2))), True),
+    ("checkpoint, everything_saveable", kernels, {},
+     lambda F: jax.jit(jax.grad(remat_loss(
+         F, jax.checkpoint_policies.everything_saveable))), True),
+    ("named residual, save_only_these_names", lambda: kernels("named"), {},
+     lambda F: jax.jit(jax.grad(remat_loss(
+         F, jax.checkpoint_policies.save_only_these_names("res")))), True),
+    ("checkpoint, fwd_bwd also given", kernels,
+     {"fwd_bwd": S.fwd_bwd_kernel},
+     lambda F: jax.jit(jax.grad(remat_loss(F))), True),
+    ("debug print in fwd, checkpoint", debug_fwd_rules, {},
+     lambda F: jax.jit(jax.grad(remat_loss(F))), True),
+    ("vmap(grad(checkpoint(F))), batch of 8", kernels, {},
+     lambda F: jax.jit(jax.vmap(jax.grad(remat_loss(F)))), True),
+    ("cond, call in taken branch, checkpoint", kernels, {},
+     lambda F: jax.jit(jax.grad(lambda x: jnp.sum(jax.lax.cond(
+         True, jax.checkpoint(F), lambda x: x, x) ** 2))), True),
+    ("grad(grad) of checkpoint(F)", jax_rules, {},
+     lambda F: jax.jit(jax.grad(lambda x: jnp.sum(jax.grad(remat_loss(F))(x)))),
+     False),
+    ("jax.hessian of checkpoint(F)", jax_rules, {},
+     lambda F: jax.jit(jax.hessian(remat_loss(F))), False),
+    ("symbolic_zeros=True, checkpoint", symbolic_rules, {},
+     lambda F: jax.jit(jax.grad(remat_loss(F))), False),
+    ("jax.jvp (forward mode)", jax_rules, {},
+     lambda F: jax.jit(lambda x: jax.jvp(F, (x,), (jnp.ones_like(x),))[1]),
+     False),
+    ("jax.jacfwd", jax_rules, {}, lambda F: jax.jit(jax.jacfwd(F)), False),
+    ("jvp through while_loop", jax_rules, {},
+     lambda F: jax.jit(lambda x: jax.jvp(while_fn(F), (x,),
+                                         (jnp.ones_like(x),))[1]), False),
+]
+
+
+def reference(program, rules, kw):
+  r = rules()
+  plain = r["f"] if r["f"] is not S.f_kernel else jnp.sin
+  return program(plain)
+
+
+def measure():
+  """``{row: {impl: (counts | None, ok: bool, error | None)}}``."""
+  table = {}
+  for row, rules, kw, program, counted in ROWS:
+    table[row] = {}
+    for impl in IMPLS:
+      r = rules()
+      S.LAUNCHES.clear()
+      try:
+        with flags(impl):
+          F = make(impl, r.pop("f"), r.pop("fwd"), r.pop("bwd"), **r, **kw)
+          if F is None:
+            table[row][impl] = (None, False, "not in API")
+            continue
+          out = jax.block_until_ready(program(F)(X))
+          jax.effects_barrier()
+        want = reference(program, rules, kw)(X)
+        ok = bool(np.allclose(out, want, rtol=1e-5, atol=1e-6))
+        table[row][impl] = (dict(S.LAUNCHES) if counted else None, ok, None)
+      except Exception as e:  # noqa: BLE001 - reported in the table
+        table[row][impl] = (None, False, type(e).__name__)
+  return table
+
+
+def cell(entry):
+  counts, ok, err = entry
+  if err:
+    return "—" if err == "not in API" else f"error ({err})"
+  text = S.fmt_counts(counts) if counts is not None else "works"
+  return text if ok else f"{text}, WRONG VALUE"
+
+
+def render(table, markdown=False):
+  lines = []
+  if markdown:
+    lines.append("| program | " + " | ".join(f"`{i}`" for i in IMPLS) + " |")
+    lines.append("|---" * (len(IMPLS) + 1) + "|")
+    for row, cells in table.items():
+      lines.append(f"| {row} | " + " | ".join(cell(cells[i]) for i in IMPLS)
+                   + " |")
+  else:
+    w = max(map(len, table))
+    lines.append(f"{'program':<{w}} | " + " | ".join(f"{i:<24}" for i in IMPLS))
+    lines.append("-" * (w + 27 * len(IMPLS)))
+    for row, cells in table.items():
+      lines.append(f"{row:<{w}} | " + " | ".join(f"{cell(cells[i]):<24}"
+                                                  for i in IMPLS))
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--markdown", action="store_true")
+  args = parser.parse_args(argv)
+  table = measure()
+  print(f"jax {jax.__version__}, {jax.devices()[0].platform}; counts are kernel "
+        "launches per gradient step (Pallas interpret-mode kernels).\n")
+  print(render(table, args.markdown))
+  return table
+
+
+if __name__ == "__main__":
+  main()
