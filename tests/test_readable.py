@@ -1,0 +1,67 @@
+"""Readable jaxprs (rule names, not nested jaxprs), saved-residual reports,
+named scopes in HLO, and the wrapper's metadata."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import print_saved_residuals
+
+from smartvjp import smart_custom_vjp
+
+
+def make():
+  def my_f(x, y):
+    """My docstring."""
+    return jnp.sin(x) * y
+
+  def my_fwd(x, y):
+    return my_f(x, y), (jnp.cos(x), jnp.sin(x), y)
+
+  def my_bwd(res, g):
+    c, s, y = res
+    return c * y * g, s * g
+
+  F = smart_custom_vjp(my_f)
+  F.defvjp(my_fwd, my_bwd)
+  return F
+
+
+X = jnp.ones(3)
+
+
+def test_metadata_preserved():
+  F = make()
+  assert F.__name__ == "my_f" and F.__doc__ == "My docstring."
+  assert list(inspect.signature(F).parameters) == ["x", "y"]
+  assert F.__wrapped__.__name__ == "my_f"
+
+
+def test_jaxpr_shows_rule_names_not_jaxprs():
+  F = make()
+  loss = lambda x, y: jnp.sum(jax.checkpoint(F)(x, y) ** 2)
+  text = str(jax.make_jaxpr(jax.grad(loss))(X, X))
+  assert "smartvjp_call[f=my_f]" in text
+  assert "smartvjp_fwd[f=my_f fwd=my_fwd num_res=3]" in text
+  assert "smartvjp_bwd[bwd=my_bwd f=my_f]" in text
+  assert text.count("{ lambda") == 2   # the program and remat's body only
+
+
+def test_saved_residuals(capsys):
+  F = make()
+  print_saved_residuals(lambda x, y: jnp.sum(F(x, y) ** 2), X, X)
+  plain = capsys.readouterr().out.strip().splitlines()
+  assert sum("output of smartvjp_fwd" in line for line in plain) >= 3
+  print_saved_residuals(jax.checkpoint(lambda x, y: jnp.sum(F(x, y) ** 2)),
+                        X, X)
+  remat = capsys.readouterr().out.strip().splitlines()
+  assert sorted(remat) == ["f32[3] from the argument x",
+                           "f32[3] from the argument y"]
+
+
+def test_named_scopes_in_hlo():
+  F = make()
+  loss = lambda x, y: jnp.sum(jax.checkpoint(F)(x, y) ** 2)
+  hlo = jax.jit(jax.grad(loss)).lower(X, X).as_text(debug_info=True)
+  for scope in ("smartvjp/my_f/f/", "smartvjp/my_f/fwd/", "smartvjp/my_f/bwd/"):
+    assert scope in hlo, scope
