@@ -8,8 +8,9 @@ drops its residuals and runs ``fwd`` again in the backward pass
 
 from smartvjp._api import smart_custom_vjp
 from smartvjp._check import PrimalMismatchError, check_primals
+from smartvjp._equinox import filter_custom_vjp
 
 __version__ = "0.1.0"
 
-__all__ = ["smart_custom_vjp", "check_primals", "PrimalMismatchError",
-           "__version__"]
+__all__ = ["smart_custom_vjp", "filter_custom_vjp", "check_primals",
+           "PrimalMismatchError", "__version__"]
