@@ -1,0 +1,30 @@
+"""Runs every code block of design/migration.md: each section's "before" and
+"after" must compute the same numbers."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+DOC = os.path.join(os.path.dirname(__file__), os.pardir, "design", "migration.md")
+
+
+def sections():
+  text = open(DOC).read()
+  out = []
+  for part in re.split(r"^## ", text, flags=re.M)[1:]:
+    title = part.splitlines()[0]
+    blocks = re.findall(r"```python\n(.*?)```", part, flags=re.S)
+    out.append(pytest.param(blocks, id=title))
+  return out
+
+
+@pytest.mark.parametrize("blocks", sections())
+def test_before_and_after_agree(blocks):
+  assert len(blocks) == 2, "each section has a before and an after"
+  before, after = {}, {}
+  exec(compile(blocks[0], "migration-before", "exec"), before)
+  exec(compile(blocks[1], "migration-after", "exec"), after)
+  np.testing.assert_allclose(np.asarray(after["after"]),
+                             np.asarray(before["before"]), rtol=1e-6, atol=1e-7)
