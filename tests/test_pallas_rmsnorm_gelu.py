@@ -1,0 +1,45 @@
+"""The memory-bound Pallas example (fused RMSNorm + GELU)."""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+PATH = os.path.join(os.path.dirname(__file__), os.pardir, "examples",
+                    "pallas_rmsnorm_gelu.py")
+spec = importlib.util.spec_from_file_location("pallas_rmsnorm_gelu", PATH)
+RG = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(RG)
+
+
+def loss(F, remat):
+  G = jax.checkpoint(F) if remat else F
+  return lambda x, g: jnp.sum(G(x, g).astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 5e-2)])
+@pytest.mark.parametrize("m", [32, 45], ids=["multiple", "ragged"])
+@pytest.mark.parametrize("remat,fused,expected", [
+    (False, True, {"fwd": 1, "bwd": 1}),
+    (True, False, {"f": 1, "fwd": 1, "bwd": 1}),
+    (True, True, {"f": 1, "fwd_bwd": 1}),
+])
+def test_values_gradients_counts(dtype, tol, m, remat, fused, expected):
+  op, _ = RG.make_rmsnorm_gelu(block_m=16, fused=fused, count=True)
+  x = jax.random.normal(jax.random.key(0), (m, 24), dtype)
+  gamma = (1.0 + 0.1 * jax.random.normal(jax.random.key(1), (24,))).astype(dtype)
+  np.testing.assert_allclose(np.float32(op(x, gamma)),
+                             np.float32(RG.reference(x, gamma)), rtol=tol, atol=tol)
+  RG.LAUNCHES.clear()
+  got = jax.jit(jax.grad(loss(op, remat), (0, 1)))(x, gamma)
+  jax.effects_barrier()
+  assert dict(RG.LAUNCHES) == expected
+  want = jax.grad(loss(RG.reference, False), (0, 1))(x, gamma)
+  for a, b in zip(got, want):
+    assert a.dtype == dtype
+    scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+    np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
+                               atol=tol * scale)
