@@ -1,7 +1,6 @@
 """The equinox model example: counts per step, same gradients as equinox's
 filter_custom_vjp, and the loss falls."""
 
-import importlib.util
 import os
 import sys
 
@@ -12,10 +11,7 @@ import numpy as np
 
 EX = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
 sys.path.insert(0, EX)
-spec = importlib.util.spec_from_file_location("equinox_mlp",
-                                              os.path.join(EX, "equinox_mlp.py"))
-EM = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(EM)
+import equinox_mlp as EM  # noqa: E402
 
 import smartvjp  # noqa: E402
 
