@@ -25,6 +25,7 @@ import jax
 
 from smartvjp import _compat as C
 from smartvjp._bwd import run_bwd, run_fwd_bwd
+from smartvjp._spec import eager_f, eager_fwd
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
     fwd_p, jvp_p, lin_p, rule_eval, rule_p, split_jvp_args, tangent_avals)
@@ -33,16 +34,37 @@ from smartvjp._primitives import (
 def closure_error(call) -> Exception:
   return TypeError(
       f"smart_custom_vjp function {call.name} is being differentiated with "
-      "respect to a value it closes over. That isn't supported (as with "
+      "respect to a value it closes over and, by the same transformation, "
+      "with respect to its arguments. That isn't supported (as with "
       "jax.custom_vjp) because the custom rules only say how to "
       "differentiate with respect to explicit arguments. Pass the value as "
       "an argument instead, or use jax.closure_convert.")
 
 
-def _split_tangents(call, tangents):
-  const_t, prim_t = tangents[:call.num_consts], tangents[call.num_consts:]
-  if any(type(t) is not C.Zero for t in const_t):
+def _classify(call, nonzeros):
+  """``"args"``, ``"closure"`` (only closed-over values move: an outer
+  differentiation, handled by differentiating ``f`` itself, as JAX does
+  through the rules' operations) or ``"none"``; raises when both move."""
+  const_nz = any(nonzeros[:call.num_consts])
+  arg_nz = any(nz and possible for nz, possible in
+               zip(nonzeros[call.num_consts:], call.in_nz_possible))
+  if const_nz and arg_nz:
     raise closure_error(call)
+  return "closure" if const_nz else ("args" if arg_nz else "none")
+
+
+def _closure_jvp(call, primals, tangents):
+  """JVP of ``f`` itself, for values it closes over (see ``_classify``)."""
+  from smartvjp._primitives import eval_scoped as _eval
+
+  def f(*args):
+    return _eval(call.jaxpr, f"smartvjp/{call.name}/f", args)
+  return _rule_jvp(call_p, lambda *a, call: f(*a), "fun", primals, tangents,
+                   call=call)
+
+
+def _split_tangents(call, tangents):
+  prim_t = tangents[call.num_consts:]
   in_nz = tuple(type(t) is not C.Zero and possible
                 for t, possible in zip(prim_t, call.in_nz_possible))
   nz_tangents = [t for t, nz in zip(prim_t, in_nz) if nz]
@@ -61,6 +83,8 @@ def expand_tangents(call, nz_outs):
 # -- JVP (reached by jax.checkpoint and by non-direct linearize) --------------
 
 def _call_jvp(primals, tangents, *, call):
+  if _classify(call, [type(t) is not C.Zero for t in tangents]) == "closure":
+    return _closure_jvp(call, primals, tangents)
   in_nz, nz_tangents = _split_tangents(call, tangents)
   f_consts, primals = primals[:call.num_consts], primals[call.num_consts:]
   if not any(in_nz):
@@ -79,9 +103,9 @@ C.ad.primitive_jvps[call_p] = _call_jvp
 # -- direct linearize (jax.grad / jax.vjp by default) -------------------------
 
 def _call_linearize(is_vjp, nonzeros, *primals_in, call):
-  del is_vjp
-  if any(nonzeros[:call.num_consts]):
-    raise closure_error(call)
+  if _classify(call, nonzeros) == "closure":
+    return C.ad.fallback_linearize_rule(call_p, is_vjp, nonzeros, *primals_in,
+                                        call=call)
   f_consts, primals = primals_in[:call.num_consts], primals_in[call.num_consts:]
   in_nz = tuple(nz and possible for nz, possible in
                 zip(nonzeros[call.num_consts:], call.in_nz_possible))
@@ -89,12 +113,18 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return (outs, [False] * call.num_outs, [],
             lambda _res, *_t: expand_tangents(call, []))
-  fwd, fwd_consts = call.fwd_for(in_nz)
-  if fwd is None:  # only fwd_bwd was given: f now, fwd_bwd in the backward pass
-    primal_outs = call_p.bind(*f_consts, *primals, call=call)
+  eager = C.is_eval_trace() and not any(
+      isinstance(p, C.Tracer) for p in primals_in)
+  if call.rules.fwd is None:  # only fwd_bwd: f now, fwd_bwd in the backward pass
+    primal_outs = (eager_f(call, primals) if eager else
+                   call_p.bind(*f_consts, *primals, call=call))
     residuals, prim = list(primals), fused_lin_p
     params = dict(call=call, in_nz=in_nz)
+  elif eager:  # concrete values: call fwd itself, as jax.custom_vjp does
+    primal_outs, residuals, fwd = eager_fwd(call, in_nz, primals)
+    prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
   else:
+    fwd, fwd_consts = call.fwd_for(in_nz)
     primal_outs, residuals = bind_primal_and_residuals(
         call, fwd, f_consts, fwd_consts, primals)
     prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
@@ -226,8 +256,10 @@ def _rule_jvp(prim, impl, role, primals, tangents, /, **params):
                                  tuple(tangents))
   except Exception as e:  # noqa: BLE001 - re-raised naming the rule
     name = call.rules.rule_name(role)
+    what = ("differentiation with respect to values it closes over"
+            if role == "fun" else "higher-order differentiation")
     raise TypeError(
-        f"higher-order differentiation of smart_custom_vjp function "
+        f"{what} of smart_custom_vjp function "
         f"{call.name} needs the derivative of its {role} rule ({name}), "
         f"which JAX could not differentiate ({type(e).__name__}: {e}). "
         "Rules that are opaque kernels support one level of reverse mode; "

@@ -138,6 +138,11 @@ class smart_custom_vjp(Generic[ReturnValue]):
         are given, or when a given rule is not callable.
     """
     del optimize_remat  # always on
+    if not isinstance(symbolic_zeros, (bool, int)) or callable(symbolic_zeros):
+      raise TypeError(
+          f"smart_custom_vjp function {_fname(self.fun)}: defvjp's third "
+          f"argument is symbolic_zeros (a bool), got {type(symbolic_zeros).__name__}"
+          "; the fused rule is keyword-only: defvjp(fwd, bwd, fwd_bwd=...).")
     has_pair = fwd is not None and bwd is not None
     if (fwd is None) != (bwd is None) or not (has_pair or fwd_bwd is not None):
       given = [n for n, r in (("fwd", fwd), ("bwd", bwd), ("fwd_bwd", fwd_bwd))
@@ -171,6 +176,8 @@ class smart_custom_vjp(Generic[ReturnValue]):
     dyn = tuple(a for i, a in enumerate(args) if i not in self.nondiff_argnums)
     leaves, in_tree = tree_util.tree_flatten(dyn)
     avals = tuple(_aval(rules, dyn, i, x) for i, x in enumerate(leaves))
+    if C.is_eval_trace() and not any(isinstance(x, C.Tracer) for x in leaves):
+      return self.fun(*args)  # plain eager evaluation, as jax.custom_vjp
     call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
     outs = call_p.bind(*consts, *leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
@@ -212,21 +219,12 @@ def _aval(rules, dyn, i, x):
 
 
 def _resolve_kwargs(fun, args, kwargs):
-  if not kwargs:
-    return tuple(args)
   try:
-    ba = inspect.signature(fun).bind(*args, **kwargs)
+    return C.resolve_kwargs(fun, args, kwargs)
   except TypeError as e:
     raise TypeError(
         f"The input arguments to the smart_custom_vjp function {_fname(fun)} "
         f"could not be resolved to positional arguments: {e}") from e
-  ba.apply_defaults()
-  if ba.kwargs:
-    raise TypeError(
-        f"smart_custom_vjp function {_fname(fun)}: keyword-only arguments "
-        f"{list(ba.kwargs)} are not supported (as with jax.custom_vjp); pass "
-        "them positionally.")
-  return ba.args
 
 
 def _check_no_tracers(fun, args, i):

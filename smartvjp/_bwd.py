@@ -8,6 +8,7 @@ and cotangents of integer inputs ignored (they are ``float0``).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _compat as C
@@ -55,6 +56,8 @@ def _bind_rule(call, which, key, user, inputs, cts):
   """
   zero_in = tuple(type(c) is C.SymbolicZero for c in cts)
   args = [*inputs, *(c for c, z in zip(cts, zero_in) if not z)]
+  if C.is_eval_trace() and not any(isinstance(a, C.Tracer) for a in args):
+    return user(inputs, cts)  # concrete values: run the rule itself, eagerly
   avals = tuple(C.get_aval(a) for a in args)
   cache_key = (which, key, avals, zero_in, C.config_key())
   hit = call.rule_cache.get(cache_key)
@@ -78,6 +81,10 @@ def _bind_rule(call, which, key, user, inputs, cts):
   outs = iter(rule_p.bind(*consts, *args, call=call, which=which, jaxpr=jaxpr))
   return [C.Zero(_ct_aval(a)) if z else next(outs)
           for a, z in zip(call.in_avals, zero_out)]
+
+
+def _inexact(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _ct_aval(aval):
@@ -151,6 +158,12 @@ def flatten_cotangents(call, out, which: str) -> list:
           TypeError, rules, which,
           f"returned a value of type {type(ct).__name__} at "
           f"output{tree_util.keystr(path)}, which is not a JAX array.") from None
+    if (got.shape == ct_aval.shape and got.dtype != ct_aval.dtype
+        and _inexact(ct_aval.dtype) and _inexact(got.dtype)):
+      # jax.custom_vjp lets a float cotangent of another precision through
+      # (mixed precision); we cast it to the input's cotangent dtype
+      ct = ct.astype(ct_aval.dtype)
+      got = C.get_aval(ct)
     if got.shape != ct_aval.shape or got.dtype != ct_aval.dtype:
       raise rule_error(
           ValueError, rules, which,

@@ -95,6 +95,17 @@ def device_memory_space():
   return core.mem_kind_to_space("device")
 
 
+def resolve_kwargs(fun: Callable, args, kwargs) -> tuple:
+  """Arguments to positions with defaults applied, exactly as jax.custom_vjp."""
+  from jax._src.api_util import resolve_kwargs as _resolve
+  return _resolve(fun, args, kwargs)
+
+
+def is_eval_trace() -> bool:
+  """True when no transformation is tracing (plain eager evaluation)."""
+  return isinstance(core.trace_ctx.trace, core.EvalTrace)
+
+
 def config_key() -> Any:
   """Everything in JAX's configuration that can change a trace (x64, ...)."""
   return _config.trace_context()

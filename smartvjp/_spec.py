@@ -50,8 +50,9 @@ class FwdSpec:
   where ``new_res`` are the residual leaves that are not simply inputs.
   ``res_src[i]`` is the position in ``[*consts, *primals]`` that residual leaf
   ``i`` forwards, or ``None`` when it is the next of ``new_res``.
+  ``jaxpr`` is ``None`` for a ``fwd`` that ran eagerly (see ``eager_fwd``).
   """
-  jaxpr: C.ClosedJaxpr
+  jaxpr: C.ClosedJaxpr | None
   num_consts: int
   res_tree: Any
   res_avals: tuple
@@ -175,24 +176,49 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
   return spec, consts
 
 
+def _call_fwd(call: CallSpec, in_nz, primals):
+  """Calls the user's ``fwd``; checks it; returns ``(outs, res, res_tree)``."""
+  rules = call.rules
+  pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
+  if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+    raise rule_error(
+        TypeError, rules, "fwd",
+        "must return a pair (primal_output, residuals), "
+        f"but returned {describe_tree(pair)}.")
+  primal_out, res = pair
+  _check_primal_out(call, primal_out)
+  check_jax_leaves(res, rules, "fwd", "residuals")
+  res_leaves, res_tree = tree_util.tree_flatten(res)
+  return tree_util.tree_leaves(primal_out), res_leaves, res_tree
+
+
+def eager_f(call: CallSpec, primals) -> list:
+  """``f`` called on concrete values (flat outputs)."""
+  with jax.named_scope(f"smartvjp/{call.name}/f"):
+    return tree_util.tree_leaves(call.rules.fun(*call.full_args(primals)))
+
+
+def eager_fwd(call: CallSpec, in_nz, primals):
+  """``fwd`` called on concrete values, as ``jax.custom_vjp`` does eagerly.
+
+  Returns ``(primal_outs, residuals, spec)``; ``spec`` has no jaxpr and
+  describes the residuals for ``bwd``.
+  """
+  with jax.named_scope(f"smartvjp/{call.name}/fwd"):
+    outs, res, res_tree = _call_fwd(call, tuple(in_nz), primals)
+  spec = FwdSpec(jaxpr=None, num_consts=0, res_tree=res_tree,
+                 res_avals=tuple(C.get_aval(r) for r in res),
+                 res_src=(None,) * len(res), new_res_names=(None,) * len(res),
+                 perturbed=tuple(in_nz))
+  return outs, res, spec
+
+
 def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   rules = call.rules
   store = {}
 
   def fwd_flat(*primals):
-    args = call.full_args(call.fwd_inputs(primals, in_nz))
-    pair = rules.fwd(*args)
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-      raise rule_error(
-          TypeError, rules, "fwd",
-          "must return a pair (primal_output, residuals), "
-          f"but returned {describe_tree(pair)}.")
-    primal_out, res = pair
-    _check_primal_out(call, primal_out)
-    check_jax_leaves(res, rules, "fwd", "residuals")
-    out_leaves = tree_util.tree_leaves(primal_out)
-    res_leaves, res_tree = tree_util.tree_flatten(res)
-    store["res_tree"] = res_tree
+    out_leaves, res_leaves, store["res_tree"] = _call_fwd(call, in_nz, primals)
     return [*out_leaves, *res_leaves]
 
   closed, consts = C.trace_to_closed_jaxpr(

@@ -108,11 +108,19 @@ def test_bwd_wrong_shape_or_dtype(remat):
                      r"output\[1\].*has type float32\[2,3\]"):
     grad_of(make(bwd=my_bwd), remat)(X, X)
 
+  def my_bwd_int(res, g):
+    x, y = res
+    return g["out"] * y, (g["out"] * x).astype(jnp.int32)
+  with pytest.raises(ValueError, match=r"int32\[2,3\] at output\[1\]"):
+    grad_of(make(bwd=my_bwd_int))(X, X)
+
+
+def test_other_float_precision_is_cast_like_jax_allows():
   def my_bwd16(res, g):
     x, y = res
     return g["out"] * y, (g["out"] * x).astype(jnp.float16)
-  with pytest.raises(ValueError, match=r"float16\[2,3\] at output\[1\]"):
-    grad_of(make(bwd=my_bwd16))(X, X)
+  gx, gy = grad_of(make(bwd=my_bwd16))(X, X)
+  assert gy.dtype == jnp.float32
 
 
 def test_fwd_bwd_wrong_output():
@@ -143,7 +151,7 @@ def test_keyword_only_arguments_are_refused_clearly():
     return x * scale
   F = smart_custom_vjp(my_f)
   F.defvjp(lambda x, scale: (x, None), lambda r, g: (g,))
-  with pytest.raises(TypeError, match=r"my_f.*keyword-only"):
+  with pytest.raises(TypeError, match=r"my_f could not be resolved.*scale"):
     F(X, scale=2.0)
 
 

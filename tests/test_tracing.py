@@ -35,14 +35,37 @@ def counted_rules():
 def test_pure_evaluation_never_traces_fwd_or_bwd():
   F, traces = counted_rules()
   x = jnp.ones(3)
+  F(x)   # eager: f runs on concrete values, as in jax.custom_vjp
   F(x)
-  F(x)
-  jax.jit(F)(x)
-  jax.jit(lambda x: F(x) + 1)(x)
-  jax.vmap(lambda x: x)(x)
-  assert traces == {"f": 1, "fwd": 0, "bwd": 0}
-  F(jnp.ones(4))  # a new shape is a new signature
-  assert traces["f"] == 2
+  assert traces == {"f": 2, "fwd": 0, "bwd": 0}
+  jax.jit(F)(x)                     # traced once for this signature ...
+  jax.jit(lambda x: F(x) + 1)(x)    # ... and reused by another program
+  jax.vmap(F)(jnp.ones((2, 3)))     # the batched spec is traced from the jaxpr
+  assert traces == {"f": 3, "fwd": 0, "bwd": 0}
+  jax.jit(F)(jnp.ones(4))  # a new shape is a new signature
+  assert traces["f"] == 4
+
+
+def test_eager_rules_see_concrete_values():
+  @smart_custom_vjp
+  def f(x):   # traced under differentiation (see design/limitations.md)
+    return jnp.sin(x) * (x[0] > 0)
+
+  def f_fwd(x):
+    scale = float(x[0] > 0)
+    return jnp.sin(x) * scale, (jnp.cos(x), scale)
+
+  def f_bwd(res, g):
+    c, scale = res
+    assert not isinstance(g, jax.core.Tracer)   # bwd runs on concrete values
+    return (c * g * float(np.asarray(scale)),)
+
+  f.defvjp(f_fwd, f_bwd)
+  x = jnp.array([0.5, 1.0])
+  np.testing.assert_allclose(f(x), np.sin(x))
+  # eager grad: fwd and bwd run on concrete values (float() works in them)
+  np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(f(x)))(x), np.cos(x),
+                             rtol=1e-6)
 
 
 def test_fwd_traced_once_and_jit_does_not_retrace():
@@ -59,9 +82,10 @@ def test_fwd_traced_once_and_jit_does_not_retrace():
 
 def test_weak_type_and_dtype_are_part_of_the_signature():
   F, traces = counted_rules()
-  F(1.0)              # weak f32
-  F(jnp.float32(1))   # strong f32
-  F(jnp.float32(2))
+  g = lambda x: F(x) * 1
+  jax.make_jaxpr(g)(1.0)              # weak f32
+  jax.make_jaxpr(g)(jnp.float32(1))   # strong f32
+  jax.make_jaxpr(g)(jnp.float32(2))
   assert traces["f"] == 2
 
 
@@ -102,20 +126,51 @@ def test_closure_over_constant_and_nondifferentiated_tracer():
   np.testing.assert_allclose(g(x, c), c)
 
 
-def test_differentiating_a_closed_over_value_is_an_error():
-  def make(k):
-    @smart_custom_vjp
-    def f_closing(x):
-      return x * k
+def make_closing(k):
+  @smart_custom_vjp
+  def f_closing(x):
+    return jnp.sin(x * k)
 
-    f_closing.defvjp(lambda x: (x * k, None), lambda _, g: (g * k,))
-    return f_closing
+  f_closing.defvjp(lambda x: (jnp.sin(x * k), jnp.cos(x * k) * k),
+                   lambda c, g: (c * g,))
+  return f_closing
 
-  x = jnp.array([3.0, 4.0])
+
+def test_closed_over_value_and_arguments_moved_together_is_an_error():
+  x = jnp.array([0.3, 0.4])
   for remat in (False, True):
     def loss(k):
-      F = make(k)
+      F = make_closing(k)
       F = jax.checkpoint(F) if remat else F
-      return jnp.sum(F(x))
-    with pytest.raises(TypeError, match="f_closing.*closes over"):
+      return jnp.sum(F(x * k))
+    with pytest.raises(TypeError, match="f_closing.*closes over.*same "
+                       "transformation"):
       jax.grad(loss)(jnp.float32(2.0))
+
+
+def test_outer_derivative_through_a_closure_gradient_penalty():
+  """grad_s of a function of grad_x: the inner rules close over s. jax.custom_vjp
+  differentiates through the rules' operations; so do we."""
+  xs = jnp.array([0.3, 0.5])
+
+  def outer(cls, remat):
+    def run(s):
+      h = cls(lambda x: jnp.sin(s * x))
+      h.defvjp(lambda x: (jnp.sin(s * x), jnp.cos(s * x) * s),
+               lambda c, g: (c * g,))
+      H = jax.checkpoint(h) if remat else h
+      gx = jax.grad(lambda x: jnp.sum(H(x)))(xs)
+      return jnp.sum(gx ** 2)
+    return run
+
+  for remat in (False, True):
+    ours = jax.jit(jax.grad(outer(smart_custom_vjp, remat)))(1.3)
+    ref = jax.grad(outer(jax.custom_vjp, remat))(1.3)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5)
+
+
+def test_derivative_only_through_a_closure_differentiates_f():
+  # jax.custom_vjp raises here; smartvjp differentiates f (JAX code) itself
+  x = jnp.array([0.3, 0.4])
+  g = jax.grad(lambda k: jnp.sum(make_closing(k)(x)))(jnp.float32(2.0))
+  np.testing.assert_allclose(g, np.sum(np.cos(x * 2.0) * x), rtol=1e-6)
