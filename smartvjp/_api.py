@@ -58,13 +58,15 @@ class smart_custom_vjp(Generic[ReturnValue]):
   * under ``jax.checkpoint`` when the policy saves the residuals: ``fwd``
     in the forward pass, ``bwd`` in the backward pass, ``f`` never.
 
-  How a policy decides: a residual that ``fwd`` wraps in
-  ``jax.ad_checkpoint.checkpoint_name(r, name)`` is decided by asking the
-  policy about that name (so ``save_only_these_names`` works); unnamed
-  residuals by asking it about the call's own primitive
-  (``everything_saveable`` saves; ``nothing_saveable``, ``dots_saveable``
-  recompute). All saveable: save; otherwise recompute all (saving a part would
-  still need ``fwd`` again in the backward region).
+  How a policy decides: each residual ``fwd`` computes is saveable if the
+  policy says so for the equation of ``fwd``'s jaxpr producing it (a
+  ``jax.ad_checkpoint.checkpoint_name(r, name)`` makes that the name, so
+  ``save_only_these_names`` works; a ``dot_general`` output is saveable under
+  ``dots_saveable``; a kernel's output is not) or for the call itself
+  (``everything_saveable`` saves, ``nothing_saveable`` recomputes). All
+  saveable (or offloadable): they are kept, with the primal outputs the
+  backward pass needs; otherwise everything is recomputed, since keeping a
+  part would still need ``fwd`` again in the backward region.
 
   Design: jax-ml/jax#21303 (the seed issue) and the ``optimize_remat`` DCE
   rule of jax-ml/jax#22735, which this replaces by partial-evaluation rules

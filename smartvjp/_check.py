@@ -45,18 +45,41 @@ class PrimalMismatchError(ValueError):
   """``f`` and ``fwd`` disagree on the primal output beyond the tolerance."""
 
 
-@contextlib.contextmanager
-def check_primals(mode: str = "raise", rtol: float = 1e-5, atol: float = 1e-6):
-  """Within this context, compare ``f`` with ``fwd`` wherever both run.
+class check_primals(contextlib.ContextDecorator):
+  """``with check_primals(...):`` compares ``f`` with ``fwd`` wherever both run.
+
+  Both run for a rematerialized call whose ``fwd`` computes residuals: ``f``
+  in the forward pass, ``fwd`` in the backward region (when ``fwd``'s
+  residuals are all inputs, ``fwd`` never runs and there is nothing to check).
+  The setting is read when a program is traced.
 
   Args:
-    mode: ``"raise"`` (a :class:`PrimalMismatchError`, surfaced by JAX when
-      the computation runs), ``"warn"`` (a ``RuntimeWarning``) or ``"off"``.
+    mode: ``"raise"`` (a :class:`PrimalMismatchError`; under ``jit`` JAX
+      surfaces it as its runtime error carrying this message), ``"warn"`` (a
+      ``RuntimeWarning``) or ``"off"``.
     rtol, atol: tolerances as in ``numpy.allclose``, per output leaf.
+
+  Raises:
+    ValueError: for an unknown mode or a negative tolerance (at once).
   """
-  with _option(f"{mode}:{rtol!r}:{atol!r}" if mode != "off" else "off"):
-    _settings()  # validate now
-    yield
+
+  def __init__(self, mode: str = "raise", rtol: float = 1e-5,
+               atol: float = 1e-6):
+    if mode not in ("off", "warn", "raise"):
+      raise ValueError(f"check_primals mode must be 'off', 'warn' or 'raise', "
+                       f"got {mode!r}.")
+    if rtol < 0 or atol < 0:
+      raise ValueError(f"check_primals tolerances must be >= 0, got "
+                       f"rtol={rtol}, atol={atol}.")
+    value = "off" if mode == "off" else f"{mode}:{rtol!r}:{atol!r}"
+    self._ctx = _option(value)
+
+  def __enter__(self):
+    self._ctx.__enter__()
+    return self
+
+  def __exit__(self, *exc):
+    return self._ctx.__exit__(*exc)
 
 
 def maybe_check(call, f_consts, primals, fwd_outs) -> None:

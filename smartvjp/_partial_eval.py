@@ -35,11 +35,14 @@ def residual_policy(saveable, eqn):
   ``fwd`` computes: ``None`` to save it in place, or the memory space to
   offload it to (``Offloadable.dst``).
 
-  Each residual that ``fwd`` wrapped in ``checkpoint_name(r, name)`` is
-  decided by asking the policy about that ``name_p`` equation, as it would be
-  asked inside ``fwd``'s own jaxpr; the unnamed ones by asking it about the
-  call's own primitive (so ``everything_saveable`` saves while
-  ``nothing_saveable`` and ``dots_saveable`` recompute). Residuals that are
+  A residual is saveable if the policy says so, as it would be asked inside
+  ``fwd``'s own jaxpr, for the equation producing it (a ``checkpoint_name``
+  equation, so ``save_only_these_names`` works; through it, the equation
+  producing the named value; so a ``dot_general`` output under
+  ``dots_saveable`` is saveable, as with ``jax.custom_vjp`` and JAX-coded
+  rules, while a Pallas or callback output is not), or for the call's own
+  primitive (so ``everything_saveable`` saves and ``nothing_saveable``
+  recomputes). Residuals that are
   inputs of the call cost nothing to keep and are not asked about. If every
   residual asked about is saveable or offloadable, the residuals are kept (the
   forward pass runs ``fwd``, the backward pass only ``bwd``); otherwise
@@ -50,18 +53,20 @@ def residual_policy(saveable, eqn):
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   if fwd is None or fwd.num_new_res == 0:
     return None  # nothing to keep; f is never dearer than fwd
-  new_res_avals = fwd.jaxpr.out_avals[call.num_outs:]
-  call_answer = None
+  call_answer = C.policy_answer(
+      saveable, jvp_p, [v.aval for v in eqn.invars], eqn.params)
+  recompute = type(C.Recompute)
   answers = []
-  for name, aval in zip(fwd.new_res_names, new_res_avals):
-    if name is not None:
-      answers.append(C.policy_answer(saveable, C.name_p, [aval],
-                                     dict(name=name)))
-      continue
-    if call_answer is None:
-      call_answer = C.policy_answer(
-          saveable, jvp_p, [v.aval for v in eqn.invars], eqn.params)
-    answers.append(call_answer)
+  chains = fwd.new_res_eqns or ((),) * fwd.num_new_res
+  for chain in chains:
+    answer = call_answer
+    for producer in chain:   # checkpoint_name's equation, then the named value's
+      if not isinstance(answer, recompute):
+        break
+      answer = C.policy_answer(saveable, producer.primitive,
+                               [v.aval for v in producer.invars],
+                               producer.params)
+    answers.append(answer)
   if any(isinstance(a, type(C.Recompute)) for a in answers):
     return None
   return tuple(C.memory_space(a.dst) if isinstance(a, C.Offloadable) else None

@@ -59,6 +59,9 @@ class FwdSpec:
   res_src: tuple
   new_res_names: tuple
   perturbed: tuple
+  # per new residual, the equations of fwd's jaxpr a remat policy is asked
+  # about: its producer and, through checkpoint_name, the named value's one
+  new_res_eqns: tuple = ()
 
   @property
   def num_new_res(self) -> int:
@@ -230,6 +233,7 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   in_pos = {v: i for i, v in enumerate(jaxpr.invars)}
   names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
            if e.primitive is C.name_p}
+  producers = {v: e for e in jaxpr.eqns for v in e.outvars}
   res_src = tuple(in_pos.get(v) if isinstance(v, C.Var) else None
                   for v in res_vars)
   new_res = [v for v, s in zip(res_vars, res_src) if s is None]
@@ -242,8 +246,20 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       res_src=res_src,
       new_res_names=tuple(names.get(v) if isinstance(v, C.Var) else None
                           for v in new_res),
-      perturbed=in_nz)
+      perturbed=in_nz,
+      new_res_eqns=tuple(_producers(v, producers) for v in new_res))
   return spec, consts
+
+
+def _producers(v, producers) -> tuple:
+  chain = []
+  while isinstance(v, C.Var) and v in producers:
+    eqn = producers[v]
+    chain.append(eqn)
+    if eqn.primitive is not C.name_p:
+      break
+    v = eqn.invars[0]
+  return tuple(chain)
 
 
 def _check_primal_out(call: CallSpec, primal_out) -> None:

@@ -68,5 +68,10 @@ def test_global_option_and_bad_values():
   finally:
     jax.config.update("smartvjp_check_primals", None)
   with pytest.raises(ValueError, match="must be 'off', 'warn' or 'raise'"):
-    with smartvjp.check_primals("loud"):
-      pass
+    smartvjp.check_primals("loud")   # refused at once, not only on entry
+  with pytest.raises(ValueError, match="must be 'off', 'warn' or 'raise'"):
+    jax.config.update("smartvjp_check_primals", "loud")
+    try:
+      remat_grad(make(0.0))(X)
+    finally:
+      jax.config.update("smartvjp_check_primals", None)

@@ -162,3 +162,50 @@ def test_offloaded_named_residual(never_dce, linearize_mode):
         {"fwd": 1, "bwd": 1}, X)
   jaxpr = str(jax.make_jaxpr(jax.grad(loss(F, True, p)))(X))
   assert "<host>" in jaxpr and "device_put" in jaxpr
+
+
+def _jax_coded_matmul(extra_unnamed=False):
+  def f(x, w):
+    return jnp.tanh(x @ w)
+
+  def fwd(x, w):
+    y = checkpoint_name(x @ w, "y")
+    res = (x, w, y, jnp.sum(x, 1)) if extra_unnamed else (x, w, y)
+    return jnp.tanh(y), res
+
+  def bwd(res, g):
+    x, w, y = res[:3]
+    d = g * (1 - jnp.tanh(y) ** 2)
+    return d @ w.T, x.T @ d
+
+  F = smart_custom_vjp(f)
+  F.defvjp(fwd, bwd)
+  return F
+
+
+def _forward_pass(F, policy):
+  x, w = jnp.ones((4, 3)), jnp.full((3, 2), 0.1)
+  text = str(jax.make_jaxpr(jax.grad(
+      lambda x, w: jnp.sum(jax.checkpoint(F, policy=policy)(x, w)),
+      (0, 1)))(x, w))
+  return text.split("remat2")[0]   # the equations before the backward region
+
+
+@pytest.mark.parametrize("policy,runs", [
+    (jax.checkpoint_policies.dots_saveable, "smartvjp_fwd"),       # dot output
+    (jax.checkpoint_policies.nothing_saveable, "smartvjp_call"),
+    (jax.checkpoint_policies.save_only_these_names("y"), "smartvjp_fwd"),
+    (jax.checkpoint_policies.save_only_these_names("z"), "smartvjp_call"),
+])
+def test_policy_asks_about_the_equation_producing_each_residual(policy, runs):
+  forward = _forward_pass(_jax_coded_matmul(), policy)
+  assert runs in forward
+  assert {"smartvjp_fwd", "smartvjp_call"} - {runs} & set(forward.split()) == set()
+
+
+def test_an_unsaveable_unnamed_residual_recomputes_the_call():
+  # y is named and saveable, but sum(x, 1) is not: fwd would be needed in the
+  # backward region anyway, so f runs forward and fwd backward
+  forward = _forward_pass(_jax_coded_matmul(extra_unnamed=True),
+                          jax.checkpoint_policies.save_only_these_names("y"))
+  assert "smartvjp_call" in forward and "smartvjp_fwd" not in forward
