@@ -36,15 +36,25 @@ from smartvjp import smart_custom_vjp  # noqa: E402
 COSTS = {"f": 0.7, "fwd": 1.0, "bwd": 1.0, "fwd_bwd": 1.6}
 
 
+_WORK_SIZE = 4096
+
+
+def _step(a):
+  # single-threaded numpy ufuncs: no BLAS thread pool competing with XLA
+  return np.sin(a) * 1.0001
+
+
 def calibrate(unit_ms: float) -> int:
-  """Iterations of a 64x64 float64 matmul that take ``unit_ms``."""
-  a = np.random.default_rng(0).standard_normal((64, 64))
-  n = 200
-  t0 = time.perf_counter()
-  for _ in range(n):
-    a = np.tanh(a @ a * 0.01)
-  per = (time.perf_counter() - t0) / n
-  return max(1, int(unit_ms / 1e3 / per))
+  """Iterations of an elementwise numpy step that take ``unit_ms``."""
+  a = np.linspace(0.0, 1.0, _WORK_SIZE)
+  n = 2000
+  best = float("inf")
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for _ in range(n):
+      a = _step(a)
+    best = min(best, (time.perf_counter() - t0) / n)
+  return max(1, int(unit_ms / 1e3 / best))
 
 
 class Work:
@@ -52,13 +62,13 @@ class Work:
 
   def __init__(self, iters_per_unit):
     self.iters = iters_per_unit
-    self.a = np.random.default_rng(1).standard_normal((64, 64))
+    self.a = np.linspace(0.0, 1.0, _WORK_SIZE)
 
   def units(self, c):
     a = self.a
     for _ in range(int(round(c * self.iters))):
-      a = np.tanh(a @ a * 0.01)
-    return float(a[0, 0]) * 0.0
+      a = _step(a)
+    return float(a[0]) * 0.0
 
 
 def make_rules(work: Work):
@@ -122,7 +132,7 @@ def stack_loss(F, layers, remat):
   return loss
 
 
-def median_time(fn, x, repeats):
+def median_time(fn, x, repeats):  # used for the heat simulator
   jax.block_until_ready(fn(x))
   times = []
   for _ in range(repeats):
@@ -132,30 +142,42 @@ def median_time(fn, x, repeats):
   return statistics.median(times)
 
 
-def measure_kernel_costs(work, repeats):
-  out = {}
-  for name, c in COSTS.items():
-    ts = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      work.units(c)
-      ts.append(time.perf_counter() - t0)
-    out[name] = statistics.median(ts)
-  return out
-
-
 def run_stack(work, layers, repeats):
+  """Interleaved rounds: each round times every program and every kernel once,
+  so drift on a noisy machine hits all of them alike; medians over rounds."""
   x = jnp.linspace(-1.0, 1.0, 256, dtype=jnp.float32)
-  costs = measure_kernel_costs(work, repeats)
+  programs = {(remat, name): jax.jit(jax.grad(stack_loss(F, layers, remat)))
+              for remat in (True, False)
+              for name, F in implementations(work).items()}
+  # each kernel alone, as a jitted callback (so the bound includes the
+  # callback's own dispatch cost, which every implementation pays)
+  f, fwd, bwd, fb = make_rules(work)
+  kernels = {"f": jax.jit(f), "fwd": jax.jit(fwd),
+             "bwd": jax.jit(lambda x: bwd(x, x)),
+             "fwd_bwd": jax.jit(lambda x: fb(x, x))}
+  for fn in [*programs.values(), *kernels.values()]:
+    jax.block_until_ready(fn(x))
+  times = {k: [] for k in programs}
+  kernel_times = {k: [] for k in COSTS}
+  for _ in range(repeats):
+    for key, fn in programs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(x))
+      times[key].append(time.perf_counter() - t0)
+    for name, fn in kernels.items():
+      for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        kernel_times[name].append(time.perf_counter() - t0)
+  costs = {k: statistics.median(v) for k, v in kernel_times.items()}
   rows = []
   for remat in (True, False):
-    base = None
-    for name, F in implementations(work).items():
-      t = median_time(jax.jit(jax.grad(stack_loss(F, layers, remat))), x, repeats)
+    base = statistics.median(times[remat, "jax.custom_vjp"])
+    for name in implementations(work):
+      t = statistics.median(times[remat, name])
       bound = layers * sum(costs[k] * n for k, n in SCHEDULES[remat, name].items())
-      base = base or t
       rows.append((remat, name, t, t / base, t / bound))
-  ideal = (2 * COSTS["fwd"] + COSTS["bwd"]) / (COSTS["f"] + COSTS["fwd"] + COSTS["bwd"])
+  ideal = (2 * costs["fwd"] + costs["bwd"]) / (costs["f"] + costs["fwd"] + costs["bwd"])
   return rows, costs, ideal
 
 
@@ -201,7 +223,7 @@ def _times(fn, repeats):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--layers", type=int, default=16)
-  p.add_argument("--unit-ms", type=float, default=4.0)
+  p.add_argument("--unit-ms", type=float, default=8.0)
   p.add_argument("--repeats", type=int, default=7)
   args = p.parse_args(argv)
   work = Work(calibrate(args.unit_ms))
@@ -209,7 +231,7 @@ def main(argv=None):
         f"{args.unit_ms} ms of numpy work; {args.layers} layers; median of "
         f"{args.repeats}\n")
   rows, costs, ideal = run_stack(work, args.layers, args.repeats)
-  print("kernel alone: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in
+  print("each kernel alone (jitted callback): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in
                                       costs.items()))
   print(f"\n{'checkpoint':10s} {'implementation':16s} {'step':>9s} "
         f"{'vs jax.custom_vjp':>18s} {'vs lower bound':>15s}")
@@ -219,7 +241,7 @@ def main(argv=None):
   smart = next(r for r in rows if r[0] and r[1] == "smartvjp")
   speedup = 1 / smart[3]
   print(f"\nremat speed-up of smartvjp over jax.custom_vjp: {speedup:.3f}x; "
-        f"ideal (2 fwd + bwd)/(f + fwd + bwd) = {ideal:.3f}x; achieved "
+        f"ideal (2 fwd + bwd)/(f + fwd + bwd), measured costs = {ideal:.3f}x; achieved "
         f"{speedup / ideal:.3f} of ideal (goal >= 0.95)")
   worst = max(r[4] for r in rows if r[1].startswith("smartvjp"))
   print(f"smartvjp worst ratio to its lower bound: {worst:.3f}x (goal <= 1.05)")
