@@ -49,3 +49,12 @@ def test_counts_benchmark_smartvjp_column():
   assert table["grad(checkpoint(F))"]["jax.custom_vjp"][0] == {"fwd": 2,
                                                                 "bwd": 1}
   assert table["jax.jvp (forward mode)"]["jax.custom_vjp"][2] == "TypeError"
+
+
+def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path):
+  gpu = load_from("benchmarks", "gpu_mlp")
+  out = tmp_path / "smoke.json"
+  rows = gpu.main(["--smoke", "--out", str(out)])
+  assert {r["impl"] for r in rows} == set(gpu.IMPLS)
+  assert all(r["step_s"] > 0 and r["program_memory_bytes"] for r in rows)
+  assert out.exists()
