@@ -58,3 +58,8 @@ def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path):
   assert {r["impl"] for r in rows} == set(gpu.IMPLS)
   assert all(r["step_s"] > 0 and r["program_memory_bytes"] for r in rows)
   assert out.exists()
+
+
+def test_architecture_walkthrough_is_current():
+  walk = load_from("design", "walkthrough")
+  assert walk.main(["--check"]) == 0, "run: python design/walkthrough.py"
