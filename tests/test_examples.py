@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+
 def load(name):
   return load_from("examples", name)
 
