@@ -104,6 +104,17 @@ def fmt_bytes(n):
   return f"{n} B"
 
 
+def time_compiled(compiled, args, repeats):
+  """Median wall time of ``compiled(*args)`` after one warm-up call."""
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
 def run(workload, layers, m, d, dtype, repeats, interpret, block):
   params, x = make_inputs(workload, layers, m, d, dtype)
   device = jax.devices()[0]
@@ -111,13 +122,7 @@ def run(workload, layers, m, d, dtype, repeats, interpret, block):
   for impl in IMPLS:
     fn = stack_grad(build(workload, impl, interpret, block), workload)
     compiled = fn.lower(params, x).compile()
-    jax.block_until_ready(compiled(params, x))
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(params, x))
-      times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
+    t = time_compiled(compiled, (params, x), repeats)
     mem = program_memory(compiled)
     if workload == "gelu_matmul":
       work = 6 * m * d * d * layers

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +36,7 @@ def measure(layers_list, m, d, repeats):
     for impl in G.IMPLS:
       fn = G.stack_grad(G.build("gelu_matmul", impl, interpret, 32), "gelu_matmul")
       compiled = fn.lower(params, x).compile()
-      jax.block_until_ready(compiled(params, x))
-      ts = []
-      for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(params, x))
-        ts.append(time.perf_counter() - t0)
-      results[impl].append((layers, statistics.median(ts),
+      results[impl].append((layers, G.time_compiled(compiled, (params, x), repeats),
                             G.program_memory(compiled)))
   return results
 

@@ -91,13 +91,7 @@ class HeatSimulator:
 
   def apply_with_residuals(self, T0):
     CALLS["apply_with_residuals"] += 1
-    T = np.asarray(T0, np.float64)
-    checkpoints = []
-    for n in range(self.nt):
-      if n % self.stride == 0:
-        checkpoints.append(T)
-      T = self.step(T)
-    return T, np.stack(checkpoints)
+    return self._forward_with_checkpoints(T0)
 
   def bwd(self, checkpoints, g):
     CALLS["bwd"] += 1
@@ -106,13 +100,17 @@ class HeatSimulator:
 
   def vector_jacobian_product(self, T0, g):
     CALLS["vector_jacobian_product"] += 1
+    _, checkpoints = self._forward_with_checkpoints(T0)   # recomputed inside
+    return self._adjoint(checkpoints, np.asarray(g, np.float64))
+
+  def _forward_with_checkpoints(self, T0):
     T = np.asarray(T0, np.float64)
     checkpoints = []
     for n in range(self.nt):
       if n % self.stride == 0:
         checkpoints.append(T)
       T = self.step(T)
-    return self._adjoint(np.stack(checkpoints), np.asarray(g, np.float64))
+    return T, np.stack(checkpoints)
 
   def _adjoint(self, checkpoints, lam):
     for seg in reversed(range(len(checkpoints))):
