@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 from typing import Any, Callable, Generic, Sequence, TypeVar
@@ -15,6 +16,7 @@ from smartvjp._primitives import call_p
 from smartvjp._spec import Rules, trace_call
 
 ReturnValue = TypeVar("ReturnValue")
+_CACHE_SIZE = 256
 
 
 class smart_custom_vjp(Generic[ReturnValue]):
@@ -102,7 +104,7 @@ class smart_custom_vjp(Generic[ReturnValue]):
     self.symbolic_zeros = False
     self.optimize_remat = False
     self._rules: Rules | None = None
-    self._cache: dict = {}
+    self._cache: collections.OrderedDict = collections.OrderedDict()
 
   def __getattr__(self, name):
     # like jax.custom_vjp: attributes of the wrapped function show through
@@ -163,7 +165,7 @@ class smart_custom_vjp(Generic[ReturnValue]):
     self._rules = Rules(fun=self.fun, fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd,
                         symbolic_zeros=self.symbolic_zeros,
                         nondiff_argnums=self.nondiff_argnums)
-    self._cache = {}
+    self._cache = collections.OrderedDict()
 
   def __call__(self, *args: Any, **kwargs: Any) -> ReturnValue:
     rules = self._rules
@@ -185,14 +187,20 @@ class smart_custom_vjp(Generic[ReturnValue]):
     return tree_util.tree_unflatten(call.out_tree, outs)
 
   def _spec(self, rules, nondiff, num_args, in_tree, avals):
+    """The traced ``f`` for this signature: an LRU cache of ``_CACHE_SIZE``
+    signatures per function (unhashable nondiff arguments key by identity,
+    so each new one is a new signature, as with ``jax.jit``)."""
     key = (in_tree, avals, tuple(_static_key(v) for v in nondiff),
            num_args, C.config_key())
     hit = self._cache.get(key)
     if hit is not None:
+      self._cache.move_to_end(key)
       return hit
     call, consts = trace_call(rules, nondiff, num_args, in_tree, avals)
     if not any(isinstance(c, C.Tracer) for c in consts):
       self._cache[key] = (call, consts)
+      if len(self._cache) > _CACHE_SIZE:
+        self._cache.popitem(last=False)
     return call, consts
 
 

@@ -174,3 +174,11 @@ def test_derivative_only_through_a_closure_differentiates_f():
   x = jnp.array([0.3, 0.4])
   g = jax.grad(lambda k: jnp.sum(make_closing(k)(x)))(jnp.float32(2.0))
   np.testing.assert_allclose(g, np.sum(np.cos(x * 2.0) * x), rtol=1e-6)
+
+
+def test_signature_cache_is_bounded():
+  import smartvjp._api as api
+  F, traces = counted_rules()
+  for n in range(api._CACHE_SIZE + 10):
+    jax.make_jaxpr(F)(jnp.ones(n + 1))
+  assert len(F._cache) == api._CACHE_SIZE
