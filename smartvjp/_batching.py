@@ -16,7 +16,6 @@ of leaves), call the user's functions on the unbatched pytrees inside
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import jax
 import jax.numpy as jnp

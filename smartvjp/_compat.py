@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import jax
 from jax._src import config as _config
 from jax._src import core
-from jax._src import dispatch as _dispatch
 from jax._src import linear_util as lu
 from jax._src import source_info_util
 from jax._src.ad_checkpoint import name_p
@@ -28,10 +26,12 @@ __all__ = [
     "core", "lu", "ad", "pe", "mlir", "batching", "source_info_util",
     "Zero", "SymbolicZero", "CustomVJPPrimal", "float0", "name_p",
     "Primitive", "ClosedJaxpr", "Jaxpr", "JaxprEqn", "Var", "Literal", "Tracer",
-    "new_primitive", "trace_to_closed_jaxpr", "config_key", "apply_primitive",
-    "register_lowering_from_impl", "instantiate_zeros", "policy_answer",
-    "Saveable", "Recompute", "Offloadable", "new_jaxpr_eqn", "is_undefined_primal",
-    "only_unordered_debug_effects", "get_aval", "bind_on", "eqn_effects",
+    "Recompute", "Offloadable", "new_jaxpr_eqn", "is_undefined_primal",
+    "instantiate_zeros", "get_aval", "typecompat",
+    "new_primitive", "trace_to_closed_jaxpr", "register_weak_param_type",
+    "memory_space", "device_memory_space", "resolve_kwargs", "is_eval_trace",
+    "config_key", "register_lowering_from_impl", "policy_answer",
+    "only_unordered_debug_effects", "pp_eqn", "define_string_option",
 ]
 
 Primitive = core.Primitive
@@ -41,7 +41,6 @@ JaxprEqn = core.JaxprEqn
 Var = core.Var
 Literal = core.Literal
 Tracer = core.Tracer
-Saveable = pe.Saveable
 Recompute = pe.Recompute
 Offloadable = pe.Offloadable
 new_jaxpr_eqn = pe.new_jaxpr_eqn
@@ -111,10 +110,6 @@ def config_key() -> Any:
   return _config.trace_context()
 
 
-def apply_primitive(prim: Primitive, *args, **params):
-  return _dispatch.apply_primitive(prim, *args, **params)
-
-
 def register_lowering_from_impl(prim: Primitive, impl: Callable) -> None:
   """Lowers ``prim`` by tracing ``impl`` (which evaluates its jaxprs)."""
   mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
@@ -134,20 +129,6 @@ def only_unordered_debug_effects(effects) -> bool:
   return all(isinstance(e, DebugEffect) for e in effects)
 
 
-def bind_on(trace, prim: Primitive, args, params):
-  with core.set_current_trace(trace):
-    return prim.bind(*args, **params)
-
-
-def eqn_effects(jaxpr: ClosedJaxpr):
-  return jaxpr.effects
-
-
-def dce_sub_jaxpr(jaxpr: Jaxpr, used_outputs: Sequence[bool]):
-  return pe.dce_jaxpr(jaxpr, list(used_outputs))
-
-
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 
 def pp_eqn(eqn, context, settings):

@@ -50,7 +50,7 @@ def residual_policy(saveable, eqn):
   ``fwd`` + ``bwd`` or ``fwd_bwd``), because keeping only some residuals would
   still need ``fwd`` in the backward region, which is never cheaper.
   """
-  call, fwd = eqn.params["call"], eqn.params["fwd"]
+  fwd = eqn.params["fwd"]
   if fwd is None or fwd.num_new_res == 0:
     return None  # nothing to keep; f is never dearer than fwd
   call_answer = C.policy_answer(
@@ -67,7 +67,7 @@ def residual_policy(saveable, eqn):
                                [v.aval for v in producer.invars],
                                producer.params)
     answers.append(answer)
-  if any(isinstance(a, type(C.Recompute)) for a in answers):
+  if any(isinstance(a, recompute) for a in answers):
     return None
   return tuple(C.memory_space(a.dst) if isinstance(a, C.Offloadable) else None
                for a in answers)

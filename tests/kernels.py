@@ -16,7 +16,6 @@ import collections
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 from jax.interpreters import mlir

@@ -6,7 +6,6 @@ import sys
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 EX = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
