@@ -188,10 +188,12 @@ class smart_custom_vjp(Generic[ReturnValue]):
 
   def _spec(self, rules, nondiff, num_args, in_tree, avals):
     """The traced ``f`` for this signature: an LRU cache of ``_CACHE_SIZE``
-    signatures per function (unhashable nondiff arguments key by identity,
-    so each new one is a new signature, as with ``jax.jit``)."""
-    key = (in_tree, avals, tuple(_static_key(v) for v in nondiff),
-           num_args, C.config_key())
+    signatures per function. Nondiff arguments are part of the key by type
+    and value; unhashable ones are traced afresh at every call."""
+    static = tuple(_static_key(v) for v in nondiff)
+    if any(k is None for k in static):   # unhashable: it may be mutated
+      return trace_call(rules, nondiff, num_args, in_tree, avals)
+    key = (in_tree, avals, static, num_args, C.config_key())
     hit = self._cache.get(key)
     if hit is not None:
       self._cache.move_to_end(key)
@@ -209,11 +211,16 @@ def _fname(fun) -> str:
 
 
 def _static_key(v):
+  """A cache key for a nondiff value that tells ``True``, ``1`` and ``1.0``
+  apart; ``None`` when unhashable (never cached: it could be mutated)."""
   try:
     hash(v)
-    return ("hash", v)
   except TypeError:
-    return ("id", id(v))
+    return None
+  if type(v) in (tuple, list):
+    parts = tuple(_static_key(e) for e in v)
+    return None if any(p is None for p in parts) else (type(v), parts)
+  return (type(v), v)
 
 
 def _aval(rules, dyn, i, x):

@@ -91,7 +91,9 @@ def maybe_check(call, f_consts, primals, fwd_outs) -> None:
 
   def compare(f_vals, fwd_vals):
     for i, (a, b) in enumerate(zip(f_vals, fwd_vals)):
-      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      kind = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) \
+          else np.float64
+      a, b = np.asarray(a, kind), np.asarray(b, kind)
       if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
         msg = (f"smartvjp check_primals: f ({names[0]}) and fwd ({names[1]}) "
                f"disagree at primal output leaf {i}: max abs difference "

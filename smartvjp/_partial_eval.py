@@ -114,7 +114,7 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
         [*residuals, *tangents], eqn.outvars[n_out:], lin_p,
         dict(call=call, fwd=fwd, in_nz=eqn.params["in_nz"], reload=reload),
         set(), eqn.source_info, eqn.ctx)
-    inst_of = dict(zip(eqn.invars, inst_in))
+    inst_of = {v: i for v, i in zip(eqn.invars, inst_in) if type(v) is C.Var}
     forwarded = [r for r in residuals
                  if type(r) is C.Var and r not in new_res and not inst_of[r]]
     inst_out = [False] * n_out + [True] * n_tan

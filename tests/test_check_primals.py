@@ -75,3 +75,16 @@ def test_global_option_and_bad_values():
       remat_grad(make(0.0))(X)
     finally:
       jax.config.update("smartvjp_check_primals", None)
+
+
+def test_complex_outputs_are_compared_in_full():
+  @smart_custom_vjp
+  def f_c(x):
+    return x * 1j
+
+  f_c.defvjp(lambda x: (x * 2j, jnp.ones_like(x)), lambda r, g: (g * r,))
+  with smartvjp.check_primals("raise"):
+    with pytest.raises(Exception, match="disagree"):
+      jax.grad(lambda x: jnp.sum(jax.checkpoint(f_c)(x)).real)(
+          jnp.ones(2, jnp.complex64))
+      jax.effects_barrier()

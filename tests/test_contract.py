@@ -209,3 +209,17 @@ def test_an_unsaveable_unnamed_residual_recomputes_the_call():
   forward = _forward_pass(_jax_coded_matmul(extra_unnamed=True),
                           jax.checkpoint_policies.save_only_these_names("y"))
   assert "smartvjp_call" in forward and "smartvjp_fwd" not in forward
+
+
+def test_literal_argument_with_saved_residuals(linearize_mode):
+  # a Python constant argument becomes a Literal in the jaxpr
+  def build(cls):
+    F = cls(lambda x, y: jnp.sin(x) * y)
+    F.defvjp(lambda x, y: (jnp.sin(x) * y, (jnp.cos(x), jnp.sin(x), y)),
+             lambda r, g: (g * r[0] * r[2], jnp.sum(g * r[1])))
+    return F
+  p = jax.checkpoint_policies.everything_saveable
+  grads = [jax.grad(lambda x: jnp.sum(jax.checkpoint(
+      lambda x: build(cls)(x, 2.0), policy=p)(x)))(X)
+      for cls in (smart_custom_vjp, jax.custom_vjp)]
+  np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6)

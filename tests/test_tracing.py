@@ -182,3 +182,29 @@ def test_signature_cache_is_bounded():
   for n in range(api._CACHE_SIZE + 10):
     jax.make_jaxpr(F)(jnp.ones(n + 1))
   assert len(F._cache) == api._CACHE_SIZE
+
+
+def test_nondiff_values_that_compare_equal_are_different_signatures():
+  import functools
+  full = lambda k: jnp.full((2,), k[0] if isinstance(k, tuple) else k)
+  F = functools.partial(smart_custom_vjp, nondiff_argnums=(1,))(
+      lambda x, k: (x * 2, full(k)))
+  F.defvjp(lambda x, k: ((x * 2, full(k)), None),
+           lambda k, r, g: (g[0] * 2,))
+  dtypes = [jax.jit(lambda x: F(x, k))(jnp.ones(2))[1].dtype
+            for k in (True, 1, 1.0, (1,), (1.0,))]
+  assert [d.name for d in dtypes] == ["bool", "int32", "float32", "int32",
+                                      "float32"]
+
+
+def test_unhashable_nondiff_values_are_read_at_every_call():
+  import functools
+  F = functools.partial(smart_custom_vjp, nondiff_argnums=(0,))(
+      lambda cfg, x: x * cfg["scale"])
+  F.defvjp(lambda cfg, x: (x * cfg["scale"], None),
+           lambda cfg, r, g: (g * cfg["scale"],))
+  cfg = {"scale": 5.0}
+  first = jax.jit(lambda x: F(cfg, x))(jnp.ones(2))
+  cfg["scale"] = 6.0    # mutated in place: not a stale cache entry
+  second = jax.jit(lambda x: F(cfg, x))(jnp.ones(2))
+  np.testing.assert_allclose([first[0], second[0]], [5.0, 6.0])
