@@ -14,6 +14,7 @@ from smartvjp import _ad, _batching, _partial_eval  # noqa: F401  (rules)
 from smartvjp._errors import rule_error
 from smartvjp._primitives import call_p
 from smartvjp._spec import Rules, trace_call
+from smartvjp._static import static_key
 
 ReturnValue = TypeVar("ReturnValue")
 _CACHE_SIZE = 256
@@ -188,9 +189,9 @@ class smart_custom_vjp(Generic[ReturnValue]):
 
   def _spec(self, rules, nondiff, num_args, in_tree, avals):
     """The traced ``f`` for this signature: an LRU cache of ``_CACHE_SIZE``
-    signatures per function. Nondiff arguments are part of the key by type
-    and value; unhashable ones are traced afresh at every call."""
-    static = tuple(_static_key(v) for v in nondiff)
+    signatures per function. Nondiff arguments are part of the key (see
+    ``_static.static_key``); unhashable ones are traced afresh at every call."""
+    static = tuple(static_key(v) for v in nondiff)
     if any(k is None for k in static):   # unhashable: it may be mutated
       return trace_call(rules, nondiff, num_args, in_tree, avals)
     key = (in_tree, avals, static, num_args, C.config_key())
@@ -208,19 +209,6 @@ class smart_custom_vjp(Generic[ReturnValue]):
 
 def _fname(fun) -> str:
   return getattr(fun, "__name__", repr(fun))
-
-
-def _static_key(v):
-  """A cache key for a nondiff value that tells ``True``, ``1`` and ``1.0``
-  apart; ``None`` when unhashable (never cached: it could be mutated)."""
-  try:
-    hash(v)
-  except TypeError:
-    return None
-  if type(v) in (tuple, list):
-    parts = tuple(_static_key(e) for e in v)
-    return None if any(p is None for p in parts) else (type(v), parts)
-  return (type(v), v)
 
 
 def _aval(rules, dyn, i, x):

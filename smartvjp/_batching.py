@@ -29,9 +29,9 @@ from smartvjp._primitives import (
 from smartvjp._spec import CallSpec, Rules, trace_call
 
 
-def _vmap(fn, in_axes, axis_data):
-  return jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_size=axis_data.size,
-                  axis_name=axis_data.name,
+def _vmap(fn, in_axes, axis_data, out_axes=0):
+  return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes,
+                  axis_size=axis_data.size, axis_name=axis_data.name,
                   spmd_axis_name=axis_data.spmd_name)
 
 
@@ -49,33 +49,42 @@ def _sum_unbatched(cts, in_dims):
                for c, d in zip(cts, in_dims))
 
 
-def _split_symbolic(g_leaves):
-  """Array leaves to map over, and a function rebuilding the full leaves."""
+def _split_symbolic(g_leaves, out_dims):
+  """Array leaves to map over (with their axes), and a function rebuilding the
+  full leaves."""
   zeros = [type(g) is C.SymbolicZero for g in g_leaves]
   arrays = [g for g, z in zip(g_leaves, zeros) if not z]
-  unbatched = [C.SymbolicZero(_unbatched_aval(g.aval)) if z else None
-               for g, z in zip(g_leaves, zeros)]
+  axes = [d for d, z in zip(out_dims, zeros) if not z]
+  unbatched = [C.SymbolicZero(_unbatched_aval(g.aval) if d is not None
+                              else g.aval) if z else None
+               for g, z, d in zip(g_leaves, zeros, out_dims)]
 
   def rebuild(arrays_in):
     it = iter(arrays_in)
     return [u if z else next(it) for u, z in zip(unbatched, zeros)]
-  return arrays, rebuild
+  return arrays, axes, rebuild
 
 
 def _unbatched_aval(aval):
   return aval.update(shape=aval.shape[1:])
 
 
-def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
-  """The user's rules under vmap, over flat leaves (batched ones at axis 0)."""
+def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
+                  out_dims):
+  """The user's rules under vmap, over flat leaves (batched ones at axis 0).
+
+  ``out_dims`` (0 or None per output) says which primal outputs are batched;
+  cotangents of unbatched outputs are unbatched.
+  """
   rules = call.rules
   n = call.num_primals
+  out_dims = list(out_dims)
 
   def fun(*leaves):
     def one(consts, leaves):
       return tuple(C.core.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
-    return _vmap(one, (list(const_dims), list(in_dims)), axis_data)(
-        list(consts), list(leaves))
+    return _vmap(one, (list(const_dims), list(in_dims)), axis_data,
+                 tuple(out_dims))(list(consts), list(leaves))
 
   def fwd(*leaves):
     if rules.symbolic_zeros:
@@ -87,16 +96,17 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
     def one(*vals):
       out, res = rules.fwd(*call.full_args(call.fwd_inputs(vals, perturbed)))
       return tuple(tree_util.tree_leaves(out)), res
-    return _vmap(one, list(in_dims), axis_data)(*vals)
+    return _vmap(one, list(in_dims), axis_data, (tuple(out_dims), 0))(*vals)
 
   def bwd(res, g):
-    arrays, rebuild = _split_symbolic(list(g))
+    arrays, axes, rebuild = _split_symbolic(list(g), out_dims)
 
     def one(res, arrays):
       cts = flatten_cotangents(call, _call_bwd(rules, call, res, rebuild(arrays)),
                                "bwd")
       return _none_for_zeros(cts)
-    return _sum_unbatched(_vmap(one, (0, 0), axis_data)(res, arrays), in_dims)
+    out = _vmap(one, (0, axes), axis_data)(res, arrays)
+    return _sum_unbatched(out, in_dims)
 
   def fwd_bwd(*args):
     leaves, g = args[:n], args[n]
@@ -105,14 +115,14 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
       perturbed = [l.perturbed for l in leaves]
     else:
       vals, perturbed = list(leaves), [True] * n
-    arrays, rebuild = _split_symbolic(list(g))
+    arrays, axes, rebuild = _split_symbolic(list(g), out_dims)
 
     def one(vals, arrays):
       args = call.full_args(call.fwd_inputs(vals, perturbed))
       py_g = tree_util.tree_unflatten(call.out_tree, rebuild(arrays))
       cts = flatten_cotangents(call, rules.fwd_bwd(*args, py_g), "fwd_bwd")
       return _none_for_zeros(cts)
-    out = _vmap(one, (list(in_dims), 0), axis_data)(vals, arrays)
+    out = _vmap(one, (list(in_dims), axes), axis_data)(vals, arrays)
     return _sum_unbatched(out, in_dims)
 
   return Rules(
@@ -135,14 +145,19 @@ def _batched_avals(call, in_dims, axis_data):
                if d is not None else a for a, d in zip(call.in_avals, in_dims))
 
 
-def batched_call(call, consts, const_dims, in_dims, axis_data):
-  """``(batched CallSpec, its consts)``; ``in_dims`` are 0 or None."""
-  key = (tuple(const_dims), tuple(in_dims), axis_data)
+def batched_call(call, consts, const_dims, in_dims, axis_data, out_dims=None):
+  """``(batched CallSpec, its consts)``; ``in_dims`` are 0 or None.
+
+  ``out_dims``: which outputs are batched (default: all, as the JVP needs,
+  since a tangent can be batched where its primal is not).
+  """
+  out_dims = tuple(out_dims) if out_dims is not None else (0,) * call.num_outs
+  key = (tuple(const_dims), tuple(in_dims), out_dims, axis_data)
   cacheable = not any(isinstance(c, C.Tracer) for c in consts)
   hit = call.batch_cache.get(key) if cacheable else None
   if hit is not None:
     return hit
-  rules = batched_rules(call, consts, const_dims, in_dims, axis_data)
+  rules = batched_rules(call, consts, const_dims, in_dims, axis_data, out_dims)
   in_avals = _batched_avals(call, in_dims, axis_data)
   in_tree = tree_util.tree_structure(tuple(range(len(in_avals))))
   out = trace_call(rules, (), len(in_avals), in_tree, in_avals)
@@ -157,7 +172,7 @@ def linear_only_call(call, in_dims, axis_data):
   hit = call.batch_cache.get(key)
   if hit is not None:
     return hit
-  rules = batched_rules(call, (), (), in_dims, axis_data)
+  rules = batched_rules(call, (), (), in_dims, axis_data, [0] * call.num_outs)
   in_avals = _batched_avals(call, in_dims, axis_data)
   out_avals = tuple(C.core.unmapped_aval(axis_data.size, 0, a,
                                          axis_data.explicit_mesh_axis)
@@ -193,9 +208,13 @@ def _call_batch(axis_data, args, dims, *, call):
   consts, primals = args[:call.num_consts], args[call.num_consts:]
   cdims, pdims = dims[:call.num_consts], dims[call.num_consts:]
   primals, pdims = _to_front_or_none(axis_data, primals, pdims)
-  bcall, bconsts = batched_call(call, consts, cdims, pdims, axis_data)
+  # outputs that depend on no batched input stay unbatched, as with JAX
+  _, out_batched = C.batching.batch_jaxpr(
+      call.jaxpr, axis_data, [d is not None for d in (*cdims, *pdims)], False)
+  out_dims = [0 if b else None for b in out_batched]
+  bcall, bconsts = batched_call(call, consts, cdims, pdims, axis_data, out_dims)
   outs = call_p.bind(*bconsts, *primals, call=bcall)
-  return outs, [0] * len(outs)
+  return outs, out_dims
 
 
 # -- smartvjp_fwd: batch the traced jaxpr, keep the output layout -------------
@@ -257,14 +276,11 @@ def _jvp_batch_tangents_only(axis_data, call, fwd, in_nz, f_consts, fwd_consts,
 
 
 def _batch_primals_of_batched_tangents(pdims, tdims, in_nz):
-  """Tangents are always mapped at 0 (broadcast if needed); a primal whose
-  tangent is mapped gets mapped too, so the batched rules see one batch."""
-  tdims_full = iter(tdims)
-  new_pdims = []
-  for d, nz in zip(pdims, in_nz):
-    td = next(tdims_full) if nz else None
-    new_pdims.append(d if d is not None or td is None else "broadcast")
-  return new_pdims, tdims
+  """Tangents are always mapped at 0 (broadcast if needed), so a primal with
+  a tangent gets mapped too: the batched rules then see one batch, and
+  ``bwd``'s cotangent for it is per example, like its tangent."""
+  return [d if d is not None or not nz else "broadcast"
+          for d, nz in zip(pdims, in_nz)], tdims
 
 
 def _lin_batch(axis_data, args, dims, *, call, fwd, in_nz, reload):

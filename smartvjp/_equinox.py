@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from smartvjp._api import smart_custom_vjp
+from smartvjp._static import static_key
 
 
 def _eqx():
@@ -36,29 +37,26 @@ def _is_none(x):
 
 
 class _Hashable:
-  """A static pytree (no arrays) compared by structure and leaves, so that the
+  """A static pytree (no arrays) keyed by structure and leaves, so that the
   traced rules are reused across calls with equal static parts."""
 
-  __slots__ = ("tree", "_key")
+  __slots__ = ("tree", "_smartvjp_static_key")
 
   def __init__(self, tree):
     leaves, treedef = jtu.tree_flatten(tree)
     self.tree = tree
-    self._key = (treedef, tuple(_leaf_key(leaf) for leaf in leaves))
+    keys = tuple(static_key(leaf) for leaf in leaves)
+    # an unhashable leaf: no key, so the rules are traced at every call
+    self._smartvjp_static_key = (
+        (treedef, keys) if all(k is not None for k in keys) else None)
 
   def __hash__(self):
-    return hash(self._key)
+    return hash(self._smartvjp_static_key) if self._smartvjp_static_key \
+        is not None else id(self)
 
   def __eq__(self, other):
-    return isinstance(other, _Hashable) and self._key == other._key
-
-
-def _leaf_key(leaf):
-  try:
-    hash(leaf)
-    return (type(leaf), leaf)
-  except TypeError:
-    return (type(leaf), id(leaf))
+    return (isinstance(other, _Hashable)
+            and self._smartvjp_static_key == other._smartvjp_static_key)
 
 
 def _zero_to_none(ct):

@@ -141,3 +141,47 @@ def test_vmap_of_jax_coded_rules_with_pytrees():
   gr = jax.jit(jax.grad(loss(ref), (0, 1)))(p, X)
   jax.tree_util.tree_map(
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), gs, gr)
+
+
+def test_outputs_independent_of_batched_inputs_stay_unbatched():
+  def fun(x, w):
+    return jnp.sin(x) * w, jnp.cos(w)
+
+  def fwd(x, w):
+    return fun(x, w), (x, w)
+
+  def bwd(r, g):
+    x, w = r
+    return g[0] * jnp.cos(x) * w, g[0] * jnp.sin(x) - g[1] * jnp.sin(w)
+
+  s = smart_custom_vjp(fun)
+  s.defvjp(fwd, bwd)
+  a, b = jax.vmap(s, in_axes=(0, None), out_axes=(0, None))(X, W)
+  assert a.shape == X.shape and b.shape == W.shape
+  loss = lambda F: (lambda x, w: jnp.sum(
+      jax.vmap(F, in_axes=(0, None), out_axes=(0, None))(x, w)[1] ** 2
+      + jax.vmap(F, in_axes=(0, None))(x, w)[0]))
+  gs = jax.grad(loss(s), (0, 1))(X, W)
+  gr = jax.grad(loss(fun), (0, 1))(X, W)
+  for a, b in zip(gs, gr):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_mode_under_vmap_of_tangents_or_primals():
+  def fun(x, w):
+    return jnp.sin(x) * w
+
+  s = smart_custom_vjp(fun)
+  s.defvjp(lambda x, w: (fun(x, w), (jnp.cos(x), jnp.sin(x), w)),
+           lambda r, g: (g * r[0] * r[2], g * r[1]))
+  x = jnp.array([0.3, 0.7, 1.1])
+  ws = jnp.stack([x + 1, x + 2])
+  for F in (s,):
+    got = jax.vmap(lambda w: jax.jvp(F, (x, w), (x, x))[1])(ws)
+    want = jax.vmap(lambda w: jax.jvp(fun, (x, w), (x, x))[1])(ws)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  hvp = lambda F: (lambda xx: jax.jvp(jax.grad(
+      lambda w: jnp.sum(jax.checkpoint(F)(xx, x + 1) ** 2)), (x + 1,), (x,))[1])
+  xs = jnp.stack([x, 2 * x])
+  np.testing.assert_allclose(jax.vmap(hvp(s))(xs), jax.vmap(hvp(fun))(xs),
+                             rtol=1e-5, atol=1e-6)

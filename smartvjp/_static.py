@@ -1,0 +1,36 @@
+"""Cache keys for static (nondiff) values.
+
+Python's ``==`` conflates values that trace differently (``True == 1 == 1.0``,
+``0.0 == -0.0``, a dataclass of either), so a key is built from types and
+values for the builtin scalars and tuples, and from identity for any other
+hashable object (kept alive by the cache entry that holds it). Unhashable
+values get no key: they may be mutated, so they are traced at every call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_SCALARS = (type(None), bool, int, str, bytes, complex)
+
+
+def static_key(v: Any):
+  """A hashable key that equals another only for interchangeable values, or
+  ``None`` when ``v`` is unhashable."""
+  try:
+    hash(v)
+  except TypeError:
+    return None
+  t = type(v)
+  if t in _SCALARS:
+    return (t, v)
+  if t is float:
+    return (t, v, math.copysign(1.0, v)) if v == v else (t, "nan")
+  if isinstance(v, (tuple, list)):    # tuples, namedtuples
+    parts = tuple(static_key(e) for e in v)
+    return None if any(p is None for p in parts) else (t, parts)
+  if hasattr(v, "_smartvjp_static_key"):   # a wrapper that keys itself
+    own = v._smartvjp_static_key
+    return None if own is None else (t, own)
+  return (t, "id", id(v))
