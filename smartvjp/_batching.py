@@ -49,12 +49,16 @@ def _sum_unbatched(cts, in_dims):
                for c, d in zip(cts, in_dims))
 
 
-def _split_symbolic(g_leaves, out_dims):
+def _split_symbolic(g_leaves, out_dims, size):
   """Array leaves to map over (with their axes), and a function rebuilding the
   full leaves."""
   zeros = [type(g) is C.SymbolicZero for g in g_leaves]
   arrays = [g for g, z in zip(g_leaves, zeros) if not z]
   axes = [d for d, z in zip(out_dims, zeros) if not z]
+  # every example's bwd sees an unbatched output's cotangent; bwd is linear
+  # in it, so each gets 1/size of it and the sum over examples counts it once
+  arrays = [g / size if d is None and jnp.issubdtype(g.dtype, jnp.inexact)
+            else g for g, d in zip(arrays, axes)]
   unbatched = [C.SymbolicZero(_unbatched_aval(g.aval) if d is not None
                               else g.aval) if z else None
                for g, z, d in zip(g_leaves, zeros, out_dims)]
@@ -99,7 +103,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
     return _vmap(one, list(in_dims), axis_data, (tuple(out_dims), 0))(*vals)
 
   def bwd(res, g):
-    arrays, axes, rebuild = _split_symbolic(list(g), out_dims)
+    arrays, axes, rebuild = _split_symbolic(list(g), out_dims, axis_data.size)
 
     def one(res, arrays):
       cts = flatten_cotangents(call, _call_bwd(rules, call, res, rebuild(arrays)),
@@ -115,7 +119,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
       perturbed = [l.perturbed for l in leaves]
     else:
       vals, perturbed = list(leaves), [True] * n
-    arrays, axes, rebuild = _split_symbolic(list(g), out_dims)
+    arrays, axes, rebuild = _split_symbolic(list(g), out_dims, axis_data.size)
 
     def one(vals, arrays):
       args = call.full_args(call.fwd_inputs(vals, perturbed))
