@@ -87,3 +87,24 @@ def test_opaque_rule_error_names_the_rule():
   F.defvjp(fwd, bwd)
   with pytest.raises(TypeError, match=r"derivative of its (fwd|bwd) rule \((fwd|bwd)\)"):
     jax.grad(jax.grad(lambda x: jnp.sum(F(x))))(jnp.float32(0.5))
+
+
+def test_hessian_under_remat_when_bwd_calls_another_custom_function():
+  def inner(cls):
+    G = cls(lambda x: 2 * x)
+    G.defvjp(lambda x: (2 * x, None), lambda r, g: (2 * g,))
+    return G
+
+  def outer(cls):
+    G = inner(cls)
+    F = cls(jnp.sin)
+    F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda r, g: (G(g) / 2 * r,))
+    return F
+
+  x = jnp.array([0.3, 0.5, 0.7])
+  want = jax.hessian(lambda x: jnp.sum(jnp.sin(x)))(x)
+  F = outer(smart_custom_vjp)
+  for remat in (False, True):
+    G = jax.checkpoint(F) if remat else F
+    got = jax.jit(jax.hessian(lambda x: jnp.sum(G(x))))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
