@@ -334,28 +334,31 @@ C.ad.primitive_jvps[fused_lin_p] = _fused_lin_jvp
 # -- a smart_custom_vjp call in a linear position ------------------------------
 
 def _call_transpose(cts, *args, call):
-  """Transpose of a call that JAX found linear in its inputs (for instance
-  inside a ``bwd`` that forward mode transposes): its VJP, from ``fwd`` (or
-  ``fwd_bwd``) at zero inputs, since a linear map's VJP does not depend on
-  the point."""
+  """Transpose of a call that JAX found linear in its inputs (for instance a
+  ``bwd`` that calls another smart_custom_vjp function, transposed by
+  forward mode): the transpose of ``f``'s own traced jaxpr, which JAX checks
+  is linear; an ``f`` that is not (or is opaque) gets JAX's error, as a
+  ``jax.custom_vjp`` function does."""
   consts, primals = args[:call.num_consts], args[call.num_consts:]
   if (any(C.is_undefined_primal(c) for c in consts)
       or not all(C.is_undefined_primal(p) for p in primals)):
     raise NotImplementedError(
         f"smart_custom_vjp function {call.name} is used linearly in only some "
         "of its arguments; its transpose needs all of them linear.")
-  zeros = [jax.numpy.zeros(p.aval.shape, p.aval.dtype) for p in primals]
-  in_nz = call.in_nz_possible
-  cts_out = _full_cts(call, [c for c, nz in zip(cts, call.out_nz) if nz])
-  if call.rules.fwd is None:
-    cts_in = run_fwd_bwd(call, zeros, in_nz, cts_out)
-  else:
-    fwd, fwd_consts = call.fwd_for(in_nz)
-    _, res = bind_primal_and_residuals(call, fwd, list(consts), fwd_consts,
-                                       zeros)
-    cts_in = run_bwd(call, fwd, res, cts_out)
-  return [None] * call.num_consts + [
-      None if type(c) is C.Zero else c for c in cts_in]
+  avals = [jax.ShapeDtypeStruct(p.aval.shape, p.aval.dtype) for p in primals]
+
+  def f(*xs):
+    return eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f", [*consts, *xs])
+
+  try:
+    transposed = jax.linear_transpose(f, *avals)
+  except Exception as e:  # noqa: BLE001 - re-raised naming f
+    raise NotImplementedError(
+        f"Transpose rule for smart_custom_vjp function {call.name} used in a "
+        f"linear position: its f is not linear JAX code ({type(e).__name__}: "
+        f"{e})") from e
+  return [None] * call.num_consts + list(transposed(
+      [C.instantiate_zeros(c) for c in cts]))
 
 
 C.ad.primitive_transposes[call_p] = _call_transpose

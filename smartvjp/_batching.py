@@ -49,46 +49,34 @@ def _sum_unbatched(cts, in_dims):
                for c, d in zip(cts, in_dims))
 
 
-def _split_symbolic(g_leaves, out_dims, size):
-  """Array leaves to map over (with their axes), and a function rebuilding the
-  full leaves."""
+def _split_symbolic(g_leaves):
+  """Array leaves to map over, and a function rebuilding the full leaves."""
   zeros = [type(g) is C.SymbolicZero for g in g_leaves]
   arrays = [g for g, z in zip(g_leaves, zeros) if not z]
-  axes = [d for d, z in zip(out_dims, zeros) if not z]
-  # every example's bwd sees an unbatched output's cotangent; bwd is linear
-  # in it, so each gets 1/size of it and the sum over examples counts it once
-  arrays = [g / size if d is None and jnp.issubdtype(g.dtype, jnp.inexact)
-            else g for g, d in zip(arrays, axes)]
-  unbatched = [C.SymbolicZero(_unbatched_aval(g.aval) if d is not None
-                              else g.aval) if z else None
-               for g, z, d in zip(g_leaves, zeros, out_dims)]
+  unbatched = [C.SymbolicZero(_unbatched_aval(g.aval)) if z else None
+               for g, z in zip(g_leaves, zeros)]
 
   def rebuild(arrays_in):
     it = iter(arrays_in)
     return [u if z else next(it) for u, z in zip(unbatched, zeros)]
-  return arrays, axes, rebuild
+  return arrays, rebuild
 
 
 def _unbatched_aval(aval):
   return aval.update(shape=aval.shape[1:])
 
 
-def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
-                  out_dims):
-  """The user's rules under vmap, over flat leaves (batched ones at axis 0).
-
-  ``out_dims`` (0 or None per output) says which primal outputs are batched;
-  cotangents of unbatched outputs are unbatched.
-  """
+def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
+  """The user's rules under vmap, over flat leaves (batched ones at axis 0);
+  every output is batched (per-example values and cotangents)."""
   rules = call.rules
   n = call.num_primals
-  out_dims = list(out_dims)
 
   def fun(*leaves):
     def one(consts, leaves):
       return tuple(C.core.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
-    return _vmap(one, (list(const_dims), list(in_dims)), axis_data,
-                 tuple(out_dims))(list(consts), list(leaves))
+    return _vmap(one, (list(const_dims), list(in_dims)), axis_data)(
+        list(consts), list(leaves))
 
   def fwd(*leaves):
     if rules.symbolic_zeros:
@@ -100,16 +88,16 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
     def one(*vals):
       out, res = rules.fwd(*call.full_args(call.fwd_inputs(vals, perturbed)))
       return tuple(tree_util.tree_leaves(out)), res
-    return _vmap(one, list(in_dims), axis_data, (tuple(out_dims), 0))(*vals)
+    return _vmap(one, list(in_dims), axis_data)(*vals)
 
   def bwd(res, g):
-    arrays, axes, rebuild = _split_symbolic(list(g), out_dims, axis_data.size)
+    arrays, rebuild = _split_symbolic(list(g))
 
     def one(res, arrays):
       cts = flatten_cotangents(call, _call_bwd(rules, call, res, rebuild(arrays)),
                                "bwd")
       return _none_for_zeros(cts)
-    out = _vmap(one, (0, axes), axis_data)(res, arrays)
+    out = _vmap(one, (0, 0), axis_data)(res, arrays)
     return _sum_unbatched(out, in_dims)
 
   def fwd_bwd(*args):
@@ -119,14 +107,14 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
       perturbed = [l.perturbed for l in leaves]
     else:
       vals, perturbed = list(leaves), [True] * n
-    arrays, axes, rebuild = _split_symbolic(list(g), out_dims, axis_data.size)
+    arrays, rebuild = _split_symbolic(list(g))
 
     def one(vals, arrays):
       args = call.full_args(call.fwd_inputs(vals, perturbed))
       py_g = tree_util.tree_unflatten(call.out_tree, rebuild(arrays))
       cts = flatten_cotangents(call, rules.fwd_bwd(*args, py_g), "fwd_bwd")
       return _none_for_zeros(cts)
-    out = _vmap(one, (list(in_dims), axes), axis_data)(vals, arrays)
+    out = _vmap(one, (list(in_dims), 0), axis_data)(vals, arrays)
     return _sum_unbatched(out, in_dims)
 
   return Rules(
@@ -149,19 +137,14 @@ def _batched_avals(call, in_dims, axis_data):
                if d is not None else a for a, d in zip(call.in_avals, in_dims))
 
 
-def batched_call(call, consts, const_dims, in_dims, axis_data, out_dims=None):
-  """``(batched CallSpec, its consts)``; ``in_dims`` are 0 or None.
-
-  ``out_dims``: which outputs are batched (default: all, as the JVP needs,
-  since a tangent can be batched where its primal is not).
-  """
-  out_dims = tuple(out_dims) if out_dims is not None else (0,) * call.num_outs
-  key = (tuple(const_dims), tuple(in_dims), out_dims, axis_data)
+def batched_call(call, consts, const_dims, in_dims, axis_data):
+  """``(batched CallSpec, its consts)``; ``in_dims`` are 0 or None."""
+  key = (tuple(const_dims), tuple(in_dims), axis_data)
   cacheable = not any(isinstance(c, C.Tracer) for c in consts)
   hit = call.batch_cache.get(key) if cacheable else None
   if hit is not None:
     return hit
-  rules = batched_rules(call, consts, const_dims, in_dims, axis_data, out_dims)
+  rules = batched_rules(call, consts, const_dims, in_dims, axis_data)
   in_avals = _batched_avals(call, in_dims, axis_data)
   in_tree = tree_util.tree_structure(tuple(range(len(in_avals))))
   out = trace_call(rules, (), len(in_avals), in_tree, in_avals)
@@ -176,7 +159,7 @@ def linear_only_call(call, in_dims, axis_data):
   hit = call.batch_cache.get(key)
   if hit is not None:
     return hit
-  rules = batched_rules(call, (), (), in_dims, axis_data, [0] * call.num_outs)
+  rules = batched_rules(call, (), (), in_dims, axis_data)
   in_avals = _batched_avals(call, in_dims, axis_data)
   out_avals = tuple(C.core.unmapped_aval(axis_data.size, 0, a,
                                          axis_data.explicit_mesh_axis)
@@ -212,13 +195,15 @@ def _call_batch(axis_data, args, dims, *, call):
   consts, primals = args[:call.num_consts], args[call.num_consts:]
   cdims, pdims = dims[:call.num_consts], dims[call.num_consts:]
   primals, pdims = _to_front_or_none(axis_data, primals, pdims)
-  # outputs that depend on no batched input stay unbatched, as with JAX
+  bcall, bconsts = batched_call(call, consts, cdims, pdims, axis_data)
+  outs = call_p.bind(*bconsts, *primals, call=bcall)
+  # an output f computes from unbatched inputs only is the same for every
+  # example: return one copy, unbatched, as JAX does (its cotangent then
+  # reaches one example's rules, as with jax.custom_vjp)
   _, out_batched = C.batching.batch_jaxpr(
       call.jaxpr, axis_data, [d is not None for d in (*cdims, *pdims)], False)
-  out_dims = [0 if b else None for b in out_batched]
-  bcall, bconsts = batched_call(call, consts, cdims, pdims, axis_data, out_dims)
-  outs = call_p.bind(*bconsts, *primals, call=bcall)
-  return outs, out_dims
+  outs = [o if b else o[0] for o, b in zip(outs, out_batched)]
+  return outs, [0 if b else None for b in out_batched]
 
 
 # -- smartvjp_fwd: batch the traced jaxpr, keep the output layout -------------

@@ -88,3 +88,20 @@ def test_complex_outputs_are_compared_in_full():
       jax.grad(lambda x: jnp.sum(jax.checkpoint(f_c)(x)).real)(
           jnp.ones(2, jnp.complex64))
       jax.effects_barrier()
+
+
+def test_prng_key_outputs_are_compared_by_key_data():
+  @smart_custom_vjp
+  def f_key(x, k):
+    return x * jax.random.normal(k, x.shape), jax.random.split(k)[0]
+
+  def fwd(x, k):
+    n = jax.random.normal(k, x.shape)
+    return (x * n, jax.random.split(k)[0]), (n,)
+
+  f_key.defvjp(fwd, lambda r, g: (g[0] * r[0], None))
+  k = jax.random.key(0)
+  with smartvjp.check_primals("raise"):
+    g = jax.grad(lambda x: jnp.sum(jax.checkpoint(f_key)(x, k)[0]))(X)
+    jax.effects_barrier()
+  np.testing.assert_allclose(g, jax.random.normal(k, X.shape), rtol=1e-6)

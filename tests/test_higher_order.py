@@ -108,3 +108,10 @@ def test_hessian_under_remat_when_bwd_calls_another_custom_function():
     G = jax.checkpoint(F) if remat else F
     got = jax.jit(jax.hessian(lambda x: jnp.sum(G(x))))(x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_transpose_of_a_nonlinear_call_is_refused():
+  F = smart_custom_vjp(jnp.sin)
+  F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda r, g: (g * r,))
+  with pytest.raises(NotImplementedError):
+    jax.linear_transpose(F, X)(jnp.ones(3))

@@ -185,3 +185,39 @@ def test_forward_mode_under_vmap_of_tangents_or_primals():
   xs = jnp.stack([x, 2 * x])
   np.testing.assert_allclose(jax.vmap(hvp(s))(xs), jax.vmap(hvp(fun))(xs),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_fwd_may_touch_batched_inputs_for_an_unbatched_output():
+  def fun(x, w):
+    return x * w, w * 2
+
+  def fwd(x, w):
+    return (x * w, w * 2 + 0 * x), (x, w)   # same value, touches x
+
+  def bwd(r, g):
+    return g[0] * r[1], g[0] * r[0] + 2 * g[1]
+
+  s, ref = smart_custom_vjp(fun), jax.custom_vjp(fun)
+  for F in (s, ref):
+    F.defvjp(fwd, bwd)
+  loss = lambda F: (lambda x, w: jnp.sum(
+      jax.vmap(F, in_axes=(0, None))(x, w)[1]))
+  np.testing.assert_allclose(jax.grad(loss(s), 1)(X, W),
+                             jax.grad(loss(ref), 1)(X, W), rtol=1e-6)
+
+
+def test_nonlinear_bwd_sees_an_unbatched_cotangent_once_like_custom_vjp():
+  def both(x, w):
+    return x, w
+
+  def clip_bwd(_, g):
+    return jnp.clip(g[0], -1, 1), jnp.clip(g[1], -1, 1)
+
+  s, ref = smart_custom_vjp(both), jax.custom_vjp(both)
+  for F in (s, ref):
+    F.defvjp(lambda x, w: ((x, w), None), clip_bwd)
+  xs = jnp.array([[3.0], [0.5], [-2.0]])
+  w = jnp.array([1.0])
+  loss = lambda F: (lambda w: jnp.sum(jax.vmap(
+      lambda x, w: jnp.sum(F(x, w)[1] * x), in_axes=(0, None))(xs, w)))
+  np.testing.assert_allclose(jax.grad(loss(s))(w), jax.grad(loss(ref))(w))
