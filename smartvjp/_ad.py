@@ -141,11 +141,11 @@ C.ad.primitive_linearizations[call_p] = _call_linearize
 
 # -- transposes ---------------------------------------------------------------
 
-def _full_cts(call, cts):
-  it = iter(cts)
-  out = [next(it) if nz else C.Zero(a.to_tangent_aval())
-         for a, nz in zip(call.out_avals, call.out_nz)]
-  return out
+def _zero_cts_in(call, in_nz):
+  """The cotangents of the nonzero tangent inputs when every output's is zero
+  (the rule need not run)."""
+  return [C.Zero(a.to_tangent_aval()) for a, nz in zip(call.in_avals, in_nz)
+          if nz]
 
 
 def _nz_inputs(cts_in, in_nz):
@@ -154,10 +154,9 @@ def _nz_inputs(cts_in, in_nz):
 
 def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   n_res = len(fwd.res_avals)
-  cts_out = _full_cts(call, cts)
+  cts_out = expand_tangents(call, cts)
   if all(type(ct) is C.Zero for ct in cts_out):
-    return [None] * n_res + [C.Zero(a.to_tangent_aval()) for a, nz in
-                             zip(call.in_avals, in_nz) if nz]
+    return [None] * n_res + _zero_cts_in(call, in_nz)
   res = list(args[:n_res])
   if reload is not None:  # residuals a policy offloaded come back to device
     res = [jax.device_put(r, C.device_memory_space()) if back else r
@@ -168,10 +167,9 @@ def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
 
 def _fused_lin_transpose(cts, *args, call, in_nz):
   n = call.num_primals
-  cts_out = _full_cts(call, cts)
+  cts_out = expand_tangents(call, cts)
   if all(type(ct) is C.Zero for ct in cts_out):
-    return [None] * n + [C.Zero(a.to_tangent_aval()) for a, nz in
-                         zip(call.in_avals, in_nz) if nz]
+    return [None] * n + _zero_cts_in(call, in_nz)
   cts_in = run_fwd_bwd(call, args[:n], in_nz, cts_out)
   return [None] * n + _nz_inputs(cts_in, in_nz)
 
