@@ -178,7 +178,7 @@ def main():
   table = measure(x)
   plain = lambda x: jnp.sin(x)
   width = max(len(c) for c, *_ in CASES)
-  print(f"Kernel launches per gradient step ({jax.__version__}, "
+  print(f"Kernel launches per gradient step (jax {jax.__version__}, "
         f"{jax.devices()[0].platform}); Pallas interpret-mode kernels, "
         "never removed by DCE\n")
   print(f"{'program':<{width}} | " + " | ".join(f"{i:<22}" for i in IMPLS))

@@ -129,7 +129,7 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   return known, staged, unks_out, [True] * len(eqn.outvars), res
 
 
-C.pe.partial_eval_jaxpr_custom_rules[jvp_p] = _jvp_partial_eval_custom
+C.register_partial_eval_custom(jvp_p, _jvp_partial_eval_custom)
 
 
 # -- trace-time partial eval (remat backward pass, non-direct linearize) -------
@@ -144,7 +144,7 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, remat):
   vals = [t.pval.get_known() for t in known_tracers]
   f_consts, fwd_consts, primals, _ = split_jvp_args(vals, call, fwd)
   use_fused = fwd is None or (remat and call.rules.fwd_bwd is not None)
-  with C.core.set_current_trace(trace.parent_trace):
+  with C.set_current_trace(trace.parent_trace):
     if use_fused:
       primal_outs = call_p.bind(*f_consts, *primals, call=call)
       lin_inputs, prim = primals, fused_lin_p
@@ -161,4 +161,4 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, remat):
   return [*primal_outs, *tangent_outs]
 
 
-C.pe.custom_partial_eval_rules[jvp_p] = _jvp_partial_eval
+C.register_partial_eval(jvp_p, _jvp_partial_eval)

@@ -44,7 +44,7 @@ rule_p = C.new_primitive("smartvjp_bwd")
 def eval_scoped(jaxpr: C.ClosedJaxpr, scope: str, args):
   """Evaluates a traced rule under the named scope ``scope``."""
   with jax.named_scope(scope):
-    return C.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
+    return C.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
 def tangent_avals(avals, nz):
@@ -185,8 +185,8 @@ def _dce_jvp(used_outputs, eqn):
 
 
 for _p in (call_p, fwd_p, lin_p, fused_lin_p, rule_p):
-  C.pe.dce_rules[_p] = _dce_whole
-C.pe.dce_rules[jvp_p] = _dce_jvp
+  C.register_dce(_p, _dce_whole)
+C.register_dce(jvp_p, _dce_jvp)
 
 
 # -- printing -----------------------------------------------------------------
@@ -213,4 +213,4 @@ def _pp_rule(eqn, context, settings):
 
 
 for _p in (call_p, fwd_p, jvp_p, lin_p, fused_lin_p, rule_p):
-  C.core.pp_eqn_rules[_p] = _pp_rule
+  C.register_pp(_p, _pp_rule)

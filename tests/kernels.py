@@ -19,8 +19,9 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 from jax.interpreters import mlir
-from jax._src.interpreters import partial_eval as pe  # test-only internal
 from jax.extend.core import Primitive
+
+from smartvjp import _compat  # registration adapters (DCE rule signature)
 
 COUNTS: collections.Counter = collections.Counter()
 
@@ -59,7 +60,7 @@ def _kernel_lower(*args, name, fn, out_avals):
 kernel_p.def_impl(functools.partial(jax._src.dispatch.apply_primitive, kernel_p))
 mlir.register_lowering(kernel_p, mlir.lower_fun(_kernel_lower,
                                                 multiple_results=True))
-pe.dce_rules[kernel_p] = lambda used, eqn: ([True] * len(eqn.invars), eqn)
+_compat.register_dce(kernel_p, lambda used, eqn: ([True] * len(eqn.invars), eqn))
 
 
 def kernel(name, fn, out_like, *args, never_dce=False):

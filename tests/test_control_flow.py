@@ -36,7 +36,7 @@ def check(prog, expected=None):
 
 
 @pytest.mark.parametrize("unroll", [1, 2, True])
-def test_scan_with_unroll(linearize_mode, unroll):
+def test_scan_with_unroll(ad_mode, unroll):
   def prog(F):
     def body(c, _):
       return jax.checkpoint(F)(c), None
@@ -45,7 +45,7 @@ def test_scan_with_unroll(linearize_mode, unroll):
   check(prog, {"f": 4, "fwd": 4, "bwd": 4})
 
 
-def test_fori_loop(linearize_mode):
+def test_fori_loop(ad_mode):
   def prog(F):
     return lambda x: jnp.sum(jax.lax.fori_loop(
         0, 3, lambda i, c: jax.checkpoint(F)(c), x) ** 2)
@@ -53,7 +53,7 @@ def test_fori_loop(linearize_mode):
 
 
 @pytest.mark.parametrize("pred", [True, False])
-def test_cond_with_call_in_one_branch(linearize_mode, pred):
+def test_cond_with_call_in_one_branch(ad_mode, pred):
   def prog(F):
     return lambda x: jnp.sum(jax.lax.cond(
         pred, jax.checkpoint(F), lambda x: x * 2.0, x) ** 2)
@@ -62,14 +62,14 @@ def test_cond_with_call_in_one_branch(linearize_mode, pred):
   assert counts == ({"f": 1, "fwd": 1, "bwd": 1} if pred else {})
 
 
-def test_switch(linearize_mode):
+def test_switch(ad_mode):
   def prog(F):
     return lambda x: jnp.sum(jax.lax.switch(
         1, [lambda x: x, jax.checkpoint(F), lambda x: -x], x) ** 2)
   check(prog, {"f": 1, "fwd": 1, "bwd": 1})
 
 
-def test_scan_inside_remat(linearize_mode):
+def test_scan_inside_remat(ad_mode):
   def prog(F):
     def body(c, _):
       return F(c), None
@@ -78,7 +78,7 @@ def test_scan_inside_remat(linearize_mode):
   check(prog, {"f": 3, "fwd": 3, "bwd": 3})
 
 
-def test_remat_inside_scan_inside_remat(linearize_mode):
+def test_remat_inside_scan_inside_remat(ad_mode):
   def prog(F):
     def body(c, _):
       return jax.checkpoint(F)(c), None
@@ -88,7 +88,7 @@ def test_remat_inside_scan_inside_remat(linearize_mode):
   assert counts["bwd"] == 2 and counts["fwd"] == 2 and "fwd_bwd" not in counts
 
 
-def test_checkpoint_static_argnums_and_prevent_cse(linearize_mode):
+def test_checkpoint_static_argnums_and_prevent_cse(ad_mode):
   def prog(F):
     @functools.partial(jax.checkpoint, static_argnums=(1,), prevent_cse=False)
     def layer(x, n):

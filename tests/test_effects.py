@@ -43,7 +43,7 @@ def with_prints(where):
 
 @pytest.mark.parametrize("where", [("f",), ("fwd",), ("bwd",), ("f", "fwd", "bwd")])
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
-def test_debug_effects_do_not_move_rules(linearize_mode, where, remat):
+def test_debug_effects_do_not_move_rules(ad_mode, where, remat):
   pf, pfwd, pbwd, seen = with_prints(where)
   F = smart_custom_vjp(pf)
   F.defvjp(pfwd, pbwd)

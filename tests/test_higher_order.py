@@ -40,7 +40,7 @@ def close(a, b):
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
-def test_grad_of_grad(linearize_mode, remat):
+def test_grad_of_grad(ad_mode, remat):
   s, r = both()
   w = jnp.float32(1.5)
 
@@ -54,8 +54,10 @@ def test_grad_of_grad(linearize_mode, remat):
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
-def test_jacrev_jacrev_and_hessian(linearize_mode, remat):
-  s, r = both()
+def test_jacrev_jacrev_and_hessian(ad_mode, remat):
+  # compared with the plain function: jax.custom_vjp refuses the forward
+  # mode of jax.hessian under remat3 on jax 0.10
+  s, r = both()[0], rules()[0]
   w = jnp.float32(0.7)
 
   def h(F, how):

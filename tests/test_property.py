@@ -54,33 +54,28 @@ def oracle(remat, policy, named, fused, sites):
 @settings(max_examples=40, deadline=None)
 @given(remat=st.booleans(), scan=st.sampled_from([0, 2, 3]),
        batch=st.sampled_from([0, 2]), policy=st.sampled_from(sorted(POLICIES)),
-       named=st.booleans(), fused=st.booleans(), direct=st.booleans())
-def test_random_compositions(remat, scan, batch, policy, named, fused, direct):
-  old = jax.config.jax_use_direct_linearize
-  jax.config.update("jax_use_direct_linearize", direct)
-  try:
-    s, r = build(named, fused)
+       named=st.booleans(), fused=st.booleans())
+def test_random_compositions(remat, scan, batch, policy, named, fused):
+  s, r = build(named, fused)
 
-    def program(F):
-      layer = jax.checkpoint(F, policy=POLICIES[policy]) if remat else F
-      if scan:
-        body = lambda c, _: (layer(c), None)
-        net = lambda x: jax.lax.scan(body, x, None, length=scan)[0]
-      else:
-        net = layer
-      loss = lambda x: jnp.sum(net(x) ** 2)
-      g = jax.grad(loss)
-      return jax.jit(jax.vmap(g) if batch else g)
+  def program(F):
+    layer = jax.checkpoint(F, policy=POLICIES[policy]) if remat else F
+    if scan:
+      body = lambda c, _: (layer(c), None)
+      net = lambda x: jax.lax.scan(body, x, None, length=scan)[0]
+    else:
+      net = layer
+    loss = lambda x: jnp.sum(net(x) ** 2)
+    g = jax.grad(loss)
+    return jax.jit(jax.vmap(g) if batch else g)
 
-    x = jnp.linspace(-1.0, 1.5, 3, dtype=jnp.float32)
-    if batch:
-      x = jnp.stack([x, x * 0.5])
-    K.reset()
-    got = jax.block_until_ready(program(s)(x))
-    counts = dict(K.COUNTS)
-    want = jax.block_until_ready(program(r)(x))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    sites = max(scan, 1) * max(batch, 1)
-    assert counts == oracle(remat, policy, named, fused, sites)
-  finally:
-    jax.config.update("jax_use_direct_linearize", old)
+  x = jnp.linspace(-1.0, 1.5, 3, dtype=jnp.float32)
+  if batch:
+    x = jnp.stack([x, x * 0.5])
+  K.reset()
+  got = jax.block_until_ready(program(s)(x))
+  counts = dict(K.COUNTS)
+  want = jax.block_until_ready(program(r)(x))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  sites = max(scan, 1) * max(batch, 1)
+  assert counts == oracle(remat, policy, named, fused, sites)

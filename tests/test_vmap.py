@@ -49,7 +49,7 @@ def test_vmap_primal_in_axes_out_axes():
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
-def test_vmap_outside_grad_unbatched_weight(linearize_mode, remat):
+def test_vmap_outside_grad_unbatched_weight(ad_mode, remat):
   s, r = build()
 
   def per_example(F):
@@ -65,7 +65,7 @@ def test_vmap_outside_grad_unbatched_weight(linearize_mode, remat):
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
-def test_vmap_inside_grad_sums_weight_cotangent(linearize_mode, remat):
+def test_vmap_inside_grad_sums_weight_cotangent(ad_mode, remat):
   s, r = build()
 
   def batched_loss(F):
@@ -80,7 +80,7 @@ def test_vmap_inside_grad_sums_weight_cotangent(linearize_mode, remat):
   assert counts == expected
 
 
-def test_checkpoint_of_vmap_and_nonzero_axes(linearize_mode):
+def test_checkpoint_of_vmap_and_nonzero_axes(ad_mode):
   s, r = build()
 
   def loss(F):
@@ -92,7 +92,7 @@ def test_checkpoint_of_vmap_and_nonzero_axes(linearize_mode):
   assert counts == {"f": B, "fwd": B, "bwd": B}
 
 
-def test_vmap_of_scan_of_checkpointed_layer(linearize_mode):
+def test_vmap_of_scan_of_checkpointed_layer(ad_mode):
   s, r = build()
 
   def loss(F):
@@ -105,8 +105,9 @@ def test_vmap_of_scan_of_checkpointed_layer(linearize_mode):
   assert counts == {"f": 2 * B, "fwd": 2 * B, "bwd": 2 * B}
 
 
+@pytest.mark.remat3_pending(fused="also")
 @pytest.mark.parametrize("fused", ["also", "only"])
-def test_vmap_fused_rule(linearize_mode, fused):
+def test_vmap_fused_rule(ad_mode, fused):
   s, r = build(fused)
 
   def loss(F):
