@@ -97,14 +97,14 @@ def _call_jvp(primals, tangents, *, call):
   return primal_outs, expand_tangents(call, nz_out)
 
 
-C.ad.primitive_jvps[call_p] = _call_jvp
+C.register_jvp(call_p, _call_jvp)
 
 
 # -- direct linearize (jax.grad / jax.vjp by default) -------------------------
 
 def _call_linearize(is_vjp, nonzeros, *primals_in, call):
   if _classify(call, nonzeros) == "closure":
-    return C.ad.fallback_linearize_rule(call_p, is_vjp, nonzeros, *primals_in,
+    return C.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
                                         call=call)
   f_consts, primals = primals_in[:call.num_consts], primals_in[call.num_consts:]
   in_nz = tuple(nz and possible for nz, possible in
@@ -136,17 +136,10 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
   return primal_outs, list(call.out_nz), residuals, linearized
 
 
-C.ad.primitive_linearizations[call_p] = _call_linearize
+C.register_linearization(call_p, _call_linearize)
 
 
 # -- transposes ---------------------------------------------------------------
-
-def _zero_cts_in(call, in_nz):
-  """The cotangents of the nonzero tangent inputs when every output's is zero
-  (the rule need not run)."""
-  return [C.Zero(a.to_tangent_aval()) for a, nz in zip(call.in_avals, in_nz)
-          if nz]
-
 
 def _nz_inputs(cts_in, in_nz):
   return [ct for ct, nz in zip(cts_in, in_nz) if nz]
@@ -154,9 +147,9 @@ def _nz_inputs(cts_in, in_nz):
 
 def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   n_res = len(fwd.res_avals)
+  # bwd runs even when every output cotangent is zero, as with
+  # jax.custom_vjp: its result need not depend on them (flax's fp8 scales)
   cts_out = expand_tangents(call, cts)
-  if all(type(ct) is C.Zero for ct in cts_out):
-    return [None] * n_res + _zero_cts_in(call, in_nz)
   res = list(args[:n_res])
   if reload is not None:  # residuals a policy offloaded come back to device
     res = [jax.device_put(r, C.device_memory_space()) if back else r
@@ -168,14 +161,12 @@ def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
 def _fused_lin_transpose(cts, *args, call, in_nz):
   n = call.num_primals
   cts_out = expand_tangents(call, cts)
-  if all(type(ct) is C.Zero for ct in cts_out):
-    return [None] * n + _zero_cts_in(call, in_nz)
   cts_in = run_fwd_bwd(call, args[:n], in_nz, cts_out)
   return [None] * n + _nz_inputs(cts_in, in_nz)
 
 
-C.ad.primitive_transposes[lin_p] = _lin_transpose
-C.ad.primitive_transposes[fused_lin_p] = _fused_lin_transpose
+C.register_transpose(lin_p, _lin_transpose)
+C.register_transpose(fused_lin_p, _fused_lin_transpose)
 
 
 # -- forward mode: the tangent map is the transpose of the cotangent map ------
@@ -301,7 +292,7 @@ def _bwd_jvp(primals, tangents, **params):
                    **params)
 
 
-C.ad.primitive_jvps[rule_p] = _bwd_jvp
+C.register_jvp(rule_p, _bwd_jvp)
 
 
 def _bwd_transpose(cts, *args, call, which, jaxpr):
@@ -322,11 +313,11 @@ def _bwd_transpose(cts, *args, call, which, jaxpr):
   return [next(it) if u else None for u in undefined]
 
 
-C.ad.primitive_transposes[rule_p] = _bwd_transpose
-C.ad.primitive_jvps[fwd_p] = _fwd_jvp
-C.ad.primitive_jvps[jvp_p] = _jvp_jvp
-C.ad.primitive_jvps[lin_p] = _lin_jvp
-C.ad.primitive_jvps[fused_lin_p] = _fused_lin_jvp
+C.register_transpose(rule_p, _bwd_transpose)
+C.register_jvp(fwd_p, _fwd_jvp)
+C.register_jvp(jvp_p, _jvp_jvp)
+C.register_jvp(lin_p, _lin_jvp)
+C.register_jvp(fused_lin_p, _fused_lin_jvp)
 
 
 # -- a smart_custom_vjp call in a linear position ------------------------------
@@ -359,4 +350,4 @@ def _call_transpose(cts, *args, call):
       [C.instantiate_zeros(c) for c in cts]))
 
 
-C.ad.primitive_transposes[call_p] = _call_transpose
+C.register_transpose(call_p, _call_transpose)

@@ -74,7 +74,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
 
   def fun(*leaves):
     def one(consts, leaves):
-      return tuple(C.core.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
+      return tuple(C.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
     return _vmap(one, (list(const_dims), list(in_dims)), axis_data)(
         list(consts), list(leaves))
 
@@ -132,7 +132,7 @@ def _call_bwd(rules, call, res, g_leaves):
 
 
 def _batched_avals(call, in_dims, axis_data):
-  return tuple(C.core.unmapped_aval(axis_data.size, 0, a,
+  return tuple(C.unmapped_aval(axis_data.size, 0, a,
                                     axis_data.explicit_mesh_axis)
                if d is not None else a for a, d in zip(call.in_avals, in_dims))
 
@@ -161,7 +161,7 @@ def linear_only_call(call, in_dims, axis_data):
     return hit
   rules = batched_rules(call, (), (), in_dims, axis_data)
   in_avals = _batched_avals(call, in_dims, axis_data)
-  out_avals = tuple(C.core.unmapped_aval(axis_data.size, 0, a,
+  out_avals = tuple(C.unmapped_aval(axis_data.size, 0, a,
                                          axis_data.explicit_mesh_axis)
                     for a in call.out_avals)
   spec = CallSpec(
@@ -175,7 +175,7 @@ def linear_only_call(call, in_dims, axis_data):
 
 
 def _front(axis_data, x, d):
-  return C.batching.bdim_at_front(x, d, axis_data.size,
+  return C.bdim_at_front(x, d, axis_data.size,
                                   axis_data.explicit_mesh_axis)
 
 
@@ -200,7 +200,7 @@ def _call_batch(axis_data, args, dims, *, call):
   # an output f computes from unbatched inputs only is the same for every
   # example: return one copy, unbatched, as JAX does (its cotangent then
   # reaches one example's rules, as with jax.custom_vjp)
-  _, out_batched = C.batching.batch_jaxpr(
+  _, out_batched = C.batch_jaxpr(
       call.jaxpr, axis_data, [d is not None for d in (*cdims, *pdims)], False)
   outs = [o if b else o[0] for o, b in zip(outs, out_batched)]
   return outs, [0 if b else None for b in out_batched]
@@ -213,14 +213,11 @@ def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
     return fwd_p.bind(*args, call=call, fwd=fwd, offload=offload), \
         [None] * len(fwd.jaxpr.out_avals)
   n_out = len(fwd.jaxpr.out_avals)
-  batched, out_batched = C.batching.batch_jaxpr_axes(
-      fwd.jaxpr, axis_data, dims, [C.batching.zero_if_mapped] * n_out)
+  batched, out_batched = C.batch_jaxpr_axes(
+      fwd.jaxpr, axis_data, dims, [C.zero_if_mapped] * n_out)
   extra = list(batched.consts)
-  jaxpr = C.pe.convert_constvars_jaxpr(batched.jaxpr)
-  shift = len(extra)
-  bfwd = dataclasses.replace(
-      fwd, jaxpr=C.ClosedJaxpr(jaxpr, ()), num_consts=fwd.num_consts + shift,
-      res_src=tuple(None if s is None else s + shift for s in fwd.res_src))
+  jaxpr = C.convert_constvars_jaxpr(batched.jaxpr)
+  bfwd = fwd.shifted(C.ClosedJaxpr(jaxpr, ()), len(extra))
   outs = fwd_p.bind(*extra, *args, call=call, fwd=bfwd, offload=offload)
   return outs, [0 if b else None for b in out_batched]
 
@@ -295,11 +292,11 @@ def _fused_lin_batch(axis_data, args, dims, *, call, in_nz):
   return outs, [0] * len(outs)
 
 
-C.batching.fancy_primitive_batchers[call_p] = _call_batch
-C.batching.fancy_primitive_batchers[fwd_p] = _fwd_batch
-C.batching.fancy_primitive_batchers[jvp_p] = _jvp_batch
-C.batching.fancy_primitive_batchers[lin_p] = _lin_batch
-C.batching.fancy_primitive_batchers[fused_lin_p] = _fused_lin_batch
+C.register_batching(call_p, _call_batch)
+C.register_batching(fwd_p, _fwd_batch)
+C.register_batching(jvp_p, _jvp_batch)
+C.register_batching(lin_p, _lin_batch)
+C.register_batching(fused_lin_p, _fused_lin_batch)
 
 
 # -- smartvjp_bwd: batch the traced rule --------------------------------------
@@ -309,11 +306,11 @@ def _rule_batch(axis_data, args, dims, *, call, which, jaxpr):
   if all(d is None for d in dims):
     return rule_p.bind(*args, call=call, which=which, jaxpr=jaxpr), \
         [None] * n_out
-  batched, out_batched = C.batching.batch_jaxpr_axes(
-      jaxpr, axis_data, dims, [C.batching.zero_if_mapped] * n_out)
-  new = C.ClosedJaxpr(C.pe.convert_constvars_jaxpr(batched.jaxpr), ())
+  batched, out_batched = C.batch_jaxpr_axes(
+      jaxpr, axis_data, dims, [C.zero_if_mapped] * n_out)
+  new = C.ClosedJaxpr(C.convert_constvars_jaxpr(batched.jaxpr), ())
   outs = rule_p.bind(*batched.consts, *args, call=call, which=which, jaxpr=new)
   return outs, [0 if b else None for b in out_batched]
 
 
-C.batching.fancy_primitive_batchers[rule_p] = _rule_batch
+C.register_batching(rule_p, _rule_batch)

@@ -28,7 +28,7 @@ def run_bwd(call, fwd, residuals, cts_out) -> list:
   rules = call.rules
 
   def user(res, cts):
-    py_res = tree_util.tree_unflatten(fwd.res_tree, list(res))
+    py_res = fwd.residual_tree(res)
     py_ct = tree_util.tree_unflatten(call.out_tree, list(cts))
     return flatten_cotangents(call, rules.bwd(*call.nondiff, py_res, py_ct),
                               "bwd")

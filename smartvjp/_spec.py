@@ -41,15 +41,31 @@ def _name(fn) -> str:
   return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+@dataclasses.dataclass(frozen=True)
+class StaticResidual:
+  """A residual leaf that is a Python scalar (an int such as a shape, a
+  float, a bool such as equinox's ``perturbed`` flags): it reaches ``bwd`` as
+  the value ``fwd`` returned, never as a traced array, as with
+  ``jax.custom_vjp`` (where such values become literals of the jaxpr)."""
+  value: Any
+
+
+def is_static_residual(leaf) -> bool:
+  return isinstance(leaf, (bool, int, float, complex)) and \
+      not isinstance(leaf, C.Tracer)
+
+
 @C.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class FwdSpec:
   """``fwd`` traced for one perturbation pattern.
 
   ``jaxpr`` maps ``[*consts, *primals]`` to ``[*primal_outs, *new_res]``,
-  where ``new_res`` are the residual leaves that are not simply inputs.
-  ``res_src[i]`` is the position in ``[*consts, *primals]`` that residual leaf
-  ``i`` forwards, or ``None`` when it is the next of ``new_res``.
+  where ``new_res`` are the residual leaves that ``fwd`` computes.
+  ``res_src[i]`` says where residual leaf ``i`` comes from: the position in
+  ``[*consts, *primals]`` that it forwards, ``None`` when it is the next of
+  ``new_res``, or a :class:`StaticResidual`. The residuals that the
+  linear primitive carries (``res_avals``) are all but the static ones.
   ``jaxpr`` is ``None`` for a ``fwd`` that ran eagerly (see ``eager_fwd``).
   """
   jaxpr: C.ClosedJaxpr | None
@@ -58,7 +74,6 @@ class FwdSpec:
   res_avals: tuple
   res_src: tuple
   new_res_names: tuple
-  perturbed: tuple
   # per new residual, the equations of fwd's jaxpr a remat policy is asked
   # about: its producer and, through checkpoint_name, the named value's one
   new_res_eqns: tuple = ()
@@ -68,11 +83,28 @@ class FwdSpec:
     return len(self.new_res_names)
 
   def assemble_residuals(self, fwd_inputs, new_res):
-    """All residual leaves, in ``res_tree`` order."""
+    """The residual leaves the linear primitive carries, in ``res_tree``
+    order (static ones left out)."""
     it = iter(new_res)
-    res = [fwd_inputs[s] if s is not None else next(it) for s in self.res_src]
+    res = [fwd_inputs[s] if type(s) is int else next(it)
+           for s in self.res_src if type(s) is not StaticResidual]
     assert next(it, None) is None
     return res
+
+  def residual_tree(self, residuals):
+    """``fwd``'s residual pytree from the carried leaves (statics put back)."""
+    it = iter(residuals)
+    leaves = [s.value if type(s) is StaticResidual else next(it)
+              for s in self.res_src]
+    assert next(it, None) is None
+    return tree_util.tree_unflatten(self.res_tree, leaves)
+
+  def shifted(self, jaxpr, shift: int) -> "FwdSpec":
+    """The same residuals for a jaxpr with ``shift`` more leading inputs."""
+    return dataclasses.replace(
+        self, jaxpr=jaxpr, num_consts=self.num_consts + shift,
+        res_src=tuple(s + shift if type(s) is int else s
+                      for s in self.res_src))
 
 
 @C.register_weak_param_type
@@ -209,11 +241,13 @@ def eager_fwd(call: CallSpec, in_nz, primals):
   """
   with jax.named_scope(f"smartvjp/{call.name}/fwd"):
     outs, res, res_tree = _call_fwd(call, tuple(in_nz), primals)
+  res_src = tuple(StaticResidual(r) if is_static_residual(r) else None
+                  for r in res)
+  dynamic = [r for r in res if not is_static_residual(r)]
   spec = FwdSpec(jaxpr=None, num_consts=0, res_tree=res_tree,
-                 res_avals=tuple(C.get_aval(r) for r in res),
-                 res_src=(None,) * len(res), new_res_names=(None,) * len(res),
-                 perturbed=tuple(in_nz))
-  return outs, res, spec
+                 res_avals=tuple(C.get_aval(r) for r in dynamic),
+                 res_src=res_src, new_res_names=(None,) * len(dynamic))
+  return outs, dynamic, spec
 
 
 def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
@@ -222,7 +256,10 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
 
   def fwd_flat(*primals):
     out_leaves, res_leaves, store["res_tree"] = _call_fwd(call, in_nz, primals)
-    return [*out_leaves, *res_leaves]
+    store["static"] = [StaticResidual(r) if is_static_residual(r) else None
+                       for r in res_leaves]
+    return [*out_leaves,
+            *(r for r in res_leaves if not is_static_residual(r))]
 
   closed, consts = C.trace_to_closed_jaxpr(
       fwd_flat, call.in_avals, "smart_custom_vjp fwd", rules.fwd,
@@ -234,9 +271,12 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
            if e.primitive is C.name_p}
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-  res_src = tuple(in_pos.get(v) if isinstance(v, C.Var) else None
-                  for v in res_vars)
-  new_res = [v for v, s in zip(res_vars, res_src) if s is None]
+  dyn_src = [in_pos.get(v) if isinstance(v, C.Var) else None
+             for v in res_vars]
+  it = iter(dyn_src)
+  res_src = tuple(static if static is not None else next(it)
+                  for static in store["static"])
+  new_res = [v for v, s in zip(res_vars, dyn_src) if s is None]
   pruned = jaxpr.replace(outvars=[*jaxpr.outvars[:n_out], *new_res])
   spec = FwdSpec(
       jaxpr=C.ClosedJaxpr(pruned, ()),
@@ -246,7 +286,6 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       res_src=res_src,
       new_res_names=tuple(names.get(v) if isinstance(v, C.Var) else None
                           for v in new_res),
-      perturbed=in_nz,
       new_res_eqns=tuple(_producers(v, producers) for v in new_res))
   return spec, consts
 

@@ -1,0 +1,118 @@
+"""Regression tests for drop-in conformance: each program runs with
+``jax.custom_vjp`` and with ``smart_custom_vjp`` (or, where ``jax.custom_vjp``
+itself fails, with the plain un-customized function) and must agree."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from smartvjp import smart_custom_vjp
+
+DECORATORS = [jax.custom_vjp, smart_custom_vjp]
+
+
+def assert_same(fn_of_decorator, *args):
+  """Runs ``fn_of_decorator(cls)(*args)`` for both decorators; returns the
+  smartvjp result after comparing it (values and dtypes) with JAX's."""
+  ref, got = (fn_of_decorator(cls)(*args) for cls in DECORATORS)
+  jax.tree_util.tree_map(_same_leaf, got, ref)
+  return got
+
+
+def _same_leaf(got, ref):
+  assert jnp.result_type(got) == jnp.result_type(ref)
+  np.testing.assert_allclose(np.asarray(got, np.float64),
+                             np.asarray(ref, np.float64), rtol=1e-6, atol=1e-7)
+
+
+# -- bwd runs whenever jax.custom_vjp runs it ---------------------------------
+
+def _scale_passthrough(cls):
+  """``in_q(x, s) = (x, s)`` whose bwd gives ``s`` a gradient that does not
+  depend on the cotangents (flax's fp8 scale update is built like this),
+  feeding a second custom function whose bwd returns None."""
+  in_q = cls(lambda x, s: (x, s))
+  in_q.defvjp(lambda x, s: ((x, s), s), lambda s, g: (None, s * 2.0))
+  drop = cls(lambda x: x)
+  drop.defvjp(lambda x: (x, None), lambda _, g: (None,))
+
+  def loss(x, s):
+    y, s2 = in_q(x, s)
+    return jnp.sum(drop(y)) + jnp.sum(drop(s2))
+  return loss
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_bwd_runs_when_every_output_cotangent_is_zero(remat, jit):
+  def program(cls):
+    loss = _scale_passthrough(cls)
+    loss = jax.checkpoint(loss) if remat else loss
+    g = jax.grad(loss, argnums=(0, 1))
+    return jax.jit(g) if jit else g
+  gx, gs = assert_same(program, jnp.float32(1.0), jnp.float32(3.0))
+  assert gs == 6.0 and gx == 0.0
+
+
+# -- Python values in residuals reach bwd as values -----------------------------
+
+def _tile(cls, extra):
+  f = cls(lambda x: jnp.tile(x, 3))
+
+  def fwd(x):
+    return jnp.tile(x, 3), (x.shape[0], extra)
+
+  def bwd(res, g):
+    n, e = res
+    assert not isinstance(n, jax.core.Tracer)   # usable as a shape
+    assert e == extra and type(e) is type(extra) or isinstance(e, type(extra))
+    return (g.reshape(3, n).sum(0) * (2.0 if e else 1.0),)
+  f.defvjp(fwd, bwd)
+  return f
+
+
+@pytest.mark.parametrize("extra", [True, False, 2.5, 7, None, (1, 2)])
+@pytest.mark.parametrize("how", ["eager", "jit", "remat", "remat_saved"])
+def test_python_scalars_in_residuals(extra, how):
+  def program(cls):
+    F = _tile(cls, extra)
+    if how.startswith("remat"):
+      policy = (jax.checkpoint_policies.everything_saveable
+                if how == "remat_saved" else None)
+      F = jax.checkpoint(F, policy=policy)
+    g = jax.grad(lambda x: jnp.sum(F(x) * jnp.arange(6.0)))
+    return g if how == "eager" else jax.jit(g)
+  assert_same(program, jnp.ones(2))
+
+
+def test_string_residual_is_rejected_like_jax():
+  for cls in DECORATORS:
+    f = cls(jnp.sin)
+    f.defvjp(lambda x: (jnp.sin(x), "not an array"), lambda r, g: (g,))
+    with pytest.raises(TypeError):
+      jax.jit(jax.grad(f))(1.0)
+
+
+def test_equinox_bwd_branching_on_perturbed():
+  eqx = pytest.importorskip("equinox")
+  import smartvjp
+
+  def build(decorator):
+    @decorator
+    def fn(s, x):
+      return s * x
+
+    @fn.def_fwd
+    def fn_fwd(perturbed, s, x):
+      return s * x, None
+
+    @fn.def_bwd
+    def fn_bwd(res, g, perturbed, s, x):
+      return g * x if perturbed else None
+    return lambda s: fn(s, jnp.float32(3.0))
+
+  for how in (lambda f: f, jax.jit):
+    got = how(jax.grad(build(smartvjp.filter_custom_vjp)))(jnp.float32(2.0))
+    ref = how(jax.grad(build(eqx.filter_custom_vjp)))(jnp.float32(2.0))
+    assert got == ref == 3.0
