@@ -75,25 +75,37 @@ def residual_policy(saveable, eqn):
 
 # -- policy-driven partial eval (jax.checkpoint) ------------------------------
 
+def _residuals(eqn, inst_in, staged, new_vars=()):
+  """What the staged side needs from the known side: ``new_vars`` (outputs of
+  the known equation), then each input of ``eqn`` that the staged equation
+  reads and that is not already instantiated there (known primals and known
+  tangents alike), once."""
+  out, seen = list(new_vars), set(new_vars)
+  reads = {v for v in staged.invars if type(v) is C.Var}
+  for v, inst in zip(eqn.invars, inst_in):
+    if type(v) is C.Var and not inst and v in reads and v not in seen:
+      out.append(v)
+      seen.add(v)
+  return out
+
+
 def _stage_all(unks_in, inst_in, eqn):
-  new_inst = [x for x, inst in zip(eqn.invars, inst_in)
-              if type(x) is C.Var and not inst]
   n = len(eqn.outvars)
-  return None, eqn, [True] * n, [True] * n, new_inst
+  return None, eqn, [True] * n, [True] * n, _residuals(eqn, inst_in, eqn)
 
 
 def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n_known = len(eqn.invars) - sum(eqn.params["in_nz"])
+  if not any(unks_in):   # tangents known too (a custom_jvp's zero tangent)
+    n = len(eqn.outvars)
+    return eqn, None, [False] * n, [False] * n, []
   if any(unks_in[:n_known]):
     return _stage_all(unks_in, inst_in, eqn)
   n_out = call.num_outs
   n_tan = len(eqn.outvars) - n_out
   f_consts, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
   unks_out = [False] * n_out + [True] * n_tan
-
-  def needed(vars_, insts):
-    return [v for v, i in zip(vars_, insts) if type(v) is C.Var and not i]
 
   kept = residual_policy(saveable, eqn)
   if kept is not None:
@@ -114,19 +126,17 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
         [*residuals, *tangents], eqn.outvars[n_out:], lin_p,
         dict(call=call, fwd=fwd, in_nz=eqn.params["in_nz"], reload=reload),
         set(), eqn.source_info, eqn.ctx)
-    inst_of = {v: i for v, i in zip(eqn.invars, inst_in) if type(v) is C.Var}
-    forwarded = [r for r in residuals
-                 if type(r) is C.Var and r not in new_res and not inst_of[r]]
     inst_out = [False] * n_out + [True] * n_tan
-    return known, staged, unks_out, inst_out, [*new_res, *forwarded]
+    return (known, staged, unks_out, inst_out,
+            _residuals(eqn, inst_in, staged, new_res))
 
   # Recompute: f in the forward pass, the whole jvp in the backward region.
   known = C.new_jaxpr_eqn(
       [*f_consts, *primals], eqn.outvars[:n_out], call_p, dict(call=call),
       call.jaxpr.effects, eqn.source_info, eqn.ctx)
   staged = eqn.replace(params=dict(eqn.params, remat=True))
-  res = needed(eqn.invars[:n_known], inst_in[:n_known])
-  return known, staged, unks_out, [True] * len(eqn.outvars), res
+  return (known, staged, unks_out, [True] * len(eqn.outvars),
+          _residuals(eqn, inst_in, staged))
 
 
 C.register_partial_eval_custom(jvp_p, _jvp_partial_eval_custom)

@@ -116,3 +116,31 @@ def test_equinox_bwd_branching_on_perturbed():
     got = how(jax.grad(build(smartvjp.filter_custom_vjp)))(jnp.float32(2.0))
     ref = how(jax.grad(build(eqx.filter_custom_vjp)))(jnp.float32(2.0))
     assert got == ref == 3.0
+
+
+# -- partial eval with known tangents ------------------------------------------
+
+@jax.custom_jvp
+def _zero_tangent(x):
+  return x * 2.0
+
+
+@_zero_tangent.defjvp
+def _zero_tangent_jvp(primals, tangents):
+  (x,), _ = primals, tangents
+  return _zero_tangent(x), jnp.zeros_like(x)
+
+
+@pytest.mark.parametrize("policy", [None, "everything_saveable",
+                                    "nothing_saveable", "dots_saveable"])
+def test_known_tangent_input_under_every_policy(policy):
+  # jax.custom_vjp refuses forward mode here: compare with the plain function
+  S = smart_custom_vjp(jnp.sin)
+  S.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+  p = getattr(jax.checkpoint_policies, policy) if policy else None
+
+  def grad_of(F):
+    body = jax.checkpoint(lambda x: F(_zero_tangent(x)) + F(x), policy=p)
+    return jax.jit(jax.grad(lambda x: jnp.sum(body(x))))
+  x = jnp.linspace(-1.0, 1.0, 3)
+  np.testing.assert_allclose(grad_of(S)(x), grad_of(jnp.sin)(x), rtol=1e-6)
