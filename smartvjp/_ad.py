@@ -104,6 +104,13 @@ C.register_jvp(call_p, _call_jvp)
 # -- direct linearize (jax.grad / jax.vjp by default) -------------------------
 
 def _call_linearize(is_vjp, nonzeros, *primals_in, call):
+  if call.eager is not None:   # fwd (or f) already ran on concrete values
+    in_nz, primal_outs, residuals, fwd = call.eager
+    if fwd is None:
+      prim, params = fused_lin_p, dict(call=call, in_nz=in_nz)
+    else:
+      prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
+    return _linearized(call, in_nz, primal_outs, residuals, prim, params)
   if _classify(call, nonzeros) == "closure":
     return C.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
                                         call=call)
@@ -129,12 +136,17 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
     primal_outs, residuals = bind_primal_and_residuals(
         call, fwd, f_consts, fwd_consts, primals)
     prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
+  return _linearized(call, in_nz, primal_outs, residuals, prim, params)
 
+
+def _linearized(call, in_nz, primal_outs, residuals, prim, params):
+  """The four values of a linearization rule whose tangent map binds
+  ``prim`` (``smartvjp_lin`` or ``smartvjp_fused_lin``) on the residuals."""
   def linearized(residuals, *tangents):
     nz_t = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
     return expand_tangents(call, prim.bind(*residuals, *nz_t, **params))
 
-  return primal_outs, list(call.out_nz), residuals, linearized
+  return list(primal_outs), list(call.out_nz), list(residuals), linearized
 
 
 C.register_linearization(call_p, _call_linearize)

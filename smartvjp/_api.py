@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from jax import tree_util
+from jax.errors import UnexpectedTracerError
 
 from smartvjp import _compat as C
 from smartvjp import _ad, _batching, _partial_eval  # noqa: F401  (rules)
 from smartvjp._errors import rule_error
 from smartvjp._primitives import call_p
-from smartvjp._spec import Rules, trace_call
+from smartvjp._cache import TraceLocalCache
+from smartvjp._spec import EagerClosureError, Rules, eager_call, trace_call
 from smartvjp._static import static_key
 
 ReturnValue = TypeVar("ReturnValue")
@@ -105,7 +106,7 @@ class smart_custom_vjp(Generic[ReturnValue]):
     self.symbolic_zeros = False
     self.optimize_remat = False
     self._rules: Rules | None = None
-    self._cache: collections.OrderedDict = collections.OrderedDict()
+    self._cache = TraceLocalCache(_CACHE_SIZE)
 
   def __getattr__(self, name):
     # like jax.custom_vjp: attributes of the wrapped function show through
@@ -166,7 +167,7 @@ class smart_custom_vjp(Generic[ReturnValue]):
     self._rules = Rules(fun=self.fun, fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd,
                         symbolic_zeros=self.symbolic_zeros,
                         nondiff_argnums=self.nondiff_argnums)
-    self._cache = collections.OrderedDict()
+    self._cache = TraceLocalCache(_CACHE_SIZE)
 
   def __call__(self, *args: Any, **kwargs: Any) -> ReturnValue:
     rules = self._rules
@@ -183,27 +184,36 @@ class smart_custom_vjp(Generic[ReturnValue]):
     avals = tuple(_aval(rules, dyn, i, x) for i, x in enumerate(leaves))
     if C.is_eval_trace() and not any(isinstance(x, C.Tracer) for x in leaves):
       return self.fun(*args)  # plain eager evaluation, as jax.custom_vjp
+    eager = C.eager_linearize_inputs(leaves)
+    if eager is not None:   # eager grad/vjp: fwd on concrete values, f untraced
+      parent, primals, nonzero = eager
+      try:
+        with C.set_current_trace(parent):
+          call = eager_call(rules, nondiff, len(args), in_tree, avals, primals,
+                            nonzero)
+      except (EagerClosureError, UnexpectedTracerError):
+        call = None    # a rule closes over a tracer: trace f to find it
+      if call is not None:
+        outs = call_p.bind(*leaves, call=call)
+        return tree_util.tree_unflatten(call.out_tree, outs)
     call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
     outs = call_p.bind(*consts, *leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
 
   def _spec(self, rules, nondiff, num_args, in_tree, avals):
-    """The traced ``f`` for this signature: an LRU cache of ``_CACHE_SIZE``
-    signatures per function. Nondiff arguments are part of the key (see
-    ``_static.static_key``); unhashable ones are traced afresh at every call."""
+    """The traced ``f`` for this signature, reused within one outer trace
+    (see ``_cache.py``; at most ``_CACHE_SIZE`` signatures). Nondiff arguments
+    are part of the key (see ``_static.static_key``); unhashable ones are
+    traced afresh at every call."""
     static = tuple(static_key(v) for v in nondiff)
     if any(k is None for k in static):   # unhashable: it may be mutated
       return trace_call(rules, nondiff, num_args, in_tree, avals)
     key = (in_tree, avals, static, num_args, C.config_key())
     hit = self._cache.get(key)
     if hit is not None:
-      self._cache.move_to_end(key)
       return hit
     call, consts = trace_call(rules, nondiff, num_args, in_tree, avals)
-    if not any(isinstance(c, C.Tracer) for c in consts):
-      self._cache[key] = (call, consts)
-      if len(self._cache) > _CACHE_SIZE:
-        self._cache.popitem(last=False)
+    self._cache.put(key, (call, consts), consts)
     return call, consts
 
 

@@ -140,16 +140,14 @@ def _batched_avals(call, in_dims, axis_data):
 def batched_call(call, consts, const_dims, in_dims, axis_data):
   """``(batched CallSpec, its consts)``; ``in_dims`` are 0 or None."""
   key = (tuple(const_dims), tuple(in_dims), axis_data)
-  cacheable = not any(isinstance(c, C.Tracer) for c in consts)
-  hit = call.batch_cache.get(key) if cacheable else None
+  hit = call.batch_cache.get(key)
   if hit is not None:
     return hit
   rules = batched_rules(call, consts, const_dims, in_dims, axis_data)
   in_avals = _batched_avals(call, in_dims, axis_data)
   in_tree = tree_util.tree_structure(tuple(range(len(in_avals))))
   out = trace_call(rules, (), len(in_avals), in_tree, in_avals)
-  if cacheable:
-    call.batch_cache[key] = out
+  call.batch_cache.put(key, out, [*consts, *out[1]])
   return out
 
 
@@ -170,7 +168,7 @@ def linear_only_call(call, in_dims, axis_data):
       in_avals=in_avals,
       out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))),
       out_avals=out_avals, jaxpr=None, num_consts=0)
-  call.batch_cache[key] = spec
+  call.batch_cache.put(key, spec)
   return spec
 
 

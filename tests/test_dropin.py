@@ -169,3 +169,35 @@ def test_outer_derivative_differentiates_fwd_code(fwd_res, remat, jit):
     gg = jax.grad(jax.grad(inner))
     return jax.jit(gg) if jit else gg
   assert assert_same(program, jnp.float32(2.7)) == 1.0
+
+
+# -- eager differentiation runs the rules on concrete values ---------------------
+
+def _leaky_relu(cls):
+  f = cls(lambda x: x if x > 0 else 0.1 * x)        # Python control flow
+  f.defvjp(lambda x: (f(x), x), lambda x, g: (g if x > 0 else 0.1 * g,))
+  return f
+
+
+@pytest.mark.parametrize("x", [-2.0, 3.0])
+@pytest.mark.parametrize("how", ["grad", "value_and_grad", "vjp"])
+def test_python_control_flow_in_rules_under_eager_grad(x, how):
+  def program(cls):
+    f = _leaky_relu(cls)
+    if how == "vjp":
+      return lambda x: jax.vjp(f, x)[1](1.0)
+    return getattr(jax, how)(f)
+  assert_same(program, x)
+
+
+def test_eager_grad_traces_no_rule_and_runs_fwd_once():
+  import kernels as K
+  f, fwd, bwd, _ = K.sin_rules(never_dce=True)
+  counts = []
+  for cls in DECORATORS:
+    F = cls(f)
+    F.defvjp(fwd, bwd)
+    K.reset()
+    jax.grad(lambda x: jnp.sum(F(x)))(jnp.ones(3))
+    counts.append(dict(K.COUNTS))
+  assert counts[0] == counts[1] == {"fwd": 1, "bwd": 1}
