@@ -26,7 +26,7 @@ from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
     primal_p, rule_p, split_jvp_args, split_primal_args)
-from smartvjp._spec import CallSpec, Rules, trace_call
+from smartvjp._spec import CallSpec, Rules, select_outputs, trace_call
 
 
 def _vmap(fn, in_axes, axis_data, out_axes=0):
@@ -188,6 +188,9 @@ def _to_front_or_none(axis_data, xs, dims):
 # -- smartvjp_call ------------------------------------------------------------
 
 def _call_batch(axis_data, args, dims, *, call):
+  if call.full is not None:   # pruned by DCE: the whole call, selected
+    outs, out_dims = _call_batch(axis_data, args, dims, call=call.full)
+    return select_outputs(call, outs), select_outputs(call, out_dims)
   if all(d is None for d in dims):
     return call_p.bind(*args, call=call), [None] * call.num_outs
   consts, primals = args[:call.num_consts], args[call.num_consts:]

@@ -29,7 +29,7 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
         "custom_partial_eval_rules", "dce_rules", "ensure_enum",
-        "_default_dce_rule")),
+        "_default_dce_rule", "dce_jaxpr")),
     ("jax._src.interpreters.ad", (
         "is_undefined_primal", "instantiate_zeros", "primitive_jvps",
         "primitive_transposes", "primitive_linearizations",
@@ -330,3 +330,9 @@ def eager_linearize_inputs(leaves):
   if not any(nonzero):
     return None
   return trace.parent_trace, primals, nonzero
+
+
+def dce_jaxpr_keep_inputs(closed: ClosedJaxpr, used_outputs) -> ClosedJaxpr:
+  """``closed`` computing only the used outputs; every input is kept."""
+  jaxpr, _ = _pe.dce_jaxpr(closed.jaxpr, list(used_outputs), instantiate=True)
+  return ClosedJaxpr(jaxpr, closed.consts)

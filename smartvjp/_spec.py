@@ -128,6 +128,10 @@ class CallSpec:
   num_consts: int
   # eager differentiation (see ``eager_call``): what fwd (or f) returned
   eager: Any = None
+  # a call of which dead-code elimination kept only some outputs (see
+  # ``pruned``): the whole call, and which of its outputs this one has
+  full: Any = None
+  kept: tuple | None = None
   # traced rules, each valid within one outer trace (see _cache.py)
   fwd_cache: TraceLocalCache = dataclasses.field(default_factory=TraceLocalCache)
   batch_cache: TraceLocalCache = dataclasses.field(
@@ -179,6 +183,29 @@ class CallSpec:
     spec, consts = _trace_fwd(self, tuple(in_nz))
     self.fwd_cache.put(key, (spec, consts), consts)
     return spec, consts
+
+
+def pruned(call: CallSpec, kept: tuple) -> CallSpec:
+  """``call`` keeping only outputs ``kept`` (indices into its outputs): its
+  jaxpr computes only those (so ``f(x, y)[0]`` does no work for output 1),
+  while differentiating or batching it goes through the whole call and its
+  rules, then selects (``full``/``kept``)."""
+  base = call.full if call.full is not None else call
+  base_kept = (tuple(call.kept[i] for i in kept) if call.kept is not None
+               else tuple(kept))
+  used = [i in base_kept for i in range(base.num_outs)]
+  out_avals = tuple(base.out_avals[i] for i in base_kept)
+  return dataclasses.replace(
+      base, jaxpr=C.dce_jaxpr_keep_inputs(base.jaxpr, used),
+      out_avals=out_avals,
+      out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))),
+      full=base, kept=base_kept, fwd_cache=TraceLocalCache(),
+      batch_cache=TraceLocalCache(), rule_cache=TraceLocalCache())
+
+
+def select_outputs(call: CallSpec, outs) -> list:
+  """The outputs of ``call.full`` that the pruned ``call`` has."""
+  return [outs[i] for i in call.kept]
 
 
 def _has_tangent(aval) -> bool:
