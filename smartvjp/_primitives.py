@@ -1,6 +1,6 @@
 """smartvjp's primitives and their evaluation rules.
 
-Six primitives, all with multiple results:
+Seven primitives, all with multiple results:
 
 ``smartvjp_call``       ``[*f_consts, *primals] -> primal_outs``: evaluates ``f``.
 ``smartvjp_primal``     ``[*f_consts, *fwd_consts, *primals] -> primal_outs``:
