@@ -232,9 +232,9 @@ def main(nx=200, nt=2000, rounds=5):
     print(f"  {name:24s} {alone[name]:.3f} s")
 
   modes = {
-      "jax.custom_vjp: apply + vjp (tesseract-jax)": loss(apply_then_vjp),
-      "smartvjp, no remat: residual path": loss(comp),
-      "smartvjp, jax.checkpoint: apply + vjp": loss(jax.checkpoint(comp)),
+      "jax.custom_vjp (tesseract-jax)": loss(apply_then_vjp),
+      "smartvjp, no remat (residual path)": loss(comp),
+      "smartvjp, jax.checkpoint": loss(jax.checkpoint(comp)),
   }
   fns = {name: jax.jit(jax.grad(prog)) for name, prog in modes.items()}
   schedules = {}
@@ -244,16 +244,17 @@ def main(nx=200, nt=2000, rounds=5):
     schedules[name] = dict(CALLS)
   times = interleaved(fns, T0, rounds=rounds)
   base = next(iter(fns))
-  print(f"\nOne jitted gradient step of sum(T_final**2), {rounds} interleaved "
-        "rounds. Endpoints run: the calls per step.")
-  print("Sum alone: the endpoints' times above, added up. Ratio: step time / "
-        "the first row's step time in the same round,")
-  print("as median [min-max] over the rounds.")
-  print(f"  {'':45s} {'median step':>11s} {'sum alone':>9s}  "
-        f"{'ratio to row 1':30s} endpoints run")
+  print(f"\nOne jitted gradient step of sum(T_final**2); {rounds} rounds, each "
+        "running every row once in turn.")
+  print("step: median wall time over the rounds. alone: the endpoint times "
+        "above, added up over the")
+  print("endpoints the row runs. ratio: step time / row 1's step time in the "
+        "same round, median [min-max].")
+  print(f"  {'implementation':36s} {'endpoints run':36s} {'step':>7s} "
+        f"{'alone':>7s}  ratio to row 1")
   for name in fns:
     step = float(np.median(times[name]))
-    expected = sum(alone[k] * v for k, v in schedules[name].items())
+    alone_s = sum(alone[k] * v for k, v in schedules[name].items())
     calls = ", ".join(f"{k} {v}" for k, v in schedules[name].items())
     if name == base:
       ratio = "1 (the baseline)"
@@ -261,10 +262,8 @@ def main(nx=200, nt=2000, rounds=5):
       r = np.array(times[name]) / np.array(times[base])
       ratio = f"{np.median(r):.2f} [{r.min():.2f}-{r.max():.2f}]"
       if schedules[name] == schedules[base]:
-        ratio += ", same schedule"
-    print(f"  {name:45s} {step:9.3f} s {expected:7.3f} s  {ratio:30s} {calls}")
-  print("Rows with the same schedule as row 1 run the same endpoints: their "
-        "ratio is measurement noise around 1.")
+        ratio += " same schedule as row 1: noise"
+    print(f"  {name:36s} {calls:36s} {step:5.3f} s {alone_s:5.3f} s  {ratio}")
   print(f"\nFinished in {time.perf_counter() - t_start:.1f} s.")
 
 

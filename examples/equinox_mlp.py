@@ -136,6 +136,10 @@ def main(steps=300):
   t0 = time.perf_counter()
   print("One SGD step of an MLP of 4 checkpointed layers in a scan, counted by "
         "a callback in each kernel.")
+  print("Under the checkpoint equinox's filter_custom_vjp runs fwd twice per "
+        "layer; smartvjp's runs f in the")
+  print("forward pass and fwd (or the fused fwd_bwd) once, in the backward "
+        "pass.")
   print("Rule calls count f, fwd, bwd, fwd_bwd; kernel launches count kernels "
         "(bwd and fwd_bwd launch 2 each:\ndx, dw). Gradient difference: max "
         "|ours - equinox's| / max |equinox's| over all parameters.\n")

@@ -271,12 +271,14 @@ def main():
   t0 = time.perf_counter()
   mode = "Triton" if jax.default_backend() == "gpu" else "interpret mode"
   print(f"Pallas matmul+GELU on {jax.default_backend()} ({mode})\n")
-  print("Accuracy of the smartvjp kernels (block 32) against the plain-JAX "
-        "reference jax.nn.gelu(x @ w) (gradients by jax.grad of it),")
-  print("errors as max |ours - reference|; the gradient error is over dx and "
-        "dw, divided by max |reference gradient|:")
-  print(f"  {'dtype':8s} {'x @ w':14s} {'output, abs':>12s} "
-        f"{'grad, rel (no remat / remat)':>29s}  grad tolerance")
+  print("Accuracy of the smartvjp kernels (32 x 32 tiles) against the plain-JAX "
+        "reference jax.nn.gelu(x @ w),")
+  print("gradients against jax.grad of it. Output: max |ours - reference|. "
+        "Gradient: max |ours - reference|")
+  print("over dx and dw, divided by max |reference gradient|; it must be below "
+        "the tolerance.")
+  print(f"  {'dtype':8s} {'x @ w':14s} {'output':>8s}  "
+        f"{'gradient: no remat / remat':>26s}  tolerance")
   for dtype, tol in ((jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)):
     for (m, k, n) in ((64, 32, 64), (50, 20, 37)):   # multiple / not of 32
       gm, _ = make_gelu_matmul(block_m=32, block_n=32)
@@ -295,14 +297,15 @@ def main():
                         for a, b in zip(got, want)))
       verdict = "ok" if max(gerr) < tol else "TOO LARGE"
       shape = f"{m}x{k} @ {k}x{n}"
-      print(f"  {jnp.dtype(dtype).name:8s} {shape:14s} {float(err):12.1e} "
-            f"{gerr[0]:13.1e} / {gerr[1]:.1e}  {tol:.0e} {verdict}")
+      print(f"  {jnp.dtype(dtype).name:8s} {shape:14s} {float(err):8.1e}  "
+            f"{gerr[0]:18.1e} / {gerr[1]:.1e}  {tol:.0e} {verdict}")
 
-  print("\nPer gradient step of sum(gelu(x @ w)**2), x 64x32, w 32x48, jitted; "
+  print("\nPer jitted gradient step of sum(gelu(x @ w)**2), x 64x32, w 32x48, "
         "counted by a callback in each kernel.")
-  print("Rule calls count f, fwd, bwd, fwd_bwd; kernel launches count "
-        "kernels (bwd and fwd_bwd launch 2 each: dx, dw).")
-  print(f"  {'':8s} {'implementation':20s} {'rule calls':20s} kernel launches")
+  print("Rule calls count calls of f, fwd, bwd, fwd_bwd; kernel launches count "
+        "kernels: bwd and fwd_bwd")
+  print("launch two each (dx and dw), f and fwd one.")
+  print(f"  {'remat':8s} {'implementation':20s} {'rule calls':20s} kernel launches")
   x = jax.random.normal(jax.random.key(1), (64, 32))
   w = jax.random.normal(jax.random.key(2), (32, 48)) / 6
   for remat in (False, True):
@@ -320,19 +323,20 @@ def main():
             f"{fmt(rule_calls(launches)):20s} {fmt(launches)}")
 
   k_bf16 = fused_break_even_k()
-  print("\nWhen the fused rule pays (under remat it replaces fwd + bwd in the "
-        "backward pass):")
-  print("  it runs one more M x K x N matmul (each of its two kernels "
-        "recomputes y = x @ w)")
-  print("  and moves four fewer M x N arrays (fwd's writes of z and y, bwd's "
-        "two reads of y),")
-  print("  and it never holds y (M x N) in memory. A roofline estimate: "
-        "faster when 2*M*K*N / peak_flops < 4*M*N*bytes / bandwidth,")
-  print(f"  i.e. K < 2 * bytes * peak_flops / bandwidth: on an H200 in bf16 "
+  print("\nWhen the fused rule pays: under remat it replaces fwd + bwd in the "
+        "backward pass. It runs one")
+  print("more M x K x N matmul (each of its two kernels recomputes y = x @ w), "
+        "moves four fewer M x N")
+  print("arrays (fwd's writes of z and y, bwd's two reads of y) and never holds "
+        "y in memory. By a roofline")
+  print("estimate it is faster when 2*M*K*N / peak_flops < 4*M*N*bytes / "
+        "bandwidth, i.e. when")
+  print(f"K < 2 * bytes * peak_flops / bandwidth: on an H200 in bf16 "
         f"({H200_BF16_FLOPS / 1e12:.0f} TFLOP/s, "
-        f"{H200_BYTES_PER_S / 1e12:.1f} TB/s) K < {k_bf16:.0f}.")
-  print("  Above that it still saves the memory for y. (Here the kernels run "
-        f"in {mode}, so this machine's times do not show it.)")
+        f"{H200_BYTES_PER_S / 1e12:.1f} TB/s), K < {k_bf16:.0f}.")
+  print("For larger K it is slower but still saves the M x N buffer for y. "
+        f"(The kernels here run in {mode},")
+  print("so this machine's times say nothing about it.)")
   print(f"Finished in {time.perf_counter() - t0:.1f} s.")
 
 
