@@ -72,13 +72,13 @@ def _none_to_zero(ct, x):
 
 
 def _as_array(x):
-  """A leaf that was an array (or tracer) at the call, as an array again.
+  """A leaf that was an array (or a tracer) at the call, as an array again.
 
   Under eager ``jax.grad``/``jax.vjp`` of a Python scalar, JAX hands the rules
   the primal as a Python-number subclass (``TypedFloat``), which equinox's
   ``is_array`` does not count as an array; ``fn_fwd`` would then return a
   Python number where ``fn`` returned an array."""
-  return x if isinstance(x, (jax.Array, jax.core.Tracer)) else jnp.asarray(x)
+  return x if isinstance(x, jax.Array) else jnp.asarray(x)   # tracers too
 
 
 class filter_custom_vjp:
