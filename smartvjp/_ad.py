@@ -259,11 +259,20 @@ for _p, _impl in ((jvp_p, _jvp_forward), (lin_p, _lin_forward),
 # Those are the user's JAX code, so their JVP is JAX's JVP of that code.
 
 def _rule_jvp(prim, impl, role, primals, tangents, /, **params):
+  """JAX's JVP of a rule's code, with respect to the inputs that move only
+  (as ``jax.custom_vjp`` differentiates its rules): a nested call inside the
+  rule then sees its closed-over constants held fixed."""
   call = params["call"]
-  tangents = [C.instantiate_zeros(t) for t in tangents]
+  moving = [type(t) is not C.Zero for t in tangents]
+
+  def on_moving(*moved):
+    it = iter(moved)
+    return impl(*[next(it) if m else p for p, m in zip(primals, moving)],
+                **params)
   try:
-    outs, out_tangents = jax.jvp(partial(impl, **params), tuple(primals),
-                                 tuple(tangents))
+    outs, out_tangents = jax.jvp(
+        on_moving, tuple(p for p, m in zip(primals, moving) if m),
+        tuple(t for t, m in zip(tangents, moving) if m))
   except Exception as e:  # noqa: BLE001 - re-raised naming the rule
     name = call.rules.rule_name(role)
     what = ("differentiation with respect to values it closes over"

@@ -117,3 +117,29 @@ def test_linear_transpose_of_a_nonlinear_call_is_refused():
   F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda r, g: (g * r,))
   with pytest.raises(NotImplementedError):
     jax.linear_transpose(F, X)(jnp.ones(3))
+
+
+def test_grad_of_grad_through_a_fwd_that_calls_f_with_constants():
+  """fwd calls the custom function itself, whose f closes over a constant
+  (as jax.experimental.ode.odeint's does): the outer derivative moves the
+  arguments only, never the constants."""
+  def make(cls):
+    @cls
+    def f(x, a):
+      return jnp.sin(x * a) * jnp.array([1.0, 2.0])
+
+    def fwd(x, a):
+      y = f(x, a)
+      return y, (x, a, y)
+
+    def bwd(res, g):
+      x, a, _ = res
+      d = jnp.sum(g * jnp.cos(x * a) * jnp.array([1.0, 2.0]))
+      return d * a, d * x
+    f.defvjp(fwd, bwd)
+    return f
+
+  got, want = (jax.jit(jax.grad(jax.grad(
+      lambda x, a, f=make(cls): jnp.sum(f(x, a) ** 2), 1), 0))(0.3, 0.7)
+      for cls in (smart_custom_vjp, jax.custom_vjp))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
