@@ -73,14 +73,17 @@ class Recorder:
           np.ascontiguousarray(arr).tobytes(), dtype=np.uint8)
 
   def check_swap(self, jaxpr_text: str) -> None:
-    """Fails unless the program's jaxpr shows the side's custom_vjp:
-    smartvjp's primitive with the swap, JAX's without it."""
-    want, other = (("smartvjp_call", "custom_vjp_call") if self.smart else
-                   ("custom_vjp_call", "smartvjp_call"))
-    if want not in jaxpr_text or other in jaxpr_text:
+    """Fails unless a jaxpr of the program shows the side's custom_vjp:
+    smartvjp's primitives (``smartvjp_call``, or ``smartvjp_fwd`` and
+    ``smartvjp_bwd`` in a gradient) and no ``custom_vjp_call`` with the swap,
+    the reverse without it."""
+    ours, jaxs = "smartvjp_" in jaxpr_text, "custom_vjp_call" in jaxpr_text
+    if (ours, jaxs) != ((True, False) if self.smart else (False, True)):
+      want = "smartvjp's primitives" if self.smart else "custom_vjp_call"
       raise AssertionError(
-          f"the program's jaxpr should contain {want} and no {other}; "
-          f"the swap did not reach the library:\n{jaxpr_text[:2000]}")
+          f"the program's jaxpr should show {want} only (smartvjp: {ours}, "
+          f"custom_vjp_call: {jaxs}); the swap did not reach the library:\n"
+          f"{jaxpr_text[:2000]}")
 
   def save(self) -> None:
     np.savez(self.out, __meta__=np.array(json.dumps(self.meta)), **{
