@@ -1,5 +1,8 @@
 """``jax.experimental.ode.odeint``: values, ``grad``, ``grad`` of
-``jax.checkpoint``, ``vmap`` and ``vmap`` of ``grad``."""
+``jax.checkpoint``, ``vmap`` and ``vmap`` of ``grad``; with
+``--case grad_of_grad``, a second derivative instead (odeint's ``fwd`` calls
+the custom_vjp function itself, and its Runge-Kutta tableau is a constant
+that ``f`` closes over)."""
 
 import os
 import sys
@@ -33,6 +36,12 @@ def main():
   y0 = jnp.array([0.8, -0.3], jnp.float32)
   a, b = jnp.float32(1.1), jnp.float32(0.7)
   rec.check_swap(str(jax.make_jaxpr(loss)(y0, a, b)))
+  if rec.case == "grad_of_grad":
+    d_da = jax.grad(loss, argnums=1)
+    rec.add("d2_da_db", jax.jit(jax.grad(d_da, argnums=2))(y0, a, b))
+    rec.add("d2_da_dy0", jax.jit(jax.grad(d_da, argnums=0))(y0, a, b))
+    rec.save()
+    return
   rec.add("value", jax.jit(solve)(y0, a, b))
   rec.add("grad", jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(y0, a, b))
   rec.add("grad_checkpoint", jax.jit(

@@ -15,3 +15,8 @@ def test_odeint_matches_custom_vjp(compare_port):
   for i in range(3):
     np.testing.assert_allclose(ref[f"grad_checkpoint[{i}]"], ref[f"grad[{i}]"],
                                rtol=1e-5)
+
+
+def test_odeint_grad_of_grad_matches_custom_vjp(compare_port):
+  ref = compare_port("prog_odeint.py", "grad_of_grad")
+  assert all(np.isfinite(v).all() for v in ref.values())
