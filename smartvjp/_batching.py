@@ -123,7 +123,8 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
       bwd=_named(bwd, rules.bwd) if rules.bwd is not None else None,
       fwd_bwd=(_named(fwd_bwd, rules.fwd_bwd)
                if rules.fwd_bwd is not None else None),
-      symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=())
+      symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=(),
+      always_save=rules.always_save)
 
 
 def _call_bwd(rules, call, res, g_leaves):
