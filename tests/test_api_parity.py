@@ -317,6 +317,10 @@ def _remat_programs(F):
           ck(jax.checkpoint_policies.nothing_saveable)(x) ** 2))),
       "scan4": jax.jit(jax.grad(scan4)),
       "eager": jax.grad(lambda x: jnp.sum(ck()(x) ** 2)),
+      "vmap_checkpoint": jax.jit(jax.grad(lambda x: jnp.sum(
+          jax.vmap(ck())(jnp.stack([x, 2 * x])) ** 2))),
+      "checkpoint_vmap": jax.jit(jax.grad(lambda x: jnp.sum(
+          jax.checkpoint(jax.vmap(F))(jnp.stack([x, 2 * x])) ** 2))),
   }
 
 
@@ -342,8 +346,11 @@ def _run_remat(cv, with_defvjp, program, jax_flags):
 @pytest.mark.remat3_pending(jax_min=(0, 12), program="nothing_saveable")
 @pytest.mark.remat3_pending(jax_min=(0, 12), program="scan4")
 @pytest.mark.remat3_pending(jax_min=(0, 12), program="eager")
+@pytest.mark.remat3_pending(jax_min=(0, 12), program="vmap_checkpoint")
+@pytest.mark.remat3_pending(jax_min=(0, 12), program="checkpoint_vmap")
 @pytest.mark.parametrize("program", ["grad", "checkpoint", "everything_saveable",
-                                     "nothing_saveable", "scan4", "eager"])
+                                     "nothing_saveable", "scan4", "eager",
+                                     "vmap_checkpoint", "checkpoint_vmap"])
 @pytest.mark.parametrize("with_defvjp", [False, True])
 def test_defremat_matches_jax(ad_mode, with_defvjp, program):
   """Values as JAX's (with the flags it needs); each rule runs where JAX runs
