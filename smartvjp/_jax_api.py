@@ -64,6 +64,11 @@ def check_generic_batching(fun, method: str, value) -> None:
   """
   if value is None:
     return
+  if not isinstance(value, (bool, int)) or callable(value):
+    raise TypeError(
+        f"smart_custom_vjp function {_fname(fun)}: {method}'s fifth "
+        f"argument is generic_batching (a bool), got {type(value).__name__}"
+        "; the fused rule is keyword-only: defvjp(fwd, bwd, fwd_bwd=...).")
   if not C.custom_vjp_defvjp_takes("generic_batching"):
     import jax
     raise NotImplementedError(
@@ -71,10 +76,6 @@ def check_generic_batching(fun, method: str, value) -> None:
         "generic_batching parameter mirrors jax.custom_vjp's, which JAX added "
         f"in jax {INTRODUCED['generic_batching']}; the installed jax "
         f"{jax.__version__} does not have it.")
-  if not isinstance(value, (bool, int)):
-    raise TypeError(
-        f"smart_custom_vjp function {_fname(fun)}: {method}'s "
-        f"generic_batching must be a bool, got {type(value).__name__}.")
   if value:
     raise NotImplementedError(
         f"smart_custom_vjp function {_fname(fun)}: {method}(..., "
