@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, Sequence
@@ -11,6 +12,7 @@ from jax.errors import UnexpectedTracerError
 
 from smartvjp import _compat as C
 from smartvjp import _ad, _batching, _partial_eval  # noqa: F401  (rules)
+from smartvjp import _jax_api
 from smartvjp._errors import rule_error
 from smartvjp._primitives import call_p
 from smartvjp._cache import TraceLocalCache
@@ -155,7 +157,8 @@ class smart_custom_vjp:
     return getattr(self.fun, name)
 
   def defvjp(self, fwd: Callable | None = None, bwd: Callable | None = None,
-             symbolic_zeros: bool = False, optimize_remat: bool = False, *,
+             symbolic_zeros: bool = False, optimize_remat: bool = False,
+             generic_batching: bool | None = None, *,
              fwd_bwd: Callable | None = None) -> None:
     """Defines the rules; the signature of ``jax.custom_vjp.defvjp`` + ``fwd_bwd``.
 
@@ -171,6 +174,8 @@ class smart_custom_vjp:
         ``.value``/``.perturbed``, and cotangents may be ``SymbolicZero``.
       optimize_remat: accepted for drop-in compatibility; it changes nothing
         because smartvjp's remat behaviour is always on.
+      generic_batching: where ``jax.custom_vjp.defvjp`` has it (jax 0.12):
+        ``False``, its default, is accepted; ``True`` is not implemented.
       fwd_bwd: optional fused rule ``fwd_bwd(*args, g) -> tuple`` returning
         what ``bwd`` returns; it recomputes what it needs from the primal
         arguments. Used in the rematerialized backward region instead of
@@ -184,6 +189,7 @@ class smart_custom_vjp:
         are given, or when a given rule is not callable.
     """
     del optimize_remat  # always on
+    _jax_api.check_generic_batching(self.fun, "defvjp", generic_batching)
     if not isinstance(symbolic_zeros, (bool, int)) or callable(symbolic_zeros):
       raise TypeError(
           f"smart_custom_vjp function {_fname(self.fun)}: defvjp's third "
@@ -206,7 +212,8 @@ class smart_custom_vjp:
     self.symbolic_zeros = bool(symbolic_zeros)
     self._rules = Rules(fun=self.fun, fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd,
                         symbolic_zeros=self.symbolic_zeros,
-                        nondiff_argnums=self.nondiff_argnums)
+                        nondiff_argnums=self.nondiff_argnums,
+                        remat=self.__dict__.get("_remat"))
     self._cache = TraceLocalCache(_CACHE_SIZE)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -277,6 +284,104 @@ class smart_custom_vjp:
     call, consts = trace_call(rules, nondiff, num_args, in_tree, avals)
     self._cache.put(key, (call, consts), consts)
     return call, consts
+
+  # -- jax.custom_vjp's newer definition methods (see _jax_api.py) -------------
+
+  def defvjp_with_logs(self, fwd: Callable, bwd: Callable,
+                       symbolic_zeros: bool = False,
+                       optimize_remat: bool = False,
+                       generic_batching: bool | None = None) -> None:
+    """``jax.custom_vjp.defvjp_with_logs`` (jax 0.11.2): ``bwd`` returns
+    ``(cotangents, logs)`` with ``logs`` ``None`` or a dict.
+
+    smartvjp does not carry logs out of the backward pass yet: logs that are
+    ``None`` or ``{}`` work exactly as in JAX; a ``bwd`` that returns log
+    entries raises ``NotImplementedError`` when it runs.
+
+    Raises:
+      NotImplementedError: when the installed JAX has no such method.
+    """
+    _jax_api.require_method(self.fun, "defvjp_with_logs")
+    _jax_api.check_generic_batching(self.fun, "defvjp_with_logs",
+                                    generic_batching)
+    self.defvjp(fwd, _jax_api.without_logs(self.fun, bwd, "defvjp_with_logs"),
+                symbolic_zeros, optimize_remat)
+    self.fwd, self.bwd = fwd, bwd
+
+  def defvjp_with_accums(self, fwd: Callable, bwd: Callable,
+                         symbolic_zeros: bool = False,
+                         optimize_remat: bool = False,
+                         generic_batching: bool | None = None) -> None:
+    """``jax.custom_vjp.defvjp_with_accums`` (jax 0.12): ``bwd(res, g,
+    *accums)`` pushes cotangents into one accumulator per differentiable
+    argument (pytrees of them, like the arguments) and returns ``None`` or
+    logs. smartvjp hands it value accumulators (``accum(x)``), as JAX does
+    where a transformation wraps the rule. Logs as in
+    :meth:`defvjp_with_logs`.
+
+    Raises:
+      NotImplementedError: when the installed JAX has no such method.
+    """
+    _jax_api.require_method(self.fun, "defvjp_with_accums")
+    _jax_api.check_generic_batching(self.fun, "defvjp_with_accums",
+                                    generic_batching)
+    self.defvjp(_jax_api.with_arguments(fwd, self.nondiff_argnums),
+                _jax_api.accums_bwd(self.fun, bwd, len(self.nondiff_argnums)),
+                symbolic_zeros, optimize_remat)
+    self.fwd, self.bwd = fwd, bwd
+
+  def defremat(self, fwd: Callable, rem: Callable, bwd: Callable,
+               generic_batching: bool | None = None) -> None:
+    """``jax.custom_vjp.defremat`` (jax 0.12): rematerialization rules.
+
+    ``fwd(*args) -> (out, res)`` runs in the forward pass and its residuals
+    ``res`` are kept whatever the remat policy says; ``rem(res, *args) ->
+    (out, res2)`` runs in the backward pass and ``bwd(res2, g)`` (nondiff
+    arguments first) after it. Without ``defvjp``, these rules are also the
+    VJP outside ``jax.checkpoint``. With ``defvjp`` rules too, those are used
+    outside ``jax.checkpoint`` and where the policy keeps their residuals,
+    and the ``defremat`` rules where it does not. JAX needs ``jax_remat3`` and
+    ``jax_custom_vjp3`` for this method; smartvjp does not.
+
+    Raises:
+      NotImplementedError: when the installed JAX has no such method.
+    """
+    _jax_api.require_method(self.fun, "defremat")
+    _jax_api.check_generic_batching(self.fun, "defremat", generic_batching)
+    self._define_remat(fwd, rem, bwd, with_logs=False)
+
+  def defremat_with_logs(self, fwd: Callable, rem: Callable, bwd: Callable,
+                         generic_batching: bool | None = None) -> None:
+    """``jax.custom_vjp.defremat_with_logs`` (jax 0.12): :meth:`defremat`
+    whose ``bwd`` returns ``(cotangents, logs)`` (logs as in
+    :meth:`defvjp_with_logs`).
+
+    Raises:
+      NotImplementedError: when the installed JAX has no such method.
+    """
+    _jax_api.require_method(self.fun, "defremat_with_logs")
+    _jax_api.check_generic_batching(self.fun, "defremat_with_logs",
+                                    generic_batching)
+    self._define_remat(fwd, rem, bwd, with_logs=True)
+
+  def _define_remat(self, fwd, rem, bwd, with_logs):
+    for n, r in (("fwd", fwd), ("rem", rem), ("bwd", bwd)):
+      if not callable(r):
+        raise TypeError(
+            f"smart_custom_vjp function {_fname(self.fun)}: defremat's {n} "
+            f"must be callable, got {type(r).__name__}.")
+    remat = Rules(
+        fun=self.fun, fwd=_jax_api.with_arguments(fwd, self.nondiff_argnums),
+        bwd=_jax_api.remat_bwd(self.fun, rem, bwd, self.nondiff_argnums,
+                               with_logs),
+        fwd_bwd=None, symbolic_zeros=False,
+        nondiff_argnums=self.nondiff_argnums, always_save=True)
+    self._remat = remat
+    if self._rules is not None and self._rules.fwd is not None:
+      self._rules = dataclasses.replace(self._rules, remat=remat)
+    else:
+      self._rules = remat
+    self._cache = TraceLocalCache(_CACHE_SIZE)
 
 
 def _fname(fun) -> str:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _compat as C
+from smartvjp._jax_api import remat_call
 from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
@@ -123,7 +124,10 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
       bwd=_named(bwd, rules.bwd) if rules.bwd is not None else None,
       fwd_bwd=(_named(fwd_bwd, rules.fwd_bwd)
                if rules.fwd_bwd is not None else None),
-      symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=())
+      symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=(),
+      always_save=rules.always_save,
+      remat=(batched_rules(remat_call(call), consts, const_dims, in_dims,
+                           axis_data) if rules.remat is not None else None))
 
 
 def _call_bwd(rules, call, res, g_leaves):

@@ -336,3 +336,39 @@ def dce_jaxpr_keep_inputs(closed: ClosedJaxpr, used_outputs) -> ClosedJaxpr:
   """``closed`` computing only the used outputs; every input is kept."""
   jaxpr, _ = _pe.dce_jaxpr(closed.jaxpr, list(used_outputs), instantiate=True)
   return ClosedJaxpr(jaxpr, closed.consts)
+
+
+# -- jax.custom_vjp's own definition methods (smartvjp/_jax_api.py) ----------
+
+def custom_vjp_has(method: str) -> bool:
+  """Whether the installed ``jax.custom_vjp`` has the definition method
+  ``method`` (JAX's own class, even when a test has swapped the public name)."""
+  from jax._src import custom_derivatives as _cd
+  return callable(getattr(_cd.custom_vjp, method, None))
+
+
+def custom_vjp_defvjp_takes(param: str) -> bool:
+  """Whether ``jax.custom_vjp.defvjp`` accepts the parameter ``param``."""
+  from jax._src import custom_derivatives as _cd
+  return param in inspect.signature(_cd.custom_vjp.defvjp).parameters
+
+
+def gradient_accumulator(aval):
+  """The accumulator ``jax.custom_vjp.defvjp_with_accums``' ``bwd`` receives
+  for a primal input of type ``aval`` when nothing wraps the rule: a value
+  accumulator, or a null one where the cotangent is ``float0`` (jax 0.12.0
+  added both)."""
+  ct_aval = aval.to_ct_aval() if hasattr(aval, "to_ct_aval") \
+      else aval.to_tangent_aval()
+  if getattr(ct_aval, "dtype", None) == float0:
+    return _ad.NullAccum(ct_aval)
+  return _ad.ValAccum(ct_aval)
+
+
+def accumulated(accumulator):
+  """What a :func:`gradient_accumulator` holds: an array, or ``None`` when
+  nothing (or only zeros) was pushed into it."""
+  if not isinstance(accumulator, _ad.ValAccum):
+    return None
+  value = accumulator.freeze()
+  return None if isinstance(value, Zero) else value

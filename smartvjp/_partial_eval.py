@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from smartvjp import _compat as C
 from smartvjp._check import maybe_check
+from smartvjp._jax_api import remat_variant
 from smartvjp._primitives import (
     bind_primal, bind_primal_and_residuals, fused_lin_p, fwd_p, jvp_p, lin_p,
     primal_eqn, split_jvp_args)
@@ -53,6 +54,8 @@ def residual_policy(saveable, eqn):
   fwd = eqn.params["fwd"]
   if fwd is None or fwd.num_new_res == 0:
     return None  # nothing to keep; f is never dearer than fwd
+  if eqn.params["call"].rules.always_save:  # defremat: the user decides
+    return (None,) * fwd.num_new_res
   call_answer = C.policy_answer(
       saveable, jvp_p, [v.aval for v in eqn.invars], eqn.params)
   recompute = type(C.Recompute)
@@ -108,6 +111,14 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   unks_out = [False] * n_out + [True] * n_tan
 
   kept = residual_policy(saveable, eqn)
+  if kept is None and call.rules.remat is not None:
+    swapped = remat_variant(eqn, inst_in)  # defremat's rules where recomputed
+    if swapped is not None:
+      eqn, inst_in = swapped
+      call, fwd = eqn.params["call"], eqn.params["fwd"]
+      f_consts, fwd_consts, primals, tangents = split_jvp_args(
+          eqn.invars, call, fwd)
+      kept = residual_policy(saveable, eqn)
   if kept is not None:
     fwd_inputs = [*fwd_consts, *primals]
     offload = kept if any(s is not None for s in kept) else None

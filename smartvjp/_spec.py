@@ -29,6 +29,10 @@ class Rules:
   fwd_bwd: Callable | None
   symbolic_zeros: bool
   nondiff_argnums: tuple[int, ...]
+  # defremat (smartvjp/_jax_api.py): keep fwd's residuals whatever the policy
+  # says; ``remat``: the defremat rules to use where the policy recomputes
+  always_save: bool = False
+  remat: "Rules | None" = None
 
   @property
   def name(self) -> str:

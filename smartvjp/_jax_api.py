@@ -1,0 +1,229 @@
+"""``jax.custom_vjp``'s newer definition methods, in terms of ``defvjp``.
+
+Each method exists on ``smart_custom_vjp`` exactly where the installed
+``jax.custom_vjp`` has it (detected by feature in ``_compat``); elsewhere it
+raises ``NotImplementedError`` naming the JAX release that introduced it.
+
+* ``defvjp_with_accums(fwd, bwd)``: ``bwd(res, g, *accums)`` pushes each
+  cotangent into one accumulator per differentiable argument. smartvjp hands
+  it value accumulators (what ``jax.custom_vjp`` hands a rule that a
+  transformation wraps) and reads the cotangents back from them.
+* ``defremat(fwd, rem, bwd)``: the forward pass runs ``fwd`` and keeps its
+  residuals ``res`` whatever the remat policy says; the backward pass runs
+  ``rem(res, *args)`` for the residuals ``res2`` of ``bwd(res2, g)``. When
+  ``defvjp``'s rules are also given, they are used wherever the policy keeps
+  their residuals (and without remat), the ``defremat`` rules elsewhere.
+* ``defvjp_with_logs`` / ``defremat_with_logs``: ``bwd`` returns
+  ``(cotangents, logs)``. smartvjp does not carry backward-pass logs out of
+  the backward pass yet: ``None`` (or an empty dict) works, a dict with
+  entries raises ``NotImplementedError`` when ``bwd`` runs.
+* ``generic_batching=False`` (the default) is accepted where JAX accepts it;
+  ``True`` raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+from jax import tree_util
+
+from smartvjp import _compat as C
+from smartvjp._cache import TraceLocalCache
+
+# The JAX release that added each method (or defvjp's parameter).
+INTRODUCED = {
+    "defvjp_with_logs": "0.11.2",
+    "defvjp_with_accums": "0.12.0",
+    "defremat": "0.12.0",
+    "defremat_with_logs": "0.12.0",
+    "generic_batching": "0.12.0",
+}
+
+
+def _fname(fun) -> str:
+  return getattr(fun, "__name__", None) or type(fun).__name__
+
+
+def require_method(fun, method: str) -> None:
+  """Raises ``NotImplementedError`` unless the installed ``jax.custom_vjp``
+  has ``method``."""
+  if not C.custom_vjp_has(method):
+    import jax
+    raise NotImplementedError(
+        f"smart_custom_vjp function {_fname(fun)}: {method} mirrors "
+        f"jax.custom_vjp.{method}, which JAX added in jax "
+        f"{INTRODUCED[method]}; the installed jax {jax.__version__} does not "
+        f"have it. Upgrade JAX, or use defvjp.")
+
+
+def check_generic_batching(fun, method: str, value) -> None:
+  """``generic_batching``: ``None`` (not given) or ``False`` where JAX has it.
+
+  ``False`` is JAX's default and smartvjp's behaviour under ``vmap``.
+  """
+  if value is None:
+    return
+  if not isinstance(value, (bool, int)) or callable(value):
+    raise TypeError(
+        f"smart_custom_vjp function {_fname(fun)}: {method}'s fifth "
+        f"argument is generic_batching (a bool), got {type(value).__name__}"
+        "; the fused rule is keyword-only: defvjp(fwd, bwd, fwd_bwd=...).")
+  if not C.custom_vjp_defvjp_takes("generic_batching"):
+    import jax
+    raise NotImplementedError(
+        f"smart_custom_vjp function {_fname(fun)}: {method}'s "
+        "generic_batching parameter mirrors jax.custom_vjp's, which JAX added "
+        f"in jax {INTRODUCED['generic_batching']}; the installed jax "
+        f"{jax.__version__} does not have it.")
+  if value:
+    raise NotImplementedError(
+        f"smart_custom_vjp function {_fname(fun)}: {method}(..., "
+        "generic_batching=True) is not implemented by smartvjp yet; leave it "
+        "False (the default), or use jax.custom_vjp for this function.")
+
+
+# -- logs ----------------------------------------------------------------------
+
+def _check_logs(fun, rule, method, logs):
+  """``None`` or a dict, as JAX requires; entries are not supported yet."""
+  if logs is not None and type(logs) is not dict:
+    raise TypeError(
+        f"smart_custom_vjp function {_fname(fun)}: bwd rule {_fname(rule)} "
+        f"was defined with {method}, so its logs must be None or a dict, "
+        f"but it returned logs of type {type(logs).__name__}.")
+  if logs:
+    raise NotImplementedError(
+        f"smart_custom_vjp function {_fname(fun)}: bwd rule {_fname(rule)} "
+        f"(defined with {method}) returned backward-pass logs with keys "
+        f"{sorted(map(str, logs))}; smartvjp cannot carry logs out of the "
+        "backward pass yet. Return None as the logs, or use jax.custom_vjp "
+        "for this function.")
+
+
+def without_logs(fun, bwd: Callable, method: str) -> Callable:
+  """``bwd`` returning ``(cotangents, logs)`` as a plain ``bwd``."""
+  @functools.wraps(bwd)
+  def plain_bwd(*args):
+    out = bwd(*args)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+          f"smart_custom_vjp function {_fname(fun)}: bwd rule {_fname(bwd)} "
+          f"was defined with {method}, so it must return a pair (cotangents, "
+          f"logs), but it returned a {type(out).__name__}"
+          f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}.")
+    cts, logs = out
+    _check_logs(fun, bwd, method, logs)
+    return cts
+  return plain_bwd
+
+
+# -- residuals that carry the differentiable arguments -------------------------
+
+def _split(nondiff_argnums, args):
+  return tuple(a for i, a in enumerate(args) if i not in nondiff_argnums)
+
+
+def _merge(nondiff_argnums, nondiff, dyn):
+  """All arguments in place from the nondiff ones and the others."""
+  fixed, rest = dict(zip(nondiff_argnums, nondiff)), iter(dyn)
+  return [fixed[i] if i in fixed else next(rest)
+          for i in range(len(fixed) + len(dyn))]
+
+
+def _values(args):
+  """``fwd``'s arguments without ``CustomVJPPrimal`` wrappers."""
+  return tree_util.tree_map(
+      lambda x: x.value if isinstance(x, C.CustomVJPPrimal) else x, args,
+      is_leaf=lambda x: isinstance(x, C.CustomVJPPrimal))
+
+
+def with_arguments(fwd: Callable, nondiff_argnums) -> Callable:
+  """``fwd`` whose residuals are ``(res, differentiable arguments)``; the
+  arguments are inputs, so smartvjp forwards them without copies."""
+  @functools.wraps(fwd)
+  def fwd_and_args(*args):
+    out, res = fwd(*args)
+    return out, (res, _values(_split(nondiff_argnums, args)))
+  return fwd_and_args
+
+
+# -- defvjp_with_accums -----------------------------------------------------------
+
+def accums_bwd(fun, bwd: Callable, num_nondiff: int) -> Callable:
+  """``bwd(*nondiff, res, g, *accums) -> logs`` as a plain ``bwd``, for a
+  ``fwd`` wrapped by :func:`with_arguments`."""
+  @functools.wraps(bwd)
+  def plain_bwd(*args):
+    nondiff, (res, dyn), g = args[:num_nondiff], args[num_nondiff], args[-1]
+    accums = tree_util.tree_map(
+        lambda x: C.gradient_accumulator(C.get_aval(x)), dyn)
+    logs = bwd(*nondiff, res, g, *accums)
+    _check_logs(fun, bwd, "defvjp_with_accums", logs)
+    is_accum = lambda x: not isinstance(x, (tuple, list, dict)) and \
+        hasattr(x, "freeze")
+    return tuple(tree_util.tree_map(C.accumulated, a, is_leaf=is_accum)
+                 for a in accums)
+  return plain_bwd
+
+
+# -- defremat ------------------------------------------------------------------
+
+def remat_bwd(fun, rem: Callable, bwd: Callable, nondiff_argnums,
+              with_logs: bool) -> Callable:
+  """``bwd`` for residuals ``(res, dyn_args)``: ``rem(res, *args)`` gives the
+  residuals ``res2``, then ``bwd(*nondiff, res2, g)``."""
+  rule = without_logs(fun, bwd, "defremat_with_logs") if with_logs else bwd
+  k = len(nondiff_argnums)
+
+  @functools.wraps(bwd)
+  def rem_then_bwd(*args):
+    nondiff, (res, dyn), g = args[:k], args[k], args[-1]
+    full = _merge(nondiff_argnums, nondiff, dyn)
+    pair = rem(res, *full)
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+      raise TypeError(
+          f"smart_custom_vjp function {_fname(fun)}: rem rule {_fname(rem)} "
+          "must return a pair (primal_output, residuals for bwd), but "
+          f"returned a {type(pair).__name__}.")
+    return rule(*nondiff, pair[1], g)
+  return rem_then_bwd
+
+
+def remat_call(call):
+  """``call`` with its ``defremat`` rules in place of its ``defvjp`` ones
+  (the same traced ``f``), or ``None`` when it has none. Cached on ``call``."""
+  rules = call.rules.remat
+  if rules is None:
+    return None
+  key = ("defremat",)
+  hit = call.batch_cache.get(key)
+  if hit is None:
+    hit = dataclasses.replace(call, rules=rules, fwd_cache=TraceLocalCache(),
+                              batch_cache=TraceLocalCache(),
+                              rule_cache=TraceLocalCache())
+    call.batch_cache.put(key, hit)
+  return hit
+
+
+def remat_variant(eqn, inst_in):
+  """A ``smartvjp_jvp`` equation rewritten to use its call's ``defremat``
+  rules, with ``inst_in`` to match; ``None`` when the call has none or when
+  the ``defremat`` ``fwd`` closes over values (they would need new inputs)."""
+  call = eqn.params["call"]
+  alt = remat_call(call)
+  if alt is None:
+    return None
+  in_nz = eqn.params["in_nz"]
+  fwd = eqn.params["fwd"]
+  alt_fwd, alt_consts = alt.fwd_for(in_nz)
+  if alt_consts:
+    return None
+  n1 = call.num_consts
+  n2 = n1 + (fwd.num_consts if fwd is not None else 0)
+  invars = [*eqn.invars[:n1], *eqn.invars[n2:]]
+  inst = [*inst_in[:n1], *inst_in[n2:]]
+  new = eqn.replace(invars=invars,
+                    params=dict(eqn.params, call=alt, fwd=alt_fwd))
+  return new, inst
