@@ -24,7 +24,8 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.core", (
         "Primitive", "JaxprEqn", "Var", "Literal", "Tracer", "typeof",
         "typecompat", "mem_kind_to_space", "trace_ctx", "EvalTrace",
-        "eval_jaxpr", "unmapped_aval", "pp_eqn_rules", "set_current_trace")),
+        "eval_jaxpr", "unmapped_aval", "pp_eqn_rules", "set_current_trace",
+        "DropVar")),
     ("jax._src.interpreters.partial_eval", (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
@@ -277,17 +278,13 @@ def policy_answer(policy: Callable, prim: Primitive, avals, params):
   return _pe.ensure_enum(policy(prim, *avals, **params))
 
 
-def only_unordered_debug_effects(effects) -> bool:
-  """True if dropping an equation with these effects changes no program output.
-
-  Unordered debug effects (``jax.debug.print``/``debug.callback``) only
-  observe; where a rule runs is smartvjp's decision, not the user's program.
-  """
-  return all(isinstance(e, DebugEffect) for e in effects)
-
-
 def define_string_option(name: str, help: str):
   """An optional-string JAX config option that is part of the trace context
   (so jitted functions retrace when it changes)."""
   return _config.optional_string_state(name, default=None, help=help,
                                        include_in_trace_context=True)
+
+
+def drop_var(aval) -> Var:
+  """An output variable of an equation that nothing reads."""
+  return _core.DropVar(aval)

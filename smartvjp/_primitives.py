@@ -64,10 +64,12 @@ def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
 
   When every residual of ``fwd`` is an input forwarded unchanged (as in the
   seed's ``fwd`` that returns ``(sin(x), (x,))``), ``fwd`` computes nothing
-  that ``f`` does not, so ``f`` runs in its place.
+  that ``f`` does not, so ``f`` runs in its place, unless ``f`` or ``fwd``
+  has effects: then ``fwd`` runs, as with ``jax.custom_vjp`` (its effects,
+  such as a ``jax.debug.print``, happen; ``f``'s do not).
   """
   fwd_inputs = [*fwd_consts, *primals]
-  if fwd.num_new_res == 0:
+  if fwd.num_new_res == 0 and not has_effects(call, fwd):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return list(outs), fwd.assemble_residuals(fwd_inputs, [])
   outs = fwd_p.bind(*fwd_inputs, call=call, fwd=fwd, offload=None)
@@ -154,28 +156,53 @@ C.register_lowering_from_impl(rule_p, rule_eval)
 
 
 # -- dead-code elimination ----------------------------------------------------
+#
+# Effects and DCE. An effect that jax.custom_vjp would run at least once
+# (a jax.debug.print in f, fwd or bwd) must run at least once here too, even
+# when the equation's outputs are unused, exactly as JAX keeps any equation
+# with effects. So an equation with effects is never dropped whole. Which
+# rule a jvp equation stands for is the subtle case: jax.custom_vjp runs fwd
+# for a differentiated call, so when the tangents of a smartvjp_jvp are dead
+# and fwd has effects, it becomes fwd (whose effects then happen once), not
+# f. A call that smartvjp's partial evaluation put in the forward pass in
+# place of fwd (remat's known side) is a smartvjp_call like any other: when
+# f has effects they run there (the documented "f 1" of the contract); the
+# effects of fwd run in the backward region.
+
+def has_effects(call, fwd) -> bool:
+  """True when ``f`` or ``fwd`` (traced) has effects."""
+  return bool(call.jaxpr.effects) or (
+      fwd is not None and bool(fwd.jaxpr.effects))
+
 
 def _dce_whole(used_outputs, eqn):
-  """Drop an equation none of whose outputs is used, else keep it whole.
-
-  Unordered debug effects inside a rule do not keep it alive: which rule runs
-  where is smartvjp's decision, and a ``jax.debug.print`` in ``fwd`` must not
-  change it.
-  """
-  if not any(used_outputs) and C.only_unordered_debug_effects(eqn.effects):
+  """Drop an equation none of whose outputs is used and that has no effects,
+  else keep it whole (as JAX's default rule does)."""
+  if not any(used_outputs) and not eqn.effects:
     return [False] * len(eqn.invars), None
   return [True] * len(eqn.invars), eqn
 
 
 def _dce_jvp(used_outputs, eqn):
-  """A jvp equation whose tangents are unused is just ``f``."""
+  """A jvp equation whose tangents are unused is just ``f``; or ``fwd``,
+  without its residuals, when ``fwd`` has effects (``jax.custom_vjp`` would
+  run them)."""
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
   if any(used_outputs[n:]):
     return [True] * len(eqn.invars), eqn
-  if not any(used_outputs[:n]):
-    return _dce_whole(used_outputs, eqn)
   f_consts, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
+  if fwd is not None and fwd.jaxpr.effects:
+    new_res = [C.drop_var(a) for a in fwd.jaxpr.out_avals[n:]]
+    new_eqn = C.new_jaxpr_eqn(
+        [*fwd_consts, *primals], [*eqn.outvars[:n], *new_res], fwd_p,
+        dict(call=call, fwd=fwd, offload=None), fwd.jaxpr.effects,
+        eqn.source_info, eqn.ctx)
+    used = ([False] * len(f_consts) + [True] * len(fwd_consts)
+            + [True] * len(primals) + [False] * len(tangents))
+    return used, new_eqn
+  if not any(used_outputs[:n]) and (fwd is not None or not call.jaxpr.effects):
+    return [False] * len(eqn.invars), None  # fwd, which JAX would run, is pure
   new_eqn = C.new_jaxpr_eqn(
       [*f_consts, *primals], eqn.outvars[:n], call_p, dict(call=call),
       call.jaxpr.effects, eqn.source_info, eqn.ctx)
