@@ -10,7 +10,7 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 from jax import tree_util
 
 from smartvjp import _compat as C
-from smartvjp import _ad, _batching, _partial_eval  # noqa: F401  (rules)
+from smartvjp import _ad, _batching, _checkify, _partial_eval  # noqa: F401  (rules)
 from smartvjp._errors import rule_error
 from smartvjp._primitives import call_p
 from smartvjp._spec import Rules, trace_call

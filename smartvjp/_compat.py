@@ -45,6 +45,7 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.custom_derivatives", ("CustomVJPPrimal",)),
     ("jax._src.debugging", ("DebugEffect",)),
     ("jax._src.ad_checkpoint", ("name_p",)),
+    ("jax._src.checkify", ("error_checks", "checkify_jaxpr_flat", "Error")),
     ("jax._src.ad_util", ("Zero", "SymbolicZero")),
     ("jax._src.dtypes", ("float0",)),
     ("jax._src.util", ("weakref_cache_key_types",)),
@@ -288,3 +289,45 @@ def define_string_option(name: str, help: str):
 def drop_var(aval) -> Var:
   """An output variable of an equation that nothing reads."""
   return _core.DropVar(aval)
+
+
+# -- checkify -----------------------------------------------------------------
+
+from jax._src import checkify as _checkify  # noqa: E402
+
+# jax 0.11: checkify rules and checkify_jaxpr_flat take a leading
+# CheckifyContext (which numbers the checks); before, they had none.
+CHECKIFY_TAKES_CTX = hasattr(_checkify, "CheckifyContext")
+
+
+def register_checkify(prim: Primitive, rule: Callable) -> None:
+  """``rule(ctx, error, enabled_errors, *args, **params) -> (error, outs)``;
+  ``ctx`` is ``None`` on JAX releases without a checkify context."""
+  if CHECKIFY_TAKES_CTX:
+    _checkify.error_checks[prim] = rule
+  else:
+    _checkify.error_checks[prim] = (
+        lambda error, enabled, *args, **params:
+        rule(None, error, enabled, *args, **params))
+
+
+def checkify_jaxpr(ctx, jaxpr, enabled_errors, err_tree, *args):
+  """Evaluates ``jaxpr`` (no constants of its own) with its checks turned
+  into error values: ``args`` are the leaves of the incoming error (of tree
+  ``err_tree``) then the jaxpr's inputs; returns ``(error, outs)``."""
+  if CHECKIFY_TAKES_CTX:
+    return _checkify.checkify_jaxpr_flat(ctx, jaxpr, (), enabled_errors,
+                                         err_tree, *args)
+  return _checkify.checkify_jaxpr_flat(jaxpr, (), enabled_errors, err_tree,
+                                       *args)
+
+
+def error_effects(error) -> set:
+  """The kinds of error a checkify ``Error`` value carries."""
+  return set(error._pred)  # pylint: disable=protected-access
+
+
+def widen_error(error, effects):
+  """``error`` with entries that never fire for the kinds in ``effects`` it
+  lacks, so that its leaves match an error that may carry them."""
+  return error._add_placeholder_effects(effects)  # pylint: disable=protected-access
