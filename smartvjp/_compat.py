@@ -46,6 +46,8 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.debugging", ("DebugEffect",)),
     ("jax._src.ad_checkpoint", ("name_p",)),
     ("jax._src.checkify", ("error_checks", "checkify_jaxpr_flat", "Error")),
+    ("jax._src.state.types", ("AbstractRef",)),
+    ("jax._src.state.discharge", ("discharge_state", "register_discharge_rule")),
     ("jax._src.ad_util", ("Zero", "SymbolicZero")),
     ("jax._src.dtypes", ("float0",)),
     ("jax._src.util", ("weakref_cache_key_types",)),
@@ -331,3 +333,97 @@ def widen_error(error, effects):
   """``error`` with entries that never fire for the kinds in ``effects`` it
   lacks, so that its leaves match an error that may carry them."""
   return error._add_placeholder_effects(effects)  # pylint: disable=protected-access
+
+
+# -- mutable array references -------------------------------------------------
+
+from jax._src.state.types import AbstractRef as _AbstractRef  # noqa: E402
+
+
+def is_ref(x) -> bool:
+  """True for a mutable array reference (``jax.new_ref``) or its tracer."""
+  try:
+    return isinstance(_core.typeof(x), _AbstractRef)
+  except TypeError:
+    return False
+
+
+def is_ref_aval(aval) -> bool:
+  return isinstance(aval, _AbstractRef)
+
+
+from jax._src import effects as _effects  # noqa: E402
+
+# jax 0.10.1: an effect on a jaxpr input (a reference read or written) names
+# the input's Var inside a jaxpr and equation, and its position in what an
+# abstract evaluation rule returns; before, it held a position everywhere.
+_EFFECTS_NAME_VARS = hasattr(_core, "positional_effects")
+
+
+def positional_effects(jaxpr) -> set:
+  """The effects of a traced rule (no constants of its own) as its
+  primitive's abstract evaluation returns them."""
+  jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+  if _EFFECTS_NAME_VARS:
+    return _core.positional_effects(jaxpr)
+  return set(jaxpr.effects)
+
+
+def eqn_effects(jaxpr, invars) -> set:
+  """The effects of an equation over ``invars`` that evaluates ``jaxpr``."""
+  effs = positional_effects(jaxpr)
+  if _EFFECTS_NAME_VARS:
+    return _core.resolve_input_effects(effs, invars)
+  return effs
+
+
+def _input_position(e):
+  return e.input if _EFFECTS_NAME_VARS else e.input_index
+
+
+def move_input_effects(effs, where: Callable[[int], int]) -> set:
+  """Positional effects with each input position ``i`` moved to ``where(i)``
+  (for an equation whose inputs are a rule's inputs plus others)."""
+  out = set()
+  for e in effs:
+    if isinstance(e, _effects.JaxprInputEffect):
+      i = where(_input_position(e))
+      e = e.replace(i) if _EFFECTS_NAME_VARS else e.replace(input_index=i)
+    out.add(e)
+  return out
+
+
+from jax._src.state import discharge as _discharge  # noqa: E402
+
+# jax 0.11: discharge rules take a DischargeContext first (with
+# should_discharge); before, (in_avals, out_avals) first.
+_DISCHARGE_TAKES_CTX = hasattr(_discharge, "DischargeContext")
+
+
+def register_discharge(prim: Primitive, rule: Callable) -> None:
+  """``rule(should_discharge, *args, **params) -> (new_args, outs)``: the
+  state discharge of ``prim``; ``args`` are values where ``should_discharge``
+  says so, and ``new_args`` has the final value of each of those references
+  (``None`` elsewhere)."""
+  if _DISCHARGE_TAKES_CTX:
+    def adapted(ctx, *args, **params):
+      return rule(list(ctx.should_discharge), *args, **params)
+  else:
+    def adapted(in_avals, out_avals, *args, **params):
+      return rule([is_ref_aval(a) for a in in_avals], *args, **params)
+  _discharge.register_discharge_rule(prim)(adapted)
+
+
+def eval_discharged(jaxpr: ClosedJaxpr, should_discharge, *args) -> list:
+  """Evaluates ``jaxpr`` (no constants of its own) with its references at the
+  ``should_discharge`` positions given as values: returns its outputs, then
+  the final value of each of those references."""
+  should = tuple(bool(d) for d in should_discharge)
+  if "closed_jaxpr" in inspect.signature(_discharge.discharge_state).parameters:
+    pure = _discharge.discharge_state(jaxpr, should_discharge=should)
+    consts = pure.consts  # jax 0.10.1: a ClosedJaxpr in and out; 0.11 Jaxpr
+    pure = pure.jaxpr if isinstance(pure, ClosedJaxpr) else pure
+  else:  # jax 0.10.0: (jaxpr, consts) in and out
+    pure, consts = _discharge.discharge_state(jaxpr.jaxpr, jaxpr.consts,
+                                              should_discharge=should)
+  return _core.eval_jaxpr(pure, consts, *args)

@@ -80,7 +80,7 @@ def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
 # -- smartvjp_call ------------------------------------------------------------
 
 def _call_abstract_eval(*avals, call):
-  return list(call.out_avals), call.jaxpr.effects
+  return list(call.out_avals), C.positional_effects(call.jaxpr)
 
 
 def _call_lower(*args, call):
@@ -100,7 +100,7 @@ def _fwd_abstract_eval(*avals, call, fwd, offload):
     n = call.num_outs
     outs[n:] = [a if space is None else a.update(memory_space=space)
                 for a, space in zip(outs[n:], offload)]
-  return outs, fwd.jaxpr.effects
+  return outs, C.positional_effects(fwd.jaxpr)
 
 
 def fwd_eval(*args, call, fwd, offload):
@@ -120,9 +120,14 @@ C.register_lowering_from_impl(fwd_p, fwd_eval)
 # -- smartvjp_jvp -------------------------------------------------------------
 
 def _jvp_abstract_eval(*avals, call, fwd, in_nz, remat):
-  effects = call.jaxpr.effects
+  nc, nw = call.num_consts, (fwd.num_consts if fwd is not None else 0)
+  # inputs [*f_consts, *fwd_consts, *primals, *tangents]: f's and fwd's own
+  # input positions moved there
+  effects = C.move_input_effects(C.positional_effects(call.jaxpr),
+                                 lambda i: i if i < nc else i + nw)
   if fwd is not None:
-    effects = effects | fwd.jaxpr.effects
+    effects |= C.move_input_effects(C.positional_effects(fwd.jaxpr),
+                                    lambda i: i + nc)
   outs = [*call.out_avals, *tangent_avals(call.out_avals, call.out_nz)]
   return outs, effects
 
@@ -143,7 +148,7 @@ fused_lin_p.def_abstract_eval(_lin_abstract_eval)
 # -- smartvjp_bwd (bwd or fwd_bwd, traced at transpose time) -------------------
 
 def _rule_abstract_eval(*avals, call, which, jaxpr):
-  return list(jaxpr.out_avals), jaxpr.effects
+  return list(jaxpr.out_avals), C.positional_effects(jaxpr)
 
 
 def rule_eval(*args, call, which, jaxpr):
@@ -196,7 +201,8 @@ def _dce_jvp(used_outputs, eqn):
     new_res = [C.drop_var(a) for a in fwd.jaxpr.out_avals[n:]]
     new_eqn = C.new_jaxpr_eqn(
         [*fwd_consts, *primals], [*eqn.outvars[:n], *new_res], fwd_p,
-        dict(call=call, fwd=fwd, offload=None), fwd.jaxpr.effects,
+        dict(call=call, fwd=fwd, offload=None),
+        C.eqn_effects(fwd.jaxpr, [*fwd_consts, *primals]),
         eqn.source_info, eqn.ctx)
     used = ([False] * len(f_consts) + [True] * len(fwd_consts)
             + [True] * len(primals) + [False] * len(tangents))
@@ -205,7 +211,8 @@ def _dce_jvp(used_outputs, eqn):
     return [False] * len(eqn.invars), None  # fwd, which JAX would run, is pure
   new_eqn = C.new_jaxpr_eqn(
       [*f_consts, *primals], eqn.outvars[:n], call_p, dict(call=call),
-      call.jaxpr.effects, eqn.source_info, eqn.ctx)
+      C.eqn_effects(call.jaxpr, [*f_consts, *primals]), eqn.source_info,
+      eqn.ctx)
   used = ([True] * len(f_consts) + [False] * len(fwd_consts)
           + [True] * len(primals) + [False] * len(tangents))
   return used, new_eqn
@@ -241,3 +248,41 @@ def _pp_rule(eqn, context, settings):
 
 for _p in (call_p, fwd_p, jvp_p, lin_p, fused_lin_p, rule_p):
   C.register_pp(_p, _pp_rule)
+
+
+# -- state discharge (mutable array references in a rule's inputs) -----------
+#
+# A reference passed to f, fwd or bwd (or a residual reference bwd writes
+# into) becomes, under jit, a value threaded through the rule: the rule's
+# traced jaxpr is discharged and its final reference values returned.
+
+def _discharged(jaxpr, should, args, prefix=0):
+  outs = C.eval_discharged(jaxpr, should, *args)
+  n = len(outs) - sum(should)
+  it = iter(outs[n:])
+  return [next(it) if d else None for d in should], list(outs[:n])
+
+
+def _call_discharge(should, *args, call):
+  with jax.named_scope(f"smartvjp/{call.name}/f"):
+    return _discharged(call.jaxpr, should, args)
+
+
+def _fwd_discharge(should, *args, call, fwd, offload):
+  with jax.named_scope(f"smartvjp/{call.name}/fwd"):
+    new_args, outs = _discharged(fwd.jaxpr, should, args)
+  if offload is not None:
+    n = call.num_outs
+    outs[n:] = [r if space is None else jax.device_put(r, space)
+                for r, space in zip(outs[n:], offload)]
+  return new_args, outs
+
+
+def _rule_discharge(should, *args, call, which, jaxpr):
+  with jax.named_scope(f"smartvjp/{call.name}/{which}"):
+    return _discharged(jaxpr, should, args)
+
+
+C.register_discharge(call_p, _call_discharge)
+C.register_discharge(fwd_p, _fwd_discharge)
+C.register_discharge(rule_p, _rule_discharge)

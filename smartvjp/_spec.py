@@ -258,8 +258,12 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
     out_leaves, res_leaves, store["res_tree"] = _call_fwd(call, in_nz, primals)
     store["static"] = [StaticResidual(r) if is_static_residual(r) else None
                        for r in res_leaves]
+    # a residual that is a mutable array reference must be one of the
+    # arguments (as with jax.custom_vjp): it is forwarded, never returned
+    store["ref_src"] = [_ref_argument(rules, r, primals) for r in res_leaves]
     return [*out_leaves,
-            *(r for r in res_leaves if not is_static_residual(r))]
+            *(r for r, s in zip(res_leaves, store["ref_src"])
+              if not is_static_residual(r) and s is None)]
 
   closed, consts = C.trace_to_closed_jaxpr(
       fwd_flat, call.in_avals, "smart_custom_vjp fwd", rules.fwd,
@@ -274,20 +278,44 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   dyn_src = [in_pos.get(v) if isinstance(v, C.Var) else None
              for v in res_vars]
   it = iter(dyn_src)
-  res_src = tuple(static if static is not None else next(it)
-                  for static in store["static"])
+  res_src = tuple(
+      static if static is not None else
+      (len(consts) + ref if ref is not None else next(it))
+      for static, ref in zip(store["static"], store["ref_src"]))
   new_res = [v for v, s in zip(res_vars, dyn_src) if s is None]
   pruned = jaxpr.replace(outvars=[*jaxpr.outvars[:n_out], *new_res])
+  res_avals = [jaxpr.invars[s].aval if type(s) is int else None
+               for s in res_src if type(s) is not StaticResidual]
+  it = iter(res_vars)
+  res_avals = tuple(a if a is not None and C.is_ref_aval(a) else next(it).aval
+                    for a in res_avals)
   spec = FwdSpec(
       jaxpr=C.ClosedJaxpr(pruned, ()),
       num_consts=len(consts),
       res_tree=store["res_tree"],
-      res_avals=tuple(v.aval for v in res_vars),
+      res_avals=res_avals,
       res_src=res_src,
       new_res_names=tuple(names.get(v) if isinstance(v, C.Var) else None
                           for v in new_res),
       new_res_eqns=tuple(_producers(v, producers) for v in new_res))
   return spec, consts
+
+
+def _ref_argument(rules, leaf, primals):
+  """For a residual that is a mutable array reference, its position among
+  ``primals``; ``None`` for any other residual. A reference that ``fwd`` did
+  not receive as an argument cannot be a residual (as with jax.custom_vjp)."""
+  if is_static_residual(leaf) or not C.is_ref(leaf):
+    return None
+  leaf = leaf.value if isinstance(leaf, C.CustomVJPPrimal) else leaf
+  for i, p in enumerate(primals):
+    if (p.value if isinstance(p, C.CustomVJPPrimal) else p) is leaf:
+      return i
+  raise rule_error(
+      ValueError, rules, "fwd",
+      f"returned a mutable array reference of type "
+      f"{C.get_aval(leaf).str_short()} among its residuals that is not one "
+      "of its arguments; only references passed to fwd can be residuals.")
 
 
 def _producers(v, producers) -> tuple:
