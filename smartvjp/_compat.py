@@ -30,7 +30,7 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
         "custom_partial_eval_rules", "dce_rules", "ensure_enum",
-        "_default_dce_rule")),
+        "_default_dce_rule", "dceable_effects")),
     ("jax._src.interpreters.ad", (
         "is_undefined_primal", "instantiate_zeros", "primitive_jvps",
         "primitive_transposes", "primitive_linearizations",
@@ -427,3 +427,10 @@ def eval_discharged(jaxpr: ClosedJaxpr, should_discharge, *args) -> list:
     pure, consts = _discharge.discharge_state(jaxpr.jaxpr, jaxpr.consts,
                                               should_discharge=should)
   return _core.eval_jaxpr(pure, consts, *args)
+
+
+def effects_keep_alive(effects) -> bool:
+  """True when an equation with these effects must not be removed even if
+  its outputs are unused (as JAX decides: a debug print or a write to a
+  reference keeps it; reading a reference does not)."""
+  return any(not _pe.dceable_effects.contains(e) for e in effects)

@@ -115,8 +115,8 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
                for a, s in zip(fwd.jaxpr.out_avals[n_out:], kept)]
     known = C.new_jaxpr_eqn(
         fwd_inputs, [*eqn.outvars[:n_out], *new_res], fwd_p,
-        dict(call=call, fwd=fwd, offload=offload), fwd.jaxpr.effects,
-        eqn.source_info, eqn.ctx)
+        dict(call=call, fwd=fwd, offload=offload),
+        C.eqn_effects(fwd.jaxpr, fwd_inputs), eqn.source_info, eqn.ctx)
     residuals = fwd.assemble_residuals(fwd_inputs, new_res)
     reload = None
     if offload is not None:
@@ -133,7 +133,8 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   # Recompute: f in the forward pass, the whole jvp in the backward region.
   known = C.new_jaxpr_eqn(
       [*f_consts, *primals], eqn.outvars[:n_out], call_p, dict(call=call),
-      call.jaxpr.effects, eqn.source_info, eqn.ctx)
+      C.eqn_effects(call.jaxpr, [*f_consts, *primals]), eqn.source_info,
+      eqn.ctx)
   staged = eqn.replace(params=dict(eqn.params, remat=True))
   return (known, staged, unks_out, [True] * len(eqn.outvars),
           _residuals(eqn, inst_in, staged))

@@ -175,15 +175,16 @@ C.register_lowering_from_impl(rule_p, rule_eval)
 # effects of fwd run in the backward region.
 
 def has_effects(call, fwd) -> bool:
-  """True when ``f`` or ``fwd`` (traced) has effects."""
-  return bool(call.jaxpr.effects) or (
-      fwd is not None and bool(fwd.jaxpr.effects))
+  """True when ``f`` or ``fwd`` (traced) has effects that JAX would not
+  remove (a debug print, a reference written)."""
+  return C.effects_keep_alive(call.jaxpr.effects) or (
+      fwd is not None and C.effects_keep_alive(fwd.jaxpr.effects))
 
 
 def _dce_whole(used_outputs, eqn):
   """Drop an equation none of whose outputs is used and that has no effects,
   else keep it whole (as JAX's default rule does)."""
-  if not any(used_outputs) and not eqn.effects:
+  if not any(used_outputs) and not C.effects_keep_alive(eqn.effects):
     return [False] * len(eqn.invars), None
   return [True] * len(eqn.invars), eqn
 
@@ -197,7 +198,7 @@ def _dce_jvp(used_outputs, eqn):
   if any(used_outputs[n:]):
     return [True] * len(eqn.invars), eqn
   f_consts, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
-  if fwd is not None and fwd.jaxpr.effects:
+  if fwd is not None and C.effects_keep_alive(fwd.jaxpr.effects):
     new_res = [C.drop_var(a) for a in fwd.jaxpr.out_avals[n:]]
     new_eqn = C.new_jaxpr_eqn(
         [*fwd_consts, *primals], [*eqn.outvars[:n], *new_res], fwd_p,
@@ -207,7 +208,8 @@ def _dce_jvp(used_outputs, eqn):
     used = ([False] * len(f_consts) + [True] * len(fwd_consts)
             + [True] * len(primals) + [False] * len(tangents))
     return used, new_eqn
-  if not any(used_outputs[:n]) and (fwd is not None or not call.jaxpr.effects):
+  if not any(used_outputs[:n]) and (
+      fwd is not None or not C.effects_keep_alive(call.jaxpr.effects)):
     return [False] * len(eqn.invars), None  # fwd, which JAX would run, is pure
   new_eqn = C.new_jaxpr_eqn(
       [*f_consts, *primals], eqn.outvars[:n], call_p, dict(call=call),
