@@ -25,7 +25,7 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Primitive", "JaxprEqn", "Var", "Literal", "Tracer", "typeof",
         "typecompat", "mem_kind_to_space", "trace_ctx", "EvalTrace",
         "eval_jaxpr", "unmapped_aval", "pp_eqn_rules", "set_current_trace",
-        "DropVar")),
+        "DropVar", "get_referent")),
     ("jax._src.interpreters.partial_eval", (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
@@ -41,7 +41,8 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.interpreters.mlir", ("register_lowering", "lower_fun")),
     ("jax._src.api_util", ("debug_info", "resolve_kwargs")),
     ("jax._src.linear_util", ("wrap_init",)),
-    ("jax._src.config", ("trace_context", "optional_string_state")),
+    ("jax._src.config", ("trace_context", "optional_string_state",
+                         "mutable_array_checks")),
     ("jax._src.custom_derivatives", ("CustomVJPPrimal",)),
     ("jax._src.debugging", ("DebugEffect",)),
     ("jax._src.ad_checkpoint", ("name_p",)),
@@ -434,3 +435,19 @@ def effects_keep_alive(effects) -> bool:
   its outputs are unused (as JAX decides: a debug print or a write to a
   reference keeps it; reading a reference does not)."""
   return any(not _pe.dceable_effects.contains(e) for e in effects)
+
+
+def aliased_refs(leaves):
+  """Pairs ``(i, j)``, ``i < j``, of positions in ``leaves`` holding
+  references to the same mutable array, when JAX's mutable array checks are
+  on (``jax_mutable_array_checks``); empty otherwise."""
+  if not _config.mutable_array_checks.value:
+    return []
+  first, pairs = {}, []
+  for j, x in enumerate(leaves):
+    x = x.value if isinstance(x, CustomVJPPrimal) else x
+    if is_ref(x):
+      i = first.setdefault(id(_core.get_referent(x)), j)
+      if i != j:
+        pairs.append((i, j))
+  return pairs

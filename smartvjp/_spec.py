@@ -214,6 +214,7 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 def _call_fwd(call: CallSpec, in_nz, primals):
   """Calls the user's ``fwd``; checks it; returns ``(outs, res, res_tree)``."""
   rules = call.rules
+  check_aliased_refs(call, primals)
   pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
   if not isinstance(pair, (tuple, list)) or len(pair) != 2:
     raise rule_error(
@@ -299,6 +300,23 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
                           for v in new_res),
       new_res_eqns=tuple(_producers(v, producers) for v in new_res))
   return spec, consts
+
+
+def check_aliased_refs(call: CallSpec, primals) -> None:
+  """Two differentiable arguments may not be references to the same mutable
+  array (as with jax.custom_vjp: bwd's cotangents for them would clash)."""
+  pairs = C.aliased_refs(primals)
+  if not pairs:
+    return
+  i, j = pairs[0]
+  dyn = tree_util.tree_unflatten(call.in_tree, list(primals))
+  paths = [tree_util.keystr(p) for p, _ in
+           tree_util.tree_flatten_with_path(dyn)[0]]
+  raise rule_error(
+      ValueError, call.rules, "fwd",
+      f"received the same mutable array reference at arguments{paths[i]} and "
+      f"arguments{paths[j]}; a differentiated call may receive each reference "
+      "only once.")
 
 
 def _ref_argument(rules, leaf, primals):

@@ -150,3 +150,27 @@ def test_fwd_returning_a_new_reference_is_an_error():
   F.defvjp(fwd, lambda res, g: (res[0][...] * g,))
   with pytest.raises(ValueError, match="fwd.*mutable array reference"):
     jax.jit(jax.grad(lambda x: jnp.sum(F(x))))(X)
+
+
+def test_the_same_reference_twice_is_an_error_when_differentiated():
+  """jax.custom_vjp refuses it under differentiation (not in a plain call)."""
+  def make(impl):
+    F = IMPLS[impl](lambda x, r, s: x * r[...] * s[...])
+    F.defvjp(lambda x, r, s: (x * r[...] * s[...], (r,)),
+             lambda res, g: (g, None, None))
+    return F
+
+  def plain(impl):
+    r = new_ref(X)
+    return make(impl)(X, r, r)
+
+  def grad(impl):
+    r = new_ref(X)
+    return jax.grad(lambda x: jnp.sum(make(impl)(x, r, r)))(X)
+
+  assert_close(np.asarray(jax.jit(lambda: plain("smart"))()),
+               np.asarray(jax.jit(lambda: plain("jax"))()))
+  with pytest.raises(ValueError, match="only one reference"):
+    jax.jit(lambda: grad("jax"))()
+  with pytest.raises(ValueError, match=r"fwd.*same mutable array reference"):
+    jax.jit(lambda: grad("smart"))()
