@@ -451,3 +451,12 @@ def aliased_refs(leaves):
       if i != j:
         pairs.append((i, j))
   return pairs
+
+
+from jax._src import custom_derivatives as _custom_derivatives  # noqa: E402
+
+# jax 0.12: jax.custom_vjp refuses two differentiable arguments that are the
+# same mutable array at every call; before, only when fwd runs.
+ALIASED_REFS_CHECKED_AT_CALL = (
+    "_check_for_aliased_refs"
+    in inspect.unwrap(_custom_derivatives.custom_vjp.__call__).__code__.co_names)

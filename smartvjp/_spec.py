@@ -305,18 +305,24 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
 def check_aliased_refs(call: CallSpec, primals) -> None:
   """Two differentiable arguments may not be references to the same mutable
   array (as with jax.custom_vjp: bwd's cotangents for them would clash)."""
+  check_aliased_arguments(call.rules, "fwd", call.in_tree, primals)
+
+
+def check_aliased_arguments(rules: Rules, role: str, in_tree, primals) -> None:
+  """Raises ``ValueError`` naming ``role`` when two of ``primals`` (the
+  differentiable argument leaves) are references to one mutable array."""
   pairs = C.aliased_refs(primals)
   if not pairs:
     return
   i, j = pairs[0]
-  dyn = tree_util.tree_unflatten(call.in_tree, list(primals))
+  dyn = tree_util.tree_unflatten(in_tree, list(primals))
   paths = [tree_util.keystr(p) for p, _ in
            tree_util.tree_flatten_with_path(dyn)[0]]
   raise rule_error(
-      ValueError, call.rules, "fwd",
+      ValueError, rules, role,
       f"received the same mutable array reference at arguments{paths[i]} and "
-      f"arguments{paths[j]}; a differentiated call may receive each reference "
-      "only once.")
+      f"arguments{paths[j]}; each mutable array may be passed only once among "
+      "the differentiable arguments.")
 
 
 def _ref_argument(rules, leaf, primals):

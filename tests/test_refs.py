@@ -168,9 +168,18 @@ def test_the_same_reference_twice_is_an_error_when_differentiated():
     r = new_ref(X)
     return jax.grad(lambda x: jnp.sum(make(impl)(x, r, r)))(X)
 
-  assert_close(np.asarray(jax.jit(lambda: plain("smart"))()),
-               np.asarray(jax.jit(lambda: plain("jax"))()))
+  try:
+    want = ("value", np.asarray(jax.jit(lambda: plain("jax"))()))
+  except ValueError:   # jax 0.12 refuses it at every call
+    want = ("raised",)
+  if want[0] == "value":
+    assert_close(np.asarray(jax.jit(lambda: plain("smart"))()), want[1])
+  else:
+    with pytest.raises(ValueError, match=r"same mutable array reference"):
+      jax.jit(lambda: plain("smart"))()
   with pytest.raises(ValueError, match="only one reference"):
     jax.jit(lambda: grad("jax"))()
-  with pytest.raises(ValueError, match=r"fwd.*same mutable array reference"):
+  # named by fwd where jax.custom_vjp checks at fwd, by f from jax 0.12 on
+  with pytest.raises(ValueError, match=r"same mutable array reference at "
+                     r"arguments\[1\] and arguments\[2\]"):
     jax.jit(lambda: grad("smart"))()
