@@ -25,7 +25,7 @@ import jax
 
 from smartvjp import _compat as C
 from smartvjp._bwd import run_bwd, run_fwd_bwd
-from smartvjp._spec import eager_f, eager_fwd, select_outputs
+from smartvjp._spec import check_aliased_refs, eager_f, eager_fwd, select_outputs
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
     fwd_p, jvp_p, lin_p, primal_p, rule_eval, rule_p, split_jvp_args,
@@ -94,6 +94,7 @@ def _call_jvp(primals, tangents, *, call):
   if not any(in_nz):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return outs, expand_tangents(call, [])
+  check_aliased_refs(call, primals)
   fwd, fwd_consts = call.fwd_for(in_nz)
   outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,
                     call=call, fwd=fwd, in_nz=in_nz, remat=False)
@@ -129,6 +130,7 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return (outs, [False] * call.num_outs, [],
             lambda _res, *_t: expand_tangents(call, []))
+  check_aliased_refs(call, primals)
   eager = C.is_eval_trace() and not any(
       isinstance(p, C.Tracer) for p in primals_in)
   if call.rules.fwd is None:  # only fwd_bwd: f now, fwd_bwd in the backward pass

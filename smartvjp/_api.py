@@ -11,12 +11,13 @@ from jax import tree_util
 from jax.errors import UnexpectedTracerError
 
 from smartvjp import _compat as C
-from smartvjp import _ad, _batching, _partial_eval  # noqa: F401  (rules)
+from smartvjp import _ad, _batching, _checkify, _partial_eval  # noqa: F401  (rules)
 from smartvjp import _jax_api
 from smartvjp._errors import rule_error
 from smartvjp._primitives import call_p
 from smartvjp._cache import TraceLocalCache
-from smartvjp._spec import EagerClosureError, Rules, eager_call, trace_call
+from smartvjp._spec import (EagerClosureError, Rules, check_aliased_arguments,
+                            eager_call, trace_call)
 from smartvjp._static import static_key
 
 _CACHE_SIZE = 256
@@ -251,6 +252,8 @@ class smart_custom_vjp:
     dyn = tuple(a for i, a in enumerate(args) if i not in self.nondiff_argnums)
     leaves, in_tree = tree_util.tree_flatten(dyn)
     avals = tuple(_aval(rules, dyn, i, x) for i, x in enumerate(leaves))
+    if C.ALIASED_REFS_CHECKED_AT_CALL:  # references: as jax.custom_vjp
+      check_aliased_arguments(rules, "fun", in_tree, leaves)
     if C.is_eval_trace() and not any(isinstance(x, C.Tracer) for x in leaves):
       return self.fun(*args)  # plain eager evaluation, as jax.custom_vjp
     eager = C.eager_linearize_inputs(leaves)

@@ -24,12 +24,13 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.core", (
         "Primitive", "JaxprEqn", "Var", "Literal", "Tracer", "typeof",
         "typecompat", "mem_kind_to_space", "trace_ctx", "EvalTrace",
-        "eval_jaxpr", "unmapped_aval", "pp_eqn_rules", "set_current_trace")),
+        "eval_jaxpr", "unmapped_aval", "pp_eqn_rules", "set_current_trace",
+        "DropVar", "get_referent")),
     ("jax._src.interpreters.partial_eval", (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
         "custom_partial_eval_rules", "dce_rules", "ensure_enum",
-        "_default_dce_rule", "dce_jaxpr")),
+        "_default_dce_rule", "dce_jaxpr", "dceable_effects")),
     ("jax._src.interpreters.ad", (
         "is_undefined_primal", "instantiate_zeros", "primitive_jvps",
         "primitive_transposes", "primitive_linearizations",
@@ -40,10 +41,14 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.interpreters.mlir", ("register_lowering", "lower_fun")),
     ("jax._src.api_util", ("debug_info", "resolve_kwargs")),
     ("jax._src.linear_util", ("wrap_init",)),
-    ("jax._src.config", ("trace_context", "optional_string_state")),
+    ("jax._src.config", ("trace_context", "optional_string_state",
+                         "mutable_array_checks")),
     ("jax._src.custom_derivatives", ("CustomVJPPrimal",)),
     ("jax._src.debugging", ("DebugEffect",)),
     ("jax._src.ad_checkpoint", ("name_p",)),
+    ("jax._src.checkify", ("error_checks", "checkify_jaxpr_flat", "Error")),
+    ("jax._src.state.types", ("AbstractRef",)),
+    ("jax._src.state.discharge", ("discharge_state", "register_discharge_rule")),
     ("jax._src.ad_util", ("Zero", "SymbolicZero")),
     ("jax._src.dtypes", ("float0",)),
     ("jax._src.util", ("weakref_cache_key_types",)),
@@ -277,15 +282,6 @@ def policy_answer(policy: Callable, prim: Primitive, avals, params):
   return _pe.ensure_enum(policy(prim, *avals, **params))
 
 
-def only_unordered_debug_effects(effects) -> bool:
-  """True if dropping an equation with these effects changes no program output.
-
-  Unordered debug effects (``jax.debug.print``/``debug.callback``) only
-  observe; where a rule runs is smartvjp's decision, not the user's program.
-  """
-  return all(isinstance(e, DebugEffect) for e in effects)
-
-
 def define_string_option(name: str, help: str):
   """An optional-string JAX config option that is part of the trace context
   (so jitted functions retrace when it changes)."""
@@ -372,3 +368,181 @@ def accumulated(accumulator):
     return None
   value = accumulator.freeze()
   return None if isinstance(value, Zero) else value
+
+
+def drop_var(aval) -> Var:
+  """An output variable of an equation that nothing reads."""
+  return _core.DropVar(aval)
+
+
+# -- checkify -----------------------------------------------------------------
+
+from jax._src import checkify as _checkify  # noqa: E402
+
+# jax 0.11: checkify rules and checkify_jaxpr_flat take a leading
+# CheckifyContext (which numbers the checks); before, they had none.
+CHECKIFY_TAKES_CTX = hasattr(_checkify, "CheckifyContext")
+
+
+def register_checkify(prim: Primitive, rule: Callable) -> None:
+  """``rule(ctx, error, enabled_errors, *args, **params) -> (error, outs)``;
+  ``ctx`` is ``None`` on JAX releases without a checkify context."""
+  if CHECKIFY_TAKES_CTX:
+    _checkify.error_checks[prim] = rule
+  else:
+    _checkify.error_checks[prim] = (
+        lambda error, enabled, *args, **params:
+        rule(None, error, enabled, *args, **params))
+
+
+def checkify_jaxpr(ctx, jaxpr, enabled_errors, err_tree, *args):
+  """Evaluates ``jaxpr`` (no constants of its own) with its checks turned
+  into error values: ``args`` are the leaves of the incoming error (of tree
+  ``err_tree``) then the jaxpr's inputs; returns ``(error, outs)``."""
+  if CHECKIFY_TAKES_CTX:
+    return _checkify.checkify_jaxpr_flat(ctx, jaxpr, (), enabled_errors,
+                                         err_tree, *args)
+  return _checkify.checkify_jaxpr_flat(jaxpr, (), enabled_errors, err_tree,
+                                       *args)
+
+
+def error_effects(error) -> set:
+  """The kinds of error a checkify ``Error`` value carries."""
+  return set(error._pred)  # pylint: disable=protected-access
+
+
+def widen_error(error, effects):
+  """``error`` with entries that never fire for the kinds in ``effects`` it
+  lacks, so that its leaves match an error that may carry them."""
+  return error._add_placeholder_effects(effects)  # pylint: disable=protected-access
+
+
+# -- mutable array references -------------------------------------------------
+
+from jax._src.state.types import AbstractRef as _AbstractRef  # noqa: E402
+
+
+def is_ref(x) -> bool:
+  """True for a mutable array reference (``jax.new_ref``) or its tracer."""
+  try:
+    return isinstance(_core.typeof(x), _AbstractRef)
+  except TypeError:
+    return False
+
+
+def is_ref_aval(aval) -> bool:
+  return isinstance(aval, _AbstractRef)
+
+
+from jax._src import effects as _effects  # noqa: E402
+
+# jax 0.10.1: an effect on a jaxpr input (a reference read or written) names
+# the input's Var inside a jaxpr and equation, and its position in what an
+# abstract evaluation rule returns; before, it held a position everywhere.
+_EFFECTS_NAME_VARS = hasattr(_core, "positional_effects")
+
+
+def positional_effects(jaxpr) -> set:
+  """The effects of a traced rule (no constants of its own) as its
+  primitive's abstract evaluation returns them."""
+  jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+  if _EFFECTS_NAME_VARS:
+    return _core.positional_effects(jaxpr)
+  return set(jaxpr.effects)
+
+
+def eqn_effects(jaxpr, invars) -> set:
+  """The effects of an equation over ``invars`` that evaluates ``jaxpr``."""
+  effs = positional_effects(jaxpr)
+  if _EFFECTS_NAME_VARS:
+    return _core.resolve_input_effects(effs, invars)
+  return effs
+
+
+def _input_position(e):
+  return e.input if _EFFECTS_NAME_VARS else e.input_index
+
+
+def move_input_effects(effs, where: Callable[[int], int]) -> set:
+  """Positional effects with each input position ``i`` moved to ``where(i)``
+  (for an equation whose inputs are a rule's inputs plus others)."""
+  out = set()
+  for e in effs:
+    if isinstance(e, _effects.JaxprInputEffect):
+      i = where(_input_position(e))
+      e = e.replace(i) if _EFFECTS_NAME_VARS else e.replace(input_index=i)
+    out.add(e)
+  return out
+
+
+from jax._src.state import discharge as _discharge  # noqa: E402
+
+# jax 0.11: discharge rules take a DischargeContext first (with
+# should_discharge); before, (in_avals, out_avals) first.
+_DISCHARGE_TAKES_CTX = hasattr(_discharge, "DischargeContext")
+
+
+def register_discharge(prim: Primitive, rule: Callable) -> None:
+  """``rule(should_discharge, *args, **params) -> (new_args, outs)``: the
+  state discharge of ``prim``; ``args`` are values where ``should_discharge``
+  says so, and ``new_args`` has the final value of each of those references
+  (``None`` elsewhere)."""
+  if _DISCHARGE_TAKES_CTX:
+    def adapted(ctx, *args, **params):
+      return rule(list(ctx.should_discharge), *args, **params)
+  else:
+    def adapted(in_avals, out_avals, *args, **params):
+      return rule([is_ref_aval(a) for a in in_avals], *args, **params)
+  _discharge.register_discharge_rule(prim)(adapted)
+
+
+def eval_discharged(jaxpr: ClosedJaxpr, should_discharge, *args) -> list:
+  """Evaluates ``jaxpr`` (no constants of its own) with its references at the
+  ``should_discharge`` positions given as values: returns its outputs, then
+  the final value of each of those references."""
+  should = tuple(bool(d) for d in should_discharge)
+  if "closed_jaxpr" in inspect.signature(_discharge.discharge_state).parameters:
+    pure = _discharge.discharge_state(jaxpr, should_discharge=should)
+    consts = pure.consts  # jax 0.10.1: a ClosedJaxpr in and out; 0.11 Jaxpr
+    pure = pure.jaxpr if isinstance(pure, ClosedJaxpr) else pure
+  else:  # jax 0.10.0: (jaxpr, consts) in and out
+    pure, consts = _discharge.discharge_state(jaxpr.jaxpr, jaxpr.consts,
+                                              should_discharge=should)
+  return _core.eval_jaxpr(pure, consts, *args)
+
+
+def has_input_effects(jaxpr) -> bool:
+  """True when ``jaxpr`` has effects on its inputs (references)."""
+  return any(isinstance(e, _effects.JaxprInputEffect) for e in jaxpr.effects)
+
+
+def effects_keep_alive(effects) -> bool:
+  """True when an equation with these effects must not be removed even if
+  its outputs are unused (as JAX decides: a debug print or a write to a
+  reference keeps it; reading a reference does not)."""
+  return any(not _pe.dceable_effects.contains(e) for e in effects)
+
+
+def aliased_refs(leaves):
+  """Pairs ``(i, j)``, ``i < j``, of positions in ``leaves`` holding
+  references to the same mutable array, when JAX's mutable array checks are
+  on (``jax_mutable_array_checks``); empty otherwise."""
+  if not _config.mutable_array_checks.value:
+    return []
+  first, pairs = {}, []
+  for j, x in enumerate(leaves):
+    x = x.value if isinstance(x, CustomVJPPrimal) else x
+    if is_ref(x):
+      i = first.setdefault(id(_core.get_referent(x)), j)
+      if i != j:
+        pairs.append((i, j))
+  return pairs
+
+
+from jax._src import custom_derivatives as _custom_derivatives  # noqa: E402
+
+# jax 0.12: jax.custom_vjp refuses two differentiable arguments that are the
+# same mutable array at every call; before, only when fwd runs.
+ALIASED_REFS_CHECKED_AT_CALL = (
+    "_check_for_aliased_refs"
+    in inspect.unwrap(_custom_derivatives.custom_vjp.__call__).__code__.co_names)

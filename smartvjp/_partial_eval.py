@@ -126,8 +126,8 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
                for a, s in zip(fwd.jaxpr.out_avals[n_out:], kept)]
     known = C.new_jaxpr_eqn(
         fwd_inputs, [*eqn.outvars[:n_out], *new_res], fwd_p,
-        dict(call=call, fwd=fwd, offload=offload), fwd.jaxpr.effects,
-        eqn.source_info, eqn.ctx)
+        dict(call=call, fwd=fwd, offload=offload),
+        C.eqn_effects(fwd.jaxpr, fwd_inputs), eqn.source_info, eqn.ctx)
     residuals = fwd.assemble_residuals(fwd_inputs, new_res)
     reload = None
     if offload is not None:

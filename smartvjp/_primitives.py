@@ -73,10 +73,12 @@ def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
 
   When every residual of ``fwd`` is an input forwarded unchanged (as in the
   seed's ``fwd`` that returns ``(sin(x), (x,))``), ``fwd`` computes nothing
-  that ``f`` does not, so ``f`` runs in its place.
+  that ``f`` does not, so ``f`` runs in its place, unless ``f`` or ``fwd``
+  has effects: then ``fwd`` runs, as with ``jax.custom_vjp`` (its effects,
+  such as a ``jax.debug.print``, happen; ``f``'s do not).
   """
   fwd_inputs = [*fwd_consts, *primals]
-  if fwd.num_new_res == 0:
+  if fwd.num_new_res == 0 and not has_effects(call, fwd):
     outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
     return list(outs), fwd.assemble_residuals(fwd_inputs, [])
   outs = fwd_p.bind(*fwd_inputs, call=call, fwd=fwd, offload=None)
@@ -84,29 +86,41 @@ def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
   return list(primal_outs), fwd.assemble_residuals(fwd_inputs, new_res)
 
 
+def _plain_call(call, fwd) -> bool:
+  """A plain ``smartvjp_call`` stands in: without ``fwd`` (only ``fwd_bwd``
+  given; nothing else to differentiate), or when references are involved
+  (an input, or an effect on one, whose positions follow ``f``'s inputs)."""
+  return (fwd is None or C.has_input_effects(call.jaxpr)
+          or any(C.is_ref_aval(a) for a in call.in_avals))
+
+
 def bind_primal(call, fwd, f_consts, fwd_consts, primals):
-  """``f``'s outputs for a differentiated call (see ``smartvjp_primal``);
-  without ``fwd`` (only ``fwd_bwd`` given) a plain ``smartvjp_call``."""
-  if fwd is None:
+  """``f``'s outputs for a differentiated call (see ``smartvjp_primal``)."""
+  if _plain_call(call, fwd):
     return call_p.bind(*f_consts, *primals, call=call)
   return primal_p.bind(*f_consts, *fwd_consts, *primals, call=call, fwd=fwd)
 
 
 def primal_eqn(call, fwd, f_consts, fwd_consts, primals, outvars, eqn):
   """The equation of :func:`bind_primal`, with ``eqn``'s source info."""
-  if fwd is None:
-    return C.new_jaxpr_eqn([*f_consts, *primals], outvars, call_p,
-                           dict(call=call), call.jaxpr.effects,
-                           eqn.source_info, eqn.ctx)
+  if _plain_call(call, fwd):
+    return C.new_jaxpr_eqn(
+        [*f_consts, *primals], outvars, call_p, dict(call=call),
+        C.eqn_effects(call.jaxpr, [*f_consts, *primals]), eqn.source_info,
+        eqn.ctx)
   return C.new_jaxpr_eqn([*f_consts, *fwd_consts, *primals], outvars, primal_p,
                          dict(call=call, fwd=fwd), call.jaxpr.effects,
                          eqn.source_info, eqn.ctx)
 
 
+def uses_fwd_consts(eqn) -> bool:
+  return eqn.primitive is primal_p
+
+
 # -- smartvjp_call ------------------------------------------------------------
 
 def _call_abstract_eval(*avals, call):
-  return list(call.out_avals), call.jaxpr.effects
+  return list(call.out_avals), C.positional_effects(call.jaxpr)
 
 
 def _call_lower(*args, call):
@@ -148,7 +162,7 @@ def _fwd_abstract_eval(*avals, call, fwd, offload):
     n = call.num_outs
     outs[n:] = [a if space is None else a.update(memory_space=space)
                 for a, space in zip(outs[n:], offload)]
-  return outs, fwd.jaxpr.effects
+  return outs, C.positional_effects(fwd.jaxpr)
 
 
 def fwd_eval(*args, call, fwd, offload):
@@ -168,9 +182,14 @@ C.register_lowering_from_impl(fwd_p, fwd_eval)
 # -- smartvjp_jvp -------------------------------------------------------------
 
 def _jvp_abstract_eval(*avals, call, fwd, in_nz, remat):
-  effects = call.jaxpr.effects
+  nc, nw = call.num_consts, (fwd.num_consts if fwd is not None else 0)
+  # inputs [*f_consts, *fwd_consts, *primals, *tangents]: f's and fwd's own
+  # input positions moved there
+  effects = C.move_input_effects(C.positional_effects(call.jaxpr),
+                                 lambda i: i if i < nc else i + nw)
   if fwd is not None:
-    effects = effects | fwd.jaxpr.effects
+    effects |= C.move_input_effects(C.positional_effects(fwd.jaxpr),
+                                    lambda i: i + nc)
   outs = [*call.out_avals, *tangent_avals(call.out_avals, call.out_nz)]
   return outs, effects
 
@@ -191,7 +210,7 @@ fused_lin_p.def_abstract_eval(_lin_abstract_eval)
 # -- smartvjp_bwd (bwd or fwd_bwd, traced at transpose time) -------------------
 
 def _rule_abstract_eval(*avals, call, which, jaxpr):
-  return list(jaxpr.out_avals), jaxpr.effects
+  return list(jaxpr.out_avals), C.positional_effects(jaxpr)
 
 
 def rule_eval(*args, call, which, jaxpr):
@@ -204,31 +223,59 @@ C.register_lowering_from_impl(rule_p, rule_eval)
 
 
 # -- dead-code elimination ----------------------------------------------------
+#
+# Effects and DCE. An effect that jax.custom_vjp would run at least once
+# (a jax.debug.print in f, fwd or bwd) must run at least once here too, even
+# when the equation's outputs are unused, exactly as JAX keeps any equation
+# with effects. So an equation with effects is never dropped whole. Which
+# rule a jvp equation stands for is the subtle case: jax.custom_vjp runs fwd
+# for a differentiated call, so when the tangents of a smartvjp_jvp are dead
+# and fwd has effects, it becomes fwd (whose effects then happen once), not
+# f. A call that smartvjp's partial evaluation put in the forward pass in
+# place of fwd (remat's known side) is a smartvjp_call like any other: when
+# f has effects they run there (the documented "f 1" of the contract); the
+# effects of fwd run in the backward region.
+
+def has_effects(call, fwd) -> bool:
+  """True when ``f`` or ``fwd`` (traced) has effects that JAX would not
+  remove (a debug print, a reference written)."""
+  return C.effects_keep_alive(call.jaxpr.effects) or (
+      fwd is not None and C.effects_keep_alive(fwd.jaxpr.effects))
+
 
 def _dce_whole(used_outputs, eqn):
-  """Drop an equation none of whose outputs is used, else keep it whole.
-
-  Unordered debug effects inside a rule do not keep it alive: which rule runs
-  where is smartvjp's decision, and a ``jax.debug.print`` in ``fwd`` must not
-  change it.
-  """
-  if not any(used_outputs) and C.only_unordered_debug_effects(eqn.effects):
+  """Drop an equation none of whose outputs is used and that has no effects,
+  else keep it whole (as JAX's default rule does)."""
+  if not any(used_outputs) and not C.effects_keep_alive(eqn.effects):
     return [False] * len(eqn.invars), None
   return [True] * len(eqn.invars), eqn
 
 
 def _dce_jvp(used_outputs, eqn):
-  """A jvp equation whose tangents are unused is just ``f``."""
+  """A jvp equation whose tangents are unused is just ``f``; or ``fwd``,
+  without its residuals, when ``fwd`` has effects (``jax.custom_vjp`` would
+  run them)."""
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
   if any(used_outputs[n:]):
     return [True] * len(eqn.invars), eqn
-  if not any(used_outputs[:n]):
-    return _dce_whole(used_outputs, eqn)
   f_consts, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
+  if fwd is not None and C.effects_keep_alive(fwd.jaxpr.effects):
+    new_res = [C.drop_var(a) for a in fwd.jaxpr.out_avals[n:]]
+    new_eqn = C.new_jaxpr_eqn(
+        [*fwd_consts, *primals], [*eqn.outvars[:n], *new_res], fwd_p,
+        dict(call=call, fwd=fwd, offload=None),
+        C.eqn_effects(fwd.jaxpr, [*fwd_consts, *primals]),
+        eqn.source_info, eqn.ctx)
+    used = ([False] * len(f_consts) + [True] * len(fwd_consts)
+            + [True] * len(primals) + [False] * len(tangents))
+    return used, new_eqn
+  if not any(used_outputs[:n]) and (
+      fwd is not None or not C.effects_keep_alive(call.jaxpr.effects)):
+    return [False] * len(eqn.invars), None  # fwd, which JAX would run, is pure
   new_eqn = primal_eqn(call, fwd, f_consts, fwd_consts, primals,
                        eqn.outvars[:n], eqn)
-  used = ([True] * len(f_consts) + [fwd is not None] * len(fwd_consts)
+  used = ([True] * len(f_consts) + [uses_fwd_consts(new_eqn)] * len(fwd_consts)
           + [True] * len(primals) + [False] * len(tangents))
   return used, new_eqn
 
@@ -277,3 +324,41 @@ def _pp_rule(eqn, context, settings):
 
 for _p in (call_p, primal_p, fwd_p, jvp_p, lin_p, fused_lin_p, rule_p):
   C.register_pp(_p, _pp_rule)
+
+
+# -- state discharge (mutable array references in a rule's inputs) -----------
+#
+# A reference passed to f, fwd or bwd (or a residual reference bwd writes
+# into) becomes, under jit, a value threaded through the rule: the rule's
+# traced jaxpr is discharged and its final reference values returned.
+
+def _discharged(jaxpr, should, args, prefix=0):
+  outs = C.eval_discharged(jaxpr, should, *args)
+  n = len(outs) - sum(should)
+  it = iter(outs[n:])
+  return [next(it) if d else None for d in should], list(outs[:n])
+
+
+def _call_discharge(should, *args, call):
+  with jax.named_scope(f"smartvjp/{call.name}/f"):
+    return _discharged(call.jaxpr, should, args)
+
+
+def _fwd_discharge(should, *args, call, fwd, offload):
+  with jax.named_scope(f"smartvjp/{call.name}/fwd"):
+    new_args, outs = _discharged(fwd.jaxpr, should, args)
+  if offload is not None:
+    n = call.num_outs
+    outs[n:] = [r if space is None else jax.device_put(r, space)
+                for r, space in zip(outs[n:], offload)]
+  return new_args, outs
+
+
+def _rule_discharge(should, *args, call, which, jaxpr):
+  with jax.named_scope(f"smartvjp/{call.name}/{which}"):
+    return _discharged(jaxpr, should, args)
+
+
+C.register_discharge(call_p, _call_discharge)
+C.register_discharge(fwd_p, _fwd_discharge)
+C.register_discharge(rule_p, _rule_discharge)

@@ -252,6 +252,7 @@ def _call_fwd(call: CallSpec, in_nz, primals, pair=None):
   it; returns ``(outs, res, res_tree)``."""
   rules = call.rules
   if pair is None:
+    check_aliased_refs(call, primals)
     pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
   if not isinstance(pair, (tuple, list)) or len(pair) != 2:
     raise rule_error(
@@ -288,6 +289,7 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
     out_leaves, out_tree = tree_util.tree_flatten(out)
     result = (in_nz, out_leaves, list(primals), None)
   else:
+    check_aliased_refs(call, primals)
     with jax.named_scope(f"smartvjp/{call.name}/fwd"):
       pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
     if isinstance(pair, (tuple, list)) and len(pair) == 2:
@@ -333,8 +335,12 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
     out_leaves, res_leaves, store["res_tree"] = _call_fwd(call, in_nz, primals)
     store["static"] = [StaticResidual(r) if is_static_residual(r) else None
                        for r in res_leaves]
+    # a residual that is a mutable array reference must be one of the
+    # arguments (as with jax.custom_vjp): it is forwarded, never returned
+    store["ref_src"] = [_ref_argument(rules, r, primals) for r in res_leaves]
     return [*out_leaves,
-            *(r for r in res_leaves if not is_static_residual(r))]
+            *(r for r, s in zip(res_leaves, store["ref_src"])
+              if not is_static_residual(r) and s is None)]
 
   closed, consts = C.trace_to_closed_jaxpr(
       fwd_flat, call.in_avals, "smart_custom_vjp fwd", rules.fwd,
@@ -349,20 +355,67 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   dyn_src = [in_pos.get(v) if isinstance(v, C.Var) else None
              for v in res_vars]
   it = iter(dyn_src)
-  res_src = tuple(static if static is not None else next(it)
-                  for static in store["static"])
+  res_src = tuple(
+      static if static is not None else
+      (len(consts) + ref if ref is not None else next(it))
+      for static, ref in zip(store["static"], store["ref_src"]))
   new_res = [v for v, s in zip(res_vars, dyn_src) if s is None]
   pruned = jaxpr.replace(outvars=[*jaxpr.outvars[:n_out], *new_res])
+  res_avals = [jaxpr.invars[s].aval if type(s) is int else None
+               for s in res_src if type(s) is not StaticResidual]
+  it = iter(res_vars)
+  res_avals = tuple(a if a is not None and C.is_ref_aval(a) else next(it).aval
+                    for a in res_avals)
   spec = FwdSpec(
       jaxpr=C.ClosedJaxpr(pruned, ()),
       num_consts=len(consts),
       res_tree=store["res_tree"],
-      res_avals=tuple(v.aval for v in res_vars),
+      res_avals=res_avals,
       res_src=res_src,
       new_res_names=tuple(names.get(v) if isinstance(v, C.Var) else None
                           for v in new_res),
       new_res_eqns=tuple(_producers(v, producers) for v in new_res))
   return spec, consts
+
+
+def check_aliased_refs(call: CallSpec, primals) -> None:
+  """Two differentiable arguments may not be references to the same mutable
+  array (as with jax.custom_vjp: bwd's cotangents for them would clash)."""
+  check_aliased_arguments(call.rules, "fwd", call.in_tree, primals)
+
+
+def check_aliased_arguments(rules: Rules, role: str, in_tree, primals) -> None:
+  """Raises ``ValueError`` naming ``role`` when two of ``primals`` (the
+  differentiable argument leaves) are references to one mutable array."""
+  pairs = C.aliased_refs(primals)
+  if not pairs:
+    return
+  i, j = pairs[0]
+  dyn = tree_util.tree_unflatten(in_tree, list(primals))
+  paths = [tree_util.keystr(p) for p, _ in
+           tree_util.tree_flatten_with_path(dyn)[0]]
+  raise rule_error(
+      ValueError, rules, role,
+      f"received the same mutable array reference at arguments{paths[i]} and "
+      f"arguments{paths[j]}; each mutable array may be passed only once among "
+      "the differentiable arguments.")
+
+
+def _ref_argument(rules, leaf, primals):
+  """For a residual that is a mutable array reference, its position among
+  ``primals``; ``None`` for any other residual. A reference that ``fwd`` did
+  not receive as an argument cannot be a residual (as with jax.custom_vjp)."""
+  if is_static_residual(leaf) or not C.is_ref(leaf):
+    return None
+  leaf = leaf.value if isinstance(leaf, C.CustomVJPPrimal) else leaf
+  for i, p in enumerate(primals):
+    if (p.value if isinstance(p, C.CustomVJPPrimal) else p) is leaf:
+      return i
+  raise rule_error(
+      ValueError, rules, "fwd",
+      f"returned a mutable array reference of type "
+      f"{C.get_aval(leaf).str_short()} among its residuals that is not one "
+      "of its arguments; only references passed to fwd can be residuals.")
 
 
 def _producers(v, producers) -> tuple:

@@ -80,3 +80,71 @@ def test_ordered_effects_cannot_be_rematerialized():
                              rtol=1e-6)
   with pytest.raises(NotImplementedError, match="Effects not supported"):
     jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x)))(X)
+
+
+# -- debug effects run at least once wherever jax.custom_vjp runs them --------
+
+def _counting_rules(where, seed):
+  """sin with a debug callback in ``where``; ``seed``: fwd's residual is x."""
+  seen = []
+
+  def f(x):
+    if where == "f":
+      jax.debug.callback(lambda *_: seen.append("f"), x)
+    return jnp.sin(x)
+
+  def fwd(x):
+    if where == "fwd":
+      jax.debug.callback(lambda *_: seen.append("fwd"), x)
+    return jnp.sin(x), (x if seed else jnp.cos(x))
+
+  def bwd(r, g):
+    if where == "bwd":
+      jax.debug.callback(lambda *_: seen.append("bwd"), g)
+    return ((jnp.cos(r) if seed else r) * g,)
+  return f, fwd, bwd, seen
+
+
+def _effect_program(F, used, jit, remat, grad):
+  G = jax.checkpoint(F) if remat else F
+  if grad and used:
+    fn = jax.grad(lambda x: jnp.sum(G(x) ** 2))
+  elif grad:   # the call is differentiated, its output then thrown away
+    fn = jax.grad(lambda x: jnp.sum(x ** 2)
+                  + 0 * jnp.sum(jax.lax.stop_gradient(G(x))))
+  elif used:
+    fn = lambda x: G(x) * 2
+  else:
+    fn = lambda x: (G(x), x * 2)[1]
+  return jax.jit(fn) if jit else fn
+
+
+def _prints(make, where, seed, used, jit, remat, grad):
+  f, fwd, bwd, seen = _counting_rules(where, seed)
+  F = make(f)
+  F.defvjp(fwd, bwd)
+  out = _effect_program(F, used, jit, remat, grad)(X)
+  jax.block_until_ready(out)
+  jax.effects_barrier()
+  return len(seen), out
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["nograd", "grad"])
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("used", [True, False], ids=["used", "unused"])
+@pytest.mark.parametrize("seed", [False, True], ids=["res", "res_is_x"])
+@pytest.mark.parametrize("where", ["f", "fwd", "bwd"])
+def test_debug_effects_run_as_with_custom_vjp(where, seed, used, jit, remat,
+                                              grad):
+  """A print that jax.custom_vjp runs at least once runs at least once, and
+  never more often than there, except under checkpoint with grad, where the
+  contract runs f once in the forward pass (jax.custom_vjp: never) and fwd
+  once in the backward region (jax.custom_vjp: twice)."""
+  args = (where, seed, used, jit, remat, grad)
+  want, want_out = _prints(jax.custom_vjp, *args)
+  got, out = _prints(smart_custom_vjp, *args)
+  np.testing.assert_allclose(out, want_out, rtol=1e-6)
+  if remat and grad and where in ("f", "fwd"):
+    want = 1
+  assert got == want
