@@ -145,16 +145,21 @@ def _nz_inputs(cts_in, in_nz):
   return [ct for ct, nz in zip(cts_in, in_nz) if nz]
 
 
+def _reloaded(res, reload):
+  """Residuals a policy offloaded (``reload[i]`` true) back in device memory,
+  where ``bwd`` expects them, as ``fwd`` returned them."""
+  if reload is None:
+    return list(res)
+  return [jax.device_put(r, C.device_memory_space()) if back else r
+          for r, back in zip(res, reload)]
+
+
 def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   n_res = len(fwd.res_avals)
   # bwd runs even when every output cotangent is zero, as with
   # jax.custom_vjp: its result need not depend on them (flax's fp8 scales)
   cts_out = expand_tangents(call, cts)
-  res = list(args[:n_res])
-  if reload is not None:  # residuals a policy offloaded come back to device
-    res = [jax.device_put(r, C.device_memory_space()) if back else r
-           for r, back in zip(res, reload)]
-  cts_in = run_bwd(call, fwd, res, cts_out)
+  cts_in = run_bwd(call, fwd, _reloaded(args[:n_res], reload), cts_out)
   return [None] * n_res + _nz_inputs(cts_in, in_nz)
 
 
@@ -173,8 +178,10 @@ C.register_transpose(fused_lin_p, _fused_lin_transpose)
 
 def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents):
   """Tangent outputs = transpose of ``g -> cotangent_map(g)`` at the tangents."""
-  ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype)
-              for a in tangent_avals(call.out_avals, call.out_nz)]
+  # full types (sharding, varying manual axes, memory space, weak type): a
+  # cotangent typed by shape and dtype only would be implicitly made varying
+  # inside shard_map, and that cast transposes into a psum
+  ct_avals = tangent_avals(call.out_avals, call.out_nz)
 
   def nz_map(*nz_cts):
     return [C.instantiate_zeros(c) for c in
@@ -195,7 +202,7 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents):
 
 def _lin_forward(*args, call, fwd, in_nz, reload):
   n_res = len(fwd.res_avals)
-  res, nz_t = args[:n_res], args[n_res:]
+  res, nz_t = _reloaded(args[:n_res], reload), args[n_res:]
   return _transpose_cotangent_map(
       call, "bwd", lambda cts: run_bwd(call, fwd, res, cts), in_nz, nz_t)
 
@@ -306,8 +313,7 @@ def _bwd_transpose(cts, *args, call, which, jaxpr):
     full = [next(it) if u else a for a, u in zip(args, undefined)]
     return rule_eval(*full, call=call, which=which, jaxpr=jaxpr)
 
-  transposed = jax.linear_transpose(
-      linear_part, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in lin_avals])
+  transposed = jax.linear_transpose(linear_part, *lin_avals)  # full types
   out_cts = transposed([C.instantiate_zeros(c) for c in cts])
   it = iter(out_cts)
   return [next(it) if u else None for u in undefined]
@@ -334,7 +340,7 @@ def _call_transpose(cts, *args, call):
     raise NotImplementedError(
         f"smart_custom_vjp function {call.name} is used linearly in only some "
         "of its arguments; its transpose needs all of them linear.")
-  avals = [jax.ShapeDtypeStruct(p.aval.shape, p.aval.dtype) for p in primals]
+  avals = [p.aval for p in primals]  # full types, varying axes included
 
   def f(*xs):
     return eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f", [*consts, *xs])
