@@ -329,31 +329,29 @@ C.register_jvp(fused_lin_p, _fused_lin_jvp)
 # -- a smart_custom_vjp call in a linear position ------------------------------
 
 def _call_transpose(cts, *args, call):
-  """Transpose of a call that JAX found linear in its inputs (for instance a
-  ``bwd`` that calls another smart_custom_vjp function, transposed by
-  forward mode): the transpose of ``f``'s own traced jaxpr, which JAX checks
-  is linear; an ``f`` that is not (or is opaque) gets JAX's error, as a
-  ``jax.custom_vjp`` function does."""
-  consts, primals = args[:call.num_consts], args[call.num_consts:]
-  if (any(C.is_undefined_primal(c) for c in consts)
-      or not all(C.is_undefined_primal(p) for p in primals)):
-    raise NotImplementedError(
-        f"smart_custom_vjp function {call.name} is used linearly in only some "
-        "of its arguments; its transpose needs all of them linear.")
-  avals = [p.aval for p in primals]  # full types, varying axes included
+  """Transpose of a call that JAX found linear in some of its inputs (for
+  instance a ``bwd`` that calls another smart_custom_vjp function on its
+  cotangent and on values of the primals, transposed by forward mode): the
+  transpose of ``f``'s own traced jaxpr with respect to the linear inputs,
+  the others held fixed. JAX checks that ``f`` is linear in them; an ``f``
+  that is not (or is opaque) gets JAX's error, as a plain function does."""
+  undefined = [C.is_undefined_primal(a) for a in args]
+  lin_avals = [a.aval for a, u in zip(args, undefined) if u]  # full types
 
-  def f(*xs):
-    return eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f", [*consts, *xs])
+  def f(*lin):
+    it = iter(lin)
+    full = [next(it) if u else a for a, u in zip(args, undefined)]
+    return eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f", full)
 
   try:
-    transposed = jax.linear_transpose(f, *avals)
+    transposed = jax.linear_transpose(f, *lin_avals)
   except Exception as e:  # noqa: BLE001 - re-raised naming f
     raise NotImplementedError(
         f"Transpose rule for smart_custom_vjp function {call.name} used in a "
-        f"linear position: its f is not linear JAX code ({type(e).__name__}: "
-        f"{e})") from e
-  return [None] * call.num_consts + list(transposed(
-      [C.instantiate_zeros(c) for c in cts]))
+        f"linear position: its f is not linear JAX code in the inputs being "
+        f"transposed ({type(e).__name__}: {e})") from e
+  it = iter(transposed([C.instantiate_zeros(c) for c in cts]))
+  return [next(it) if u else None for u in undefined]
 
 
 C.register_transpose(call_p, _call_transpose)
