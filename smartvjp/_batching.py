@@ -189,8 +189,16 @@ def _to_front_or_none(axis_data, xs, dims):
 
 # -- smartvjp_call ------------------------------------------------------------
 
+def _unbatched(axis_data, dims, effects):
+  """No input is mapped and the rule names no collective over the mapped
+  axis: the primitive can run once, outside the vmap. (A ``psum`` over the
+  axis must see the axis even when its operand is not mapped.)"""
+  return (all(d is None for d in dims)
+          and not C.uses_axis_name(effects, axis_data.name))
+
+
 def _call_batch(axis_data, args, dims, *, call):
-  if all(d is None for d in dims):
+  if _unbatched(axis_data, dims, call.jaxpr.effects):
     return call_p.bind(*args, call=call), [None] * call.num_outs
   consts, primals = args[:call.num_consts], args[call.num_consts:]
   cdims, pdims = dims[:call.num_consts], dims[call.num_consts:]
@@ -209,7 +217,7 @@ def _call_batch(axis_data, args, dims, *, call):
 # -- smartvjp_fwd: batch the traced jaxpr, keep the output layout -------------
 
 def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
-  if all(d is None for d in dims):
+  if _unbatched(axis_data, dims, fwd.jaxpr.effects):
     return fwd_p.bind(*args, call=call, fwd=fwd, offload=offload), \
         [None] * len(fwd.jaxpr.out_avals)
   n_out = len(fwd.jaxpr.out_avals)
@@ -225,7 +233,9 @@ def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
 # -- smartvjp_jvp -------------------------------------------------------------
 
 def _jvp_batch(axis_data, args, dims, *, call, fwd, in_nz, remat):
-  if all(d is None for d in dims):
+  effects = call.jaxpr.effects | (fwd.jaxpr.effects if fwd is not None
+                                  and fwd.jaxpr is not None else set())
+  if _unbatched(axis_data, dims, effects):
     return jvp_p.bind(*args, call=call, fwd=fwd, in_nz=in_nz, remat=remat), \
         [None] * (call.num_outs + sum(call.out_nz))
   f_consts, fwd_consts, primals, tangents = split_jvp_args(args, call, fwd)
@@ -303,7 +313,7 @@ C.register_batching(fused_lin_p, _fused_lin_batch)
 
 def _rule_batch(axis_data, args, dims, *, call, which, jaxpr):
   n_out = len(jaxpr.out_avals)
-  if all(d is None for d in dims):
+  if _unbatched(axis_data, dims, jaxpr.effects):
     return rule_p.bind(*args, call=call, which=which, jaxpr=jaxpr), \
         [None] * n_out
   batched, out_batched = C.batch_jaxpr_axes(

@@ -24,7 +24,8 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.core", (
         "Primitive", "JaxprEqn", "Var", "Literal", "Tracer", "typeof",
         "typecompat", "mem_kind_to_space", "trace_ctx", "EvalTrace",
-        "eval_jaxpr", "unmapped_aval", "pp_eqn_rules", "set_current_trace")),
+        "eval_jaxpr", "unmapped_aval", "pp_eqn_rules", "set_current_trace",
+        "NamedAxisEffect")),
     ("jax._src.interpreters.partial_eval", (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
@@ -275,6 +276,13 @@ def config_key() -> Any:
 def policy_answer(policy: Callable, prim: Primitive, avals, params):
   """Asks a remat policy about one equation; returns Saveable/Recompute/Offloadable."""
   return _pe.ensure_enum(policy(prim, *avals, **params))
+
+
+def uses_axis_name(effects, name) -> bool:
+  """True if a jaxpr with these effects refers to the named axis ``name``
+  (a collective such as ``psum(x, name)`` inside it)."""
+  return name is not None and any(
+      isinstance(e, _core.NamedAxisEffect) and e.name == name for e in effects)
 
 
 def only_unordered_debug_effects(effects) -> bool:
