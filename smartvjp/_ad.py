@@ -25,10 +25,11 @@ import jax
 
 from smartvjp import _compat as C
 from smartvjp._bwd import run_bwd, run_fwd_bwd
-from smartvjp._spec import eager_f, eager_fwd
+from smartvjp._spec import check_fwd_output_types, eager_f, eager_fwd
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
-    fwd_p, jvp_p, lin_p, rule_eval, rule_p, split_jvp_args, tangent_avals)
+    fwd_p, jvp_p, lin_p, lin_out_avals, rule_eval, rule_p, split_jvp_args,
+    tangent_avals)
 
 
 def closure_error(call) -> Exception:
@@ -91,6 +92,7 @@ def _call_jvp(primals, tangents, *, call):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return outs, expand_tangents(call, [])
   fwd, fwd_consts = call.fwd_for(in_nz)
+  check_fwd_output_types(call, fwd)  # f and fwd may both run (remat)
   outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,
                     call=call, fwd=fwd, in_nz=in_nz, remat=False)
   primal_outs, nz_out = outs[:call.num_outs], outs[call.num_outs:]
@@ -176,12 +178,13 @@ C.register_transpose(fused_lin_p, _fused_lin_transpose)
 
 # -- forward mode: the tangent map is the transpose of the cotangent map ------
 
-def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents):
+def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
+                             out_avals):
   """Tangent outputs = transpose of ``g -> cotangent_map(g)`` at the tangents."""
   # full types (sharding, varying manual axes, memory space, weak type): a
   # cotangent typed by shape and dtype only would be implicitly made varying
   # inside shard_map, and that cast transposes into a psum
-  ct_avals = tangent_avals(call.out_avals, call.out_nz)
+  ct_avals = tangent_avals(out_avals, call.out_nz)
 
   def nz_map(*nz_cts):
     return [C.instantiate_zeros(c) for c in
@@ -204,7 +207,8 @@ def _lin_forward(*args, call, fwd, in_nz, reload):
   n_res = len(fwd.res_avals)
   res, nz_t = _reloaded(args[:n_res], reload), args[n_res:]
   return _transpose_cotangent_map(
-      call, "bwd", lambda cts: run_bwd(call, fwd, res, cts), in_nz, nz_t)
+      call, "bwd", lambda cts: run_bwd(call, fwd, res, cts), in_nz, nz_t,
+      lin_out_avals(call, fwd))
 
 
 def _fused_lin_forward(*args, call, in_nz):
@@ -212,7 +216,7 @@ def _fused_lin_forward(*args, call, in_nz):
   primals, nz_t = args[:n], args[n:]
   return _transpose_cotangent_map(
       call, "fwd_bwd", lambda cts: run_fwd_bwd(call, primals, in_nz, cts),
-      in_nz, nz_t)
+      in_nz, nz_t, call.out_avals)
 
 
 def _jvp_forward(*args, call, fwd, in_nz, remat):

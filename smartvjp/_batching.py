@@ -226,6 +226,9 @@ def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
   extra = list(batched.consts)
   jaxpr = C.convert_constvars_jaxpr(batched.jaxpr)
   bfwd = fwd.shifted(C.ClosedJaxpr(jaxpr, ()), len(extra))
+  bfwd = dataclasses.replace(  # primal output types as batched
+      bfwd, out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
+      if fwd.out_avals else ())
   outs = fwd_p.bind(*extra, *args, call=call, fwd=bfwd, offload=offload)
   return outs, [0 if b else None for b in out_batched]
 
@@ -287,7 +290,10 @@ def _lin_batch(axis_data, args, dims, *, call, fwd, in_nz, reload):
   bcall = linear_only_call(call, [0] * call.num_primals, axis_data)
   n_res = len(fwd.res_avals)
   bfwd = dataclasses.replace(
-      fwd, res_avals=tuple(C.get_aval(r) for r in args[:n_res]))
+      fwd, res_avals=tuple(C.get_aval(r) for r in args[:n_res]),
+      out_avals=tuple(C.unmapped_aval(axis_data.size, 0, a,
+                                      axis_data.explicit_mesh_axis)
+                      for a in fwd.out_avals))
   outs = lin_p.bind(*args, call=bcall, fwd=bfwd, in_nz=in_nz, reload=reload)
   return outs, [0] * len(outs)
 

@@ -67,12 +67,27 @@ def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
   that ``f`` does not, so ``f`` runs in its place.
   """
   fwd_inputs = [*fwd_consts, *primals]
-  if fwd.num_new_res == 0:
+  if fwd.num_new_res == 0 and _f_types_match(call, fwd):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return list(outs), fwd.assemble_residuals(fwd_inputs, [])
   outs = fwd_p.bind(*fwd_inputs, call=call, fwd=fwd, offload=None)
   primal_outs, new_res = outs[:call.num_outs], outs[call.num_outs:]
   return list(primal_outs), fwd.assemble_residuals(fwd_inputs, new_res)
+
+
+def _f_types_match(call, fwd) -> bool:
+  """``f``'s primal outputs have ``fwd``'s full types (then ``f`` may stand
+  in for a ``fwd`` that computes no residual)."""
+  return not fwd.out_avals or all(
+      C.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
+
+
+def lin_out_avals(call, fwd):
+  """The primal output types a linear primitive's tangents follow: ``fwd``'s
+  (as jax.custom_vjp's) where ``fwd`` ran, else ``f``'s."""
+  if fwd is not None and fwd.out_avals:
+    return fwd.out_avals
+  return call.out_avals
 
 
 # -- smartvjp_call ------------------------------------------------------------
@@ -130,8 +145,8 @@ jvp_p.def_effectful_abstract_eval(_jvp_abstract_eval)
 
 # -- smartvjp_lin / smartvjp_fused_lin ------------------------------------------
 
-def _lin_abstract_eval(*avals, call, **_):
-  return tangent_avals(call.out_avals, call.out_nz)
+def _lin_abstract_eval(*avals, call, fwd=None, **_):
+  return tangent_avals(lin_out_avals(call, fwd), call.out_nz)
 
 
 lin_p.def_abstract_eval(_lin_abstract_eval)
