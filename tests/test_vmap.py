@@ -222,3 +222,33 @@ def test_nonlinear_bwd_sees_an_unbatched_cotangent_once_like_custom_vjp():
   loss = lambda F: (lambda w: jnp.sum(jax.vmap(
       lambda x, w: jnp.sum(F(x, w)[1] * x), in_axes=(0, None))(xs, w)))
   np.testing.assert_allclose(jax.grad(loss(s))(w), jax.grad(loss(ref))(w))
+
+
+def _psum_call(kind):
+  def f(x):
+    return jax.lax.psum(x, "foo")
+  F = smart_custom_vjp(f) if kind == "smart" else jax.custom_vjp(f)
+  F.defvjp(lambda x: (jax.lax.psum(x, "foo"), None), lambda _, g: (3 * g,))
+  return F
+
+
+@pytest.mark.parametrize("how", ["eval_jaxpr", "direct", "grad", "scan",
+                                 "grad_scan"])
+def test_collective_over_the_vmapped_axis_with_unbatched_input(how):
+  """f names the vmapped axis but its input is not mapped: the psum must
+  still see the axis (jax.custom_vjp's result)."""
+  def run_with(F):
+    def g(x):
+      if how == "eval_jaxpr":
+        jaxpr = jax.make_jaxpr(F)(x)
+        from jax._src import core as jax_core  # as JAX's peer test does
+        return jax_core.eval_jaxpr(jaxpr.jaxpr, [], x)[0]
+
+      def scanned(x):
+        return jax.lax.scan(lambda c, _: (F(c), None), x, None, length=2)[0]
+      return {"direct": F, "grad": jax.grad(lambda x: 2 * F(x)),
+              "scan": scanned, "grad_scan": jax.grad(scanned)}[how](x)
+    return jax.vmap(lambda _, x: g(x), axis_name="foo", in_axes=(0, None),
+                    out_axes=None)(jnp.arange(4.0), 2.0)
+  want = run_with(_psum_call("custom"))
+  np.testing.assert_allclose(run_with(_psum_call("smart")), want)
