@@ -29,10 +29,38 @@ from smartvjp._primitives import (
 from smartvjp._spec import CallSpec, Rules, trace_call
 
 
-def _vmap(fn, in_axes, axis_data, out_axes=0):
-  return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes,
-                  axis_size=axis_data.size, axis_name=axis_data.name,
-                  spmd_axis_name=axis_data.spmd_name)
+def _vmap_rule(fn, in_axes, axis_data, tag=None):
+  """``jax.vmap(fn, in_axes)`` over ``axis_data`` (every output at axis 0);
+  with the trace ``tag`` of the vmap being batched, as part of that vmap, so
+  that values the user's rules close over from it are batched too."""
+  if tag is None:
+    return jax.vmap(fn, in_axes=in_axes, out_axes=0,
+                    axis_size=axis_data.size, axis_name=axis_data.name,
+                    spmd_axis_name=axis_data.spmd_name)
+
+  def batched(*args):
+    axes = in_axes if isinstance(in_axes, (tuple, list)) else \
+        (in_axes,) * len(args)
+    flat_dims = _flat_axes(tuple(axes), args)
+    leaves, in_tree = tree_util.tree_flatten(args)
+    store = {}
+
+    def flat(*xs):
+      out = fn(*tree_util.tree_unflatten(in_tree, list(xs)))
+      out_leaves, store["tree"] = tree_util.tree_flatten(out)
+      return out_leaves
+    outs = C.vmap_in_trace(flat, tag, axis_data, flat_dims)(*leaves)
+    return tree_util.tree_unflatten(store["tree"], outs)
+  return batched
+
+
+def _flat_axes(in_axes, args):
+  """One axis per leaf of ``args`` from the prefix tree ``in_axes``."""
+  out = []
+  tree_util.tree_map(
+      lambda ax, sub: out.extend([ax] * len(tree_util.tree_leaves(sub))),
+      in_axes, args, is_leaf=lambda x: x is None)
+  return out
 
 
 def _named(fn, like):
@@ -71,6 +99,10 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
   every output is batched (per-example values and cotangents)."""
   rules = call.rules
   n = call.num_primals
+  tag = C.current_batch_tag(axis_data)
+
+  def _vmap(fn, in_axes, axis_data):
+    return _vmap_rule(fn, in_axes, axis_data, tag)
 
   def fun(*leaves):
     def one(consts, leaves):
