@@ -91,7 +91,8 @@ def _split_symbolic(g_leaves):
 
 
 def _unbatched_aval(aval):
-  return aval.update(shape=aval.shape[1:])
+  """One example's type (the sharding spec loses the mapped axis too)."""
+  return C.mapped_aval(aval.shape[0], 0, aval)
 
 
 def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):

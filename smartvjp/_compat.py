@@ -25,7 +25,8 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.core", (
         "Primitive", "JaxprEqn", "Var", "Literal", "Tracer", "typeof",
         "typecompat", "mem_kind_to_space", "trace_ctx", "EvalTrace",
-        "eval_jaxpr", "unmapped_aval", "pp_eqn_rules", "set_current_trace",
+        "eval_jaxpr", "unmapped_aval", "mapped_aval", "pp_eqn_rules",
+        "set_current_trace",
         "NamedAxisEffect")),
     ("jax._src.interpreters.partial_eval", (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
@@ -109,6 +110,7 @@ get_aval = _core.typeof
 typecompat = _core.typecompat  # shape, dtype, sharding, varying axes; no weak_type
 eval_jaxpr = _core.eval_jaxpr
 unmapped_aval = _core.unmapped_aval
+mapped_aval = _core.mapped_aval
 set_current_trace = _core.set_current_trace
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 batch_jaxpr = _batching.batch_jaxpr
