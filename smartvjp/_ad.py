@@ -25,11 +25,12 @@ import jax
 
 from smartvjp import _compat as C
 from smartvjp._bwd import run_bwd, run_fwd_bwd
-from smartvjp._spec import check_aliased_refs, eager_f, eager_fwd, select_outputs
+from smartvjp._spec import (check_aliased_refs, check_fwd_output_types,
+                            eager_f, eager_fwd, select_outputs)
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
-    fwd_p, jvp_p, lin_p, primal_p, rule_eval, rule_p, split_jvp_args,
-    split_primal_args, tangent_avals)
+    fwd_p, jvp_p, lin_out_avals, lin_p, primal_p, rule_eval, rule_p,
+    split_jvp_args, split_primal_args, tangent_avals)
 
 
 def closure_error(call) -> Exception:
@@ -96,6 +97,7 @@ def _call_jvp(primals, tangents, *, call):
     return outs, expand_tangents(call, [])
   check_aliased_refs(call, primals)
   fwd, fwd_consts = call.fwd_for(in_nz)
+  check_fwd_output_types(call, fwd)  # f and fwd may both run (remat)
   outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,
                     call=call, fwd=fwd, in_nz=in_nz, remat=False)
   primal_outs, nz_out = outs[:call.num_outs], outs[call.num_outs:]
@@ -168,16 +170,21 @@ def _nz_inputs(cts_in, in_nz):
   return [ct for ct, nz in zip(cts_in, in_nz) if nz]
 
 
+def _reloaded(res, reload):
+  """Residuals a policy offloaded (``reload[i]`` true) back in device memory,
+  where ``bwd`` expects them, as ``fwd`` returned them."""
+  if reload is None:
+    return list(res)
+  return [jax.device_put(r, C.device_memory_space()) if back else r
+          for r, back in zip(res, reload)]
+
+
 def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   n_res = len(fwd.res_avals)
   # bwd runs even when every output cotangent is zero, as with
   # jax.custom_vjp: its result need not depend on them (flax's fp8 scales)
   cts_out = expand_tangents(call, cts)
-  res = list(args[:n_res])
-  if reload is not None:  # residuals a policy offloaded come back to device
-    res = [jax.device_put(r, C.device_memory_space()) if back else r
-           for r, back in zip(res, reload)]
-  cts_in = run_bwd(call, fwd, res, cts_out)
+  cts_in = run_bwd(call, fwd, _reloaded(args[:n_res], reload), cts_out)
   return [None] * n_res + _nz_inputs(cts_in, in_nz)
 
 
@@ -194,10 +201,13 @@ C.register_transpose(fused_lin_p, _fused_lin_transpose)
 
 # -- forward mode: the tangent map is the transpose of the cotangent map ------
 
-def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents):
+def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
+                             out_avals):
   """Tangent outputs = transpose of ``g -> cotangent_map(g)`` at the tangents."""
-  ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype)
-              for a in tangent_avals(call.out_avals, call.out_nz)]
+  # full types (sharding, varying manual axes, memory space, weak type): a
+  # cotangent typed by shape and dtype only would be implicitly made varying
+  # inside shard_map, and that cast transposes into a psum
+  ct_avals = tangent_avals(out_avals, call.out_nz)
 
   def nz_map(*nz_cts):
     return [C.instantiate_zeros(c) for c in
@@ -218,9 +228,10 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents):
 
 def _lin_forward(*args, call, fwd, in_nz, reload):
   n_res = len(fwd.res_avals)
-  res, nz_t = args[:n_res], args[n_res:]
+  res, nz_t = _reloaded(args[:n_res], reload), args[n_res:]
   return _transpose_cotangent_map(
-      call, "bwd", lambda cts: run_bwd(call, fwd, res, cts), in_nz, nz_t)
+      call, "bwd", lambda cts: run_bwd(call, fwd, res, cts), in_nz, nz_t,
+      lin_out_avals(call, fwd))
 
 
 def _fused_lin_forward(*args, call, in_nz):
@@ -228,7 +239,7 @@ def _fused_lin_forward(*args, call, in_nz):
   primals, nz_t = args[:n], args[n:]
   return _transpose_cotangent_map(
       call, "fwd_bwd", lambda cts: run_fwd_bwd(call, primals, in_nz, cts),
-      in_nz, nz_t)
+      in_nz, nz_t, call.out_avals)
 
 
 def _jvp_forward(*args, call, fwd, in_nz, remat):
@@ -351,8 +362,7 @@ def _bwd_transpose(cts, *args, call, which, jaxpr):
     full = [next(it) if u else a for a, u in zip(args, undefined)]
     return rule_eval(*full, call=call, which=which, jaxpr=jaxpr)
 
-  transposed = jax.linear_transpose(
-      linear_part, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in lin_avals])
+  transposed = jax.linear_transpose(linear_part, *lin_avals)  # full types
   out_cts = transposed([C.instantiate_zeros(c) for c in cts])
   it = iter(out_cts)
   return [next(it) if u else None for u in undefined]
@@ -369,36 +379,34 @@ C.register_jvp(fused_lin_p, _fused_lin_jvp)
 # -- a smart_custom_vjp call in a linear position ------------------------------
 
 def _call_transpose(cts, *args, call):
-  """Transpose of a call that JAX found linear in its inputs (for instance a
-  ``bwd`` that calls another smart_custom_vjp function, transposed by
-  forward mode): the transpose of ``f``'s own traced jaxpr, which JAX checks
-  is linear; an ``f`` that is not (or is opaque) gets JAX's error, as a
-  ``jax.custom_vjp`` function does."""
+  """Transpose of a call that JAX found linear in some of its inputs (for
+  instance a ``bwd`` that calls another smart_custom_vjp function on its
+  cotangent and on values of the primals, transposed by forward mode): the
+  transpose of ``f``'s own traced jaxpr with respect to the linear inputs,
+  the others held fixed. JAX checks that ``f`` is linear in them; an ``f``
+  that is not (or is opaque) gets JAX's error, as a plain function does."""
   if call.full is not None:   # pruned by DCE: zero cotangents for the rest
     full_cts = [C.Zero(a.to_tangent_aval()) for a in call.full.out_avals]
     for i, ct in zip(call.kept, cts):
       full_cts[i] = ct
     return _call_transpose(full_cts, *args, call=call.full)
-  consts, primals = args[:call.num_consts], args[call.num_consts:]
-  if (any(C.is_undefined_primal(c) for c in consts)
-      or not all(C.is_undefined_primal(p) for p in primals)):
-    raise NotImplementedError(
-        f"smart_custom_vjp function {call.name} is used linearly in only some "
-        "of its arguments; its transpose needs all of them linear.")
-  avals = [jax.ShapeDtypeStruct(p.aval.shape, p.aval.dtype) for p in primals]
+  undefined = [C.is_undefined_primal(a) for a in args]
+  lin_avals = [a.aval for a, u in zip(args, undefined) if u]  # full types
 
-  def f(*xs):
-    return eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f", [*consts, *xs])
+  def f(*lin):
+    it = iter(lin)
+    full = [next(it) if u else a for a, u in zip(args, undefined)]
+    return eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f", full)
 
   try:
-    transposed = jax.linear_transpose(f, *avals)
+    transposed = jax.linear_transpose(f, *lin_avals)
   except Exception as e:  # noqa: BLE001 - re-raised naming f
     raise NotImplementedError(
         f"Transpose rule for smart_custom_vjp function {call.name} used in a "
-        f"linear position: its f is not linear JAX code ({type(e).__name__}: "
-        f"{e})") from e
-  return [None] * call.num_consts + list(transposed(
-      [C.instantiate_zeros(c) for c in cts]))
+        f"linear position: its f is not linear JAX code in the inputs being "
+        f"transposed ({type(e).__name__}: {e})") from e
+  it = iter(transposed([C.instantiate_zeros(c) for c in cts]))
+  return [next(it) if u else None for u in undefined]
 
 
 C.register_transpose(call_p, _call_transpose)

@@ -30,10 +30,38 @@ from smartvjp._primitives import (
 from smartvjp._spec import CallSpec, Rules, select_outputs, trace_call
 
 
-def _vmap(fn, in_axes, axis_data, out_axes=0):
-  return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes,
-                  axis_size=axis_data.size, axis_name=axis_data.name,
-                  spmd_axis_name=axis_data.spmd_name)
+def _vmap_rule(fn, in_axes, axis_data, tag=None):
+  """``jax.vmap(fn, in_axes)`` over ``axis_data`` (every output at axis 0);
+  with the trace ``tag`` of the vmap being batched, as part of that vmap, so
+  that values the user's rules close over from it are batched too."""
+  if tag is None:
+    return jax.vmap(fn, in_axes=in_axes, out_axes=0,
+                    axis_size=axis_data.size, axis_name=axis_data.name,
+                    spmd_axis_name=axis_data.spmd_name)
+
+  def batched(*args):
+    axes = in_axes if isinstance(in_axes, (tuple, list)) else \
+        (in_axes,) * len(args)
+    flat_dims = _flat_axes(tuple(axes), args)
+    leaves, in_tree = tree_util.tree_flatten(args)
+    store = {}
+
+    def flat(*xs):
+      out = fn(*tree_util.tree_unflatten(in_tree, list(xs)))
+      out_leaves, store["tree"] = tree_util.tree_flatten(out)
+      return out_leaves
+    outs = C.vmap_in_trace(flat, tag, axis_data, flat_dims)(*leaves)
+    return tree_util.tree_unflatten(store["tree"], outs)
+  return batched
+
+
+def _flat_axes(in_axes, args):
+  """One axis per leaf of ``args`` from the prefix tree ``in_axes``."""
+  out = []
+  tree_util.tree_map(
+      lambda ax, sub: out.extend([ax] * len(tree_util.tree_leaves(sub))),
+      in_axes, args, is_leaf=lambda x: x is None)
+  return out
 
 
 def _named(fn, like):
@@ -64,7 +92,8 @@ def _split_symbolic(g_leaves):
 
 
 def _unbatched_aval(aval):
-  return aval.update(shape=aval.shape[1:])
+  """One example's type (the sharding spec loses the mapped axis too)."""
+  return C.mapped_aval(aval.shape[0], 0, aval)
 
 
 def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
@@ -72,6 +101,10 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
   every output is batched (per-example values and cotangents)."""
   rules = call.rules
   n = call.num_primals
+  tag = C.current_batch_tag(axis_data)
+
+  def _vmap(fn, in_axes, axis_data):
+    return _vmap_rule(fn, in_axes, axis_data, tag)
 
   def fun(*leaves):
     def one(consts, leaves):
@@ -191,11 +224,19 @@ def _to_front_or_none(axis_data, xs, dims):
 
 # -- smartvjp_call ------------------------------------------------------------
 
+def _unbatched(axis_data, dims, effects):
+  """No input is mapped and the rule names no collective over the mapped
+  axis: the primitive can run once, outside the vmap. (A ``psum`` over the
+  axis must see the axis even when its operand is not mapped.)"""
+  return (all(d is None for d in dims)
+          and not C.uses_axis_name(effects, axis_data.name))
+
+
 def _call_batch(axis_data, args, dims, *, call):
   if call.full is not None:   # pruned by DCE: the whole call, selected
     outs, out_dims = _call_batch(axis_data, args, dims, call=call.full)
     return select_outputs(call, outs), select_outputs(call, out_dims)
-  if all(d is None for d in dims):
+  if _unbatched(axis_data, dims, call.jaxpr.effects):
     return call_p.bind(*args, call=call), [None] * call.num_outs
   consts, primals = args[:call.num_consts], args[call.num_consts:]
   cdims, pdims = dims[:call.num_consts], dims[call.num_consts:]
@@ -227,7 +268,7 @@ def _primal_batch(axis_data, args, dims, *, call, fwd):
 # -- smartvjp_fwd: batch the traced jaxpr, keep the output layout -------------
 
 def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
-  if all(d is None for d in dims):
+  if _unbatched(axis_data, dims, fwd.jaxpr.effects):
     return fwd_p.bind(*args, call=call, fwd=fwd, offload=offload), \
         [None] * len(fwd.jaxpr.out_avals)
   n_out = len(fwd.jaxpr.out_avals)
@@ -236,6 +277,9 @@ def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
   extra = list(batched.consts)
   jaxpr = C.convert_constvars_jaxpr(batched.jaxpr)
   bfwd = fwd.shifted(C.ClosedJaxpr(jaxpr, ()), len(extra))
+  bfwd = dataclasses.replace(  # primal output types as batched
+      bfwd, out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
+      if fwd.out_avals else ())
   outs = fwd_p.bind(*extra, *args, call=call, fwd=bfwd, offload=offload)
   return outs, [0 if b else None for b in out_batched]
 
@@ -243,7 +287,9 @@ def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
 # -- smartvjp_jvp -------------------------------------------------------------
 
 def _jvp_batch(axis_data, args, dims, *, call, fwd, in_nz, remat):
-  if all(d is None for d in dims):
+  effects = call.jaxpr.effects | (fwd.jaxpr.effects if fwd is not None
+                                  and fwd.jaxpr is not None else set())
+  if _unbatched(axis_data, dims, effects):
     return jvp_p.bind(*args, call=call, fwd=fwd, in_nz=in_nz, remat=remat), \
         [None] * (call.num_outs + sum(call.out_nz))
   f_consts, fwd_consts, primals, tangents = split_jvp_args(args, call, fwd)
@@ -295,7 +341,10 @@ def _lin_batch(axis_data, args, dims, *, call, fwd, in_nz, reload):
   bcall = linear_only_call(call, [0] * call.num_primals, axis_data)
   n_res = len(fwd.res_avals)
   bfwd = dataclasses.replace(
-      fwd, res_avals=tuple(C.get_aval(r) for r in args[:n_res]))
+      fwd, res_avals=tuple(C.get_aval(r) for r in args[:n_res]),
+      out_avals=tuple(C.unmapped_aval(axis_data.size, 0, a,
+                                      axis_data.explicit_mesh_axis)
+                      for a in fwd.out_avals))
   outs = lin_p.bind(*args, call=bcall, fwd=bfwd, in_nz=in_nz, reload=reload)
   return outs, [0] * len(outs)
 
@@ -322,7 +371,7 @@ C.register_batching(fused_lin_p, _fused_lin_batch)
 
 def _rule_batch(axis_data, args, dims, *, call, which, jaxpr):
   n_out = len(jaxpr.out_avals)
-  if all(d is None for d in dims):
+  if _unbatched(axis_data, dims, jaxpr.effects):
     return rule_p.bind(*args, call=call, which=which, jaxpr=jaxpr), \
         [None] * n_out
   batched, out_batched = C.batch_jaxpr_axes(

@@ -13,6 +13,7 @@ naming the installed JAX version and every missing name otherwise.
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import inspect
 from typing import Any, Callable, Sequence
@@ -24,8 +25,8 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.core", (
         "Primitive", "JaxprEqn", "Var", "Literal", "Tracer", "typeof",
         "typecompat", "mem_kind_to_space", "trace_ctx", "EvalTrace",
-        "eval_jaxpr", "unmapped_aval", "pp_eqn_rules", "set_current_trace",
-        "DropVar", "get_referent")),
+        "eval_jaxpr", "unmapped_aval", "mapped_aval", "pp_eqn_rules",
+        "set_current_trace", "DropVar", "get_referent", "NamedAxisEffect")),
     ("jax._src.interpreters.partial_eval", (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
@@ -37,7 +38,7 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
         "fallback_linearize_rule", "LinearizeTrace", "LinearizeTracer")),
     ("jax._src.interpreters.batching", (
         "fancy_primitive_batchers", "batch_jaxpr", "batch_jaxpr_axes",
-        "bdim_at_front", "zero_if_mapped")),
+        "bdim_at_front", "zero_if_mapped", "BatchTrace", "_batch_inner")),
     ("jax._src.interpreters.mlir", ("register_lowering", "lower_fun")),
     ("jax._src.api_util", ("debug_info", "resolve_kwargs")),
     ("jax._src.linear_util", ("wrap_init",)),
@@ -112,6 +113,7 @@ get_aval = _core.typeof
 typecompat = _core.typecompat  # shape, dtype, sharding, varying axes; no weak_type
 eval_jaxpr = _core.eval_jaxpr
 unmapped_aval = _core.unmapped_aval
+mapped_aval = _core.mapped_aval
 set_current_trace = _core.set_current_trace
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 batch_jaxpr = _batching.batch_jaxpr
@@ -137,11 +139,61 @@ DCE_RULE_TAKES_LIVE_INS = (
 
 # -- rule registration adapters -----------------------------------------------
 
+# The vmap whose batching rule is running (its trace tag and axis data), so
+# that the user's rules, re-run under vmap by a batching rule, see values
+# they close over from that same vmap as batched, as jax.custom_vjp's do.
+_BATCHING: contextvars.ContextVar = contextvars.ContextVar(
+    "smartvjp_batching", default=None)
+
+
+class _SmartPrimitive(_core.Primitive):
+  """A primitive that notes which vmap is batching it (see ``_BATCHING``)."""
+
+  def bind_with_trace(self, trace, args, avals, params, /):
+    if not isinstance(trace, _batching.BatchTrace):
+      return super().bind_with_trace(trace, args, avals, params)
+    token = _BATCHING.set((trace.tag, trace.axis_data))
+    try:
+      return super().bind_with_trace(trace, args, avals, params)
+    finally:
+      _BATCHING.reset(token)
+
+
 def new_primitive(name: str) -> Primitive:
   """A multiple-results primitive."""
-  p = _core.Primitive(name)
+  p = _SmartPrimitive(name)
   p.multiple_results = True
   return p
+
+
+def current_batch_tag(axis_data):
+  """The trace tag of the vmap (over ``axis_data``) whose batching rule for
+  one of smartvjp's primitives is running, or ``None``."""
+  now = _BATCHING.get()
+  return now[0] if now is not None and now[1] is axis_data else None
+
+
+def vmap_in_trace(fun: Callable, tag, axis_data, in_dims):
+  """``fun(*flat_args) -> flat_outs`` batched as by ``jax.vmap`` (inputs at
+  ``in_dims``, ``None`` for unmapped; every output at axis 0) but as part of
+  the vmap with trace tag ``tag``: values ``fun`` closes over that are
+  batched by that vmap are batched here too (jax.custom_vjp batches its
+  rules the same way)."""
+  def run(*args):
+    dbg = _debug_info("smartvjp vmap", fun, args, {})
+    store = {}
+
+    def counted(*a):
+      outs = fun(*a)
+      store["n"] = len(outs)
+      return outs
+    wrapped = _batching._batch_inner(
+        _lu.wrap_init(counted, debug_info=dbg), axis_data,
+        lambda: [0] * store["n"], False)
+    outs, _, trace = wrapped.call_wrapped(tag, list(in_dims), *args)
+    del trace
+    return list(outs)
+  return run
 
 
 def register_jvp(prim: Primitive, rule: Callable) -> None:
@@ -280,6 +332,13 @@ def config_key() -> Any:
 def policy_answer(policy: Callable, prim: Primitive, avals, params):
   """Asks a remat policy about one equation; returns Saveable/Recompute/Offloadable."""
   return _pe.ensure_enum(policy(prim, *avals, **params))
+
+
+def uses_axis_name(effects, name) -> bool:
+  """True if a jaxpr with these effects refers to the named axis ``name``
+  (a collective such as ``psum(x, name)`` inside it)."""
+  return name is not None and any(
+      isinstance(e, _core.NamedAxisEffect) and e.name == name for e in effects)
 
 
 def define_string_option(name: str, help: str):

@@ -78,7 +78,8 @@ def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
   such as a ``jax.debug.print``, happen; ``f``'s do not).
   """
   fwd_inputs = [*fwd_consts, *primals]
-  if fwd.num_new_res == 0 and not has_effects(call, fwd):
+  if (fwd.num_new_res == 0 and not has_effects(call, fwd)
+      and _f_types_match(call, fwd)):
     outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
     return list(outs), fwd.assemble_residuals(fwd_inputs, [])
   outs = fwd_p.bind(*fwd_inputs, call=call, fwd=fwd, offload=None)
@@ -115,6 +116,21 @@ def primal_eqn(call, fwd, f_consts, fwd_consts, primals, outvars, eqn):
 
 def uses_fwd_consts(eqn) -> bool:
   return eqn.primitive is primal_p
+
+
+def _f_types_match(call, fwd) -> bool:
+  """``f``'s primal outputs have ``fwd``'s full types (then ``f`` may stand
+  in for a ``fwd`` that computes no residual)."""
+  return not fwd.out_avals or all(
+      C.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
+
+
+def lin_out_avals(call, fwd):
+  """The primal output types a linear primitive's tangents follow: ``fwd``'s
+  (as jax.custom_vjp's) where ``fwd`` ran, else ``f``'s."""
+  if fwd is not None and fwd.out_avals:
+    return fwd.out_avals
+  return call.out_avals
 
 
 # -- smartvjp_call ------------------------------------------------------------
@@ -199,8 +215,8 @@ jvp_p.def_effectful_abstract_eval(_jvp_abstract_eval)
 
 # -- smartvjp_lin / smartvjp_fused_lin ------------------------------------------
 
-def _lin_abstract_eval(*avals, call, **_):
-  return tangent_avals(call.out_avals, call.out_nz)
+def _lin_abstract_eval(*avals, call, fwd=None, **_):
+  return tangent_avals(lin_out_avals(call, fwd), call.out_nz)
 
 
 lin_p.def_abstract_eval(_lin_abstract_eval)

@@ -82,6 +82,9 @@ class FwdSpec:
   # per new residual, the equations of fwd's jaxpr a remat policy is asked
   # about: its producer and, through checkpoint_name, the named value's one
   new_res_eqns: tuple = ()
+  # fwd's primal output types, which may differ from f's in varying manual
+  # axes or sharding (shape and dtype are checked to agree)
+  out_avals: tuple = ()
 
   @property
   def num_new_res(self) -> int:
@@ -374,7 +377,8 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       res_src=res_src,
       new_res_names=tuple(names.get(v) if isinstance(v, C.Var) else None
                           for v in new_res),
-      new_res_eqns=tuple(_producers(v, producers) for v in new_res))
+      new_res_eqns=tuple(_producers(v, producers) for v in new_res),
+      out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]))
   return spec, consts
 
 
@@ -416,6 +420,40 @@ def _ref_argument(rules, leaf, primals):
       f"returned a mutable array reference of type "
       f"{C.get_aval(leaf).str_short()} among its residuals that is not one "
       "of its arguments; only references passed to fwd can be residuals.")
+
+
+def fwd_output_type_mismatches(call: CallSpec, fwd: FwdSpec | None) -> list:
+  """``(path, f's type, fwd's type)`` for each primal output whose full type
+  (varying manual axes, sharding, memory space; not weak type) differs
+  between ``f`` and ``fwd``."""
+  if fwd is None or not fwd.out_avals:
+    return []
+  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
+  return [(path, a, b) for path, a, b in
+          zip(paths, call.out_avals, fwd.out_avals) if not C.typecompat(a, b)]
+
+
+def _leaf_paths(tree) -> list:
+  leaves = tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
+  return [p for p, _ in tree_util.tree_flatten_with_path(leaves)[0]]
+
+
+def check_fwd_output_types(call: CallSpec, fwd: FwdSpec | None) -> None:
+  """Raises ``TypeError`` where ``f`` and ``fwd`` disagree on an output's
+  full type: differentiation that runs ``f`` in one place and ``fwd`` in
+  another (remat, forward mode) would mix the two types, as jax.custom_vjp
+  refuses there too."""
+  bad = fwd_output_type_mismatches(call, fwd)
+  if bad:
+    path, want, got = bad[0]
+    raise rule_error(
+        TypeError, call.rules, "fwd",
+        f"returned a primal output whose type differs from that of "
+        f"{call.rules.name} (f) at output{path}: f gives {want.str_short()}, "
+        f"fwd gives {got.str_short()}. Under jax.checkpoint f runs in the "
+        "forward pass and fwd in the backward pass, so the two must agree "
+        "in varying manual axes (shard_map) and sharding too; make f and "
+        "fwd return the same type (for instance with jax.lax.pvary).")
 
 
 def _producers(v, producers) -> tuple:

@@ -222,3 +222,95 @@ def test_nonlinear_bwd_sees_an_unbatched_cotangent_once_like_custom_vjp():
   loss = lambda F: (lambda w: jnp.sum(jax.vmap(
       lambda x, w: jnp.sum(F(x, w)[1] * x), in_axes=(0, None))(xs, w)))
   np.testing.assert_allclose(jax.grad(loss(s))(w), jax.grad(loss(ref))(w))
+
+
+def _psum_call(kind):
+  def f(x):
+    return jax.lax.psum(x, "foo")
+  F = smart_custom_vjp(f) if kind == "smart" else jax.custom_vjp(f)
+  F.defvjp(lambda x: (jax.lax.psum(x, "foo"), None), lambda _, g: (3 * g,))
+  return F
+
+
+@pytest.mark.parametrize("how", ["eval_jaxpr", "direct", "grad", "scan",
+                                 "grad_scan"])
+def test_collective_over_the_vmapped_axis_with_unbatched_input(how):
+  """f names the vmapped axis but its input is not mapped: the psum must
+  still see the axis (jax.custom_vjp's result)."""
+  def run_with(F):
+    def g(x):
+      if how == "eval_jaxpr":
+        jaxpr = jax.make_jaxpr(F)(x)
+        from jax._src import core as jax_core  # as JAX's peer test does
+        return jax_core.eval_jaxpr(jaxpr.jaxpr, [], x)[0]
+
+      def scanned(x):
+        return jax.lax.scan(lambda c, _: (F(c), None), x, None, length=2)[0]
+      return {"direct": F, "grad": jax.grad(lambda x: 2 * F(x)),
+              "scan": scanned, "grad_scan": jax.grad(scanned)}[how](x)
+    return jax.vmap(lambda _, x: g(x), axis_name="foo", in_axes=(0, None),
+                    out_axes=None)(jnp.arange(4.0), 2.0)
+  want = run_with(_psum_call("custom"))
+  np.testing.assert_allclose(run_with(_psum_call("smart")), want)
+
+
+def _closing_over(kind, x, in_bwd=False):
+  """``g(y) = x * y`` whose rules close over ``x``, a value being vmapped
+  (fwd always; bwd too when ``in_bwd``)."""
+  def f(y):
+    return x * y
+
+  def fwd(y):
+    return x * y, (x, x * y, y)
+
+  def bwd(res, w_bar):
+    return ((x if in_bwd else res[0]) * w_bar * jnp.cos(res[2]),)
+  g = smart_custom_vjp(f) if kind == "smart" else jax.custom_vjp(f)
+  g.defvjp(fwd, bwd)
+  return g
+
+
+def _grad_closing_over(kind, in_bwd, jit, batched):
+  def h(z):
+    if batched:
+      return jax.vmap(lambda x, z: _closing_over(kind, x, in_bwd)(z))(
+          jnp.arange(3.0), z).sum()
+    return jax.vmap(lambda x: _closing_over(kind, x, in_bwd)(z))(
+        jnp.arange(3.0)).sum()
+  g = jax.jit(jax.grad(h)) if jit else jax.grad(h)
+  return g(jnp.array([0.5, 1.0, 2.0]) if batched else jnp.float32(3.14))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_fwd_closing_over_a_vmapped_value(jit, batched):
+  """JAX's test_closure_with_vmap2 shape (with an unbatched argument, and
+  with a batched one): fwd closes over the vmapped value; gradients as
+  jax.custom_vjp's."""
+  np.testing.assert_allclose(_grad_closing_over("smart", False, jit, batched),
+                             _grad_closing_over("custom", False, jit, batched),
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_bwd_closing_over_a_vmapped_value_raises_as_jax(jit):
+  """A bwd that closes over the vmapped value runs after the vmap: an
+  UnexpectedTracerError, as with jax.custom_vjp."""
+  for kind in ("custom", "smart"):
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+      _grad_closing_over(kind, True, jit, False)
+
+
+def test_rules_closing_over_a_vmapped_value_under_remat_raise_as_jax():
+  """Under jax.checkpoint jax.custom_vjp raises an UnexpectedTracerError;
+  so does smartvjp (the exception type, not a silent value)."""
+  def grad_of(kind):
+    def h(z):
+      def per_example(x):
+        return _closing_over(kind, x)(z)
+      return jax.vmap(per_example)(jnp.arange(3.0, dtype=jnp.float32)).sum()
+    return jax.grad(jax.checkpoint(h))(jnp.float32(3.14))
+  with pytest.raises(jax.errors.UnexpectedTracerError):
+    grad_of("custom")
+  with pytest.raises(jax.errors.UnexpectedTracerError):
+    grad_of("smart")
