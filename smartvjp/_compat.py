@@ -48,6 +48,9 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.dtypes", ("float0",)),
     ("jax._src.util", ("weakref_cache_key_types",)),
     ("jax.extend.core", ("ClosedJaxpr",)),
+    ("jax._src.core", ("ShapedArray",)),
+    ("jax._src.traceback_util", ("register_exclusion",)),
+    ("jax._src.source_info_util", ("register_exclusion",)),
 )
 
 
@@ -113,6 +116,7 @@ batch_jaxpr = _batching.batch_jaxpr
 batch_jaxpr_axes = _batching.batch_jaxpr_axes
 bdim_at_front = _batching.bdim_at_front
 zero_if_mapped = _batching.zero_if_mapped
+ShapedArray = _core.ShapedArray
 
 
 # -- feature detection --------------------------------------------------------
@@ -284,6 +288,14 @@ def only_unordered_debug_effects(effects) -> bool:
   observe; where a rule runs is smartvjp's decision, not the user's program.
   """
   return all(isinstance(e, DebugEffect) for e in effects)
+
+
+def hide_frames_under(path: str) -> None:
+  """Treats files under ``path`` as JAX treats its own: left out of filtered
+  tracebacks and skipped when an equation records its user source line."""
+  from jax._src import source_info_util, traceback_util
+  traceback_util.register_exclusion(path)
+  source_info_util.register_exclusion(path)
 
 
 def define_string_option(name: str, help: str):

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 from jax import tree_util
 
 from smartvjp import _compat as C
+
+# As with JAX's own files: tracebacks of errors raised in (or through) the
+# user's rules show the user's frames, not smartvjp's, and equations that
+# smartvjp binds (residuals in jax.ad_checkpoint.print_saved_residuals) carry
+# the user's source line.
+C.hide_frames_under(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 _ROLE = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd"}
 
