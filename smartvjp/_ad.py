@@ -272,7 +272,9 @@ def _fwd_jvp(primals, tangents, **params):
 
 
 def _jvp_jvp(primals, tangents, **params):
-  return _rule_jvp(jvp_p, _jvp_forward, "bwd", primals, tangents, **params)
+  # the tangent map is bwd's, or fwd_bwd's for a function without fwd/bwd
+  role = "bwd" if params["fwd"] is not None else "fwd_bwd"
+  return _rule_jvp(jvp_p, _jvp_forward, role, primals, tangents, **params)
 
 
 def _lin_jvp(primals, tangents, **params):
