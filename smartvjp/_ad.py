@@ -28,7 +28,8 @@ from smartvjp._bwd import run_bwd, run_fwd_bwd
 from smartvjp._spec import eager_f, eager_fwd
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
-    fwd_p, jvp_p, lin_p, rule_eval, rule_p, split_jvp_args, tangent_avals)
+    fwd_p, jvp_p, lin_p, primal_p, rule_eval, rule_p, split_jvp_args,
+    split_primal_args, tangent_avals)
 
 
 def closure_error(call) -> Exception:
@@ -271,6 +272,19 @@ def _fwd_jvp(primals, tangents, **params):
   return _rule_jvp(fwd_p, fwd_eval, "fwd", primals, tangents, **params)
 
 
+def _primal_jvp(primals, tangents, *, call, fwd):
+  """``smartvjp_primal`` ran ``f`` where ``jax.custom_vjp`` runs ``fwd``: an
+  outer derivative differentiates ``fwd``'s code for the primal outputs
+  (so a straight-through estimator's ``floor`` has derivative zero there)."""
+  _, fwd_consts, xs = split_primal_args(primals, call, fwd)
+  _, fwd_consts_t, xs_t = split_primal_args(tangents, call, fwd)
+
+  def fwd_primal_outs(*args, call):
+    return fwd_eval(*args, call=call, fwd=fwd, offload=None)[:call.num_outs]
+  return _rule_jvp(primal_p, fwd_primal_outs, "fwd", [*fwd_consts, *xs],
+                   [*fwd_consts_t, *xs_t], call=call)
+
+
 def _jvp_jvp(primals, tangents, **params):
   # the tangent map is bwd's, or fwd_bwd's for a function without fwd/bwd
   role = "bwd" if params["fwd"] is not None else "fwd_bwd"
@@ -317,6 +331,7 @@ def _bwd_transpose(cts, *args, call, which, jaxpr):
 
 C.register_transpose(rule_p, _bwd_transpose)
 C.register_jvp(fwd_p, _fwd_jvp)
+C.register_jvp(primal_p, _primal_jvp)
 C.register_jvp(jvp_p, _jvp_jvp)
 C.register_jvp(lin_p, _lin_jvp)
 C.register_jvp(fused_lin_p, _fused_lin_jvp)

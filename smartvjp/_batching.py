@@ -25,7 +25,7 @@ from smartvjp import _compat as C
 from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
-    rule_p, split_jvp_args)
+    primal_p, rule_p, split_jvp_args, split_primal_args)
 from smartvjp._spec import CallSpec, Rules, trace_call
 
 
@@ -206,6 +206,19 @@ def _call_batch(axis_data, args, dims, *, call):
   return outs, [0 if b else None for b in out_batched]
 
 
+# -- smartvjp_primal: batched as the f call it evaluates ----------------------
+#
+# Under vmap nothing differentiates the batched equation any more (vmap of a
+# derivative batches what the derivative produced), so it becomes the
+# batched ``smartvjp_call``.
+
+def _primal_batch(axis_data, args, dims, *, call, fwd):
+  f_consts, _, primals = split_primal_args(args, call, fwd)
+  cdims, _, pdims = split_primal_args(dims, call, fwd)
+  return _call_batch(axis_data, [*f_consts, *primals], [*cdims, *pdims],
+                     call=call)
+
+
 # -- smartvjp_fwd: batch the traced jaxpr, keep the output layout -------------
 
 def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
@@ -293,6 +306,7 @@ def _fused_lin_batch(axis_data, args, dims, *, call, in_nz):
 
 
 C.register_batching(call_p, _call_batch)
+C.register_batching(primal_p, _primal_batch)
 C.register_batching(fwd_p, _fwd_batch)
 C.register_batching(jvp_p, _jvp_batch)
 C.register_batching(lin_p, _lin_batch)

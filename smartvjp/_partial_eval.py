@@ -22,8 +22,8 @@ from __future__ import annotations
 from smartvjp import _compat as C
 from smartvjp._check import maybe_check
 from smartvjp._primitives import (
-    bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
-    split_jvp_args)
+    bind_primal, bind_primal_and_residuals, fused_lin_p, fwd_p, jvp_p, lin_p,
+    primal_eqn, split_jvp_args)
 
 
 # -- the policy ---------------------------------------------------------------
@@ -131,9 +131,8 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
             _residuals(eqn, inst_in, staged, new_res))
 
   # Recompute: f in the forward pass, the whole jvp in the backward region.
-  known = C.new_jaxpr_eqn(
-      [*f_consts, *primals], eqn.outvars[:n_out], call_p, dict(call=call),
-      call.jaxpr.effects, eqn.source_info, eqn.ctx)
+  known = primal_eqn(call, fwd, f_consts, fwd_consts, primals,
+                     eqn.outvars[:n_out], eqn)
   staged = eqn.replace(params=dict(eqn.params, remat=True))
   return (known, staged, unks_out, [True] * len(eqn.outvars),
           _residuals(eqn, inst_in, staged))
@@ -156,7 +155,7 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, remat):
   use_fused = fwd is None or (remat and call.rules.fwd_bwd is not None)
   with C.set_current_trace(trace.parent_trace):
     if use_fused:
-      primal_outs = call_p.bind(*f_consts, *primals, call=call)
+      primal_outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
       lin_inputs, prim = primals, fused_lin_p
       lin_params = dict(call=call, in_nz=in_nz)
     else:

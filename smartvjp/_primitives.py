@@ -3,6 +3,13 @@
 Six primitives, all with multiple results:
 
 ``smartvjp_call``       ``[*f_consts, *primals] -> primal_outs``: evaluates ``f``.
+``smartvjp_primal``     ``[*f_consts, *fwd_consts, *primals] -> primal_outs``:
+                        evaluates ``f`` where a differentiated call needs only
+                        its primal outputs (the forward pass under remat, or
+                        a ``fwd`` whose residuals are all inputs); an outer
+                        derivative differentiates ``fwd``'s code, as it does
+                        with ``jax.custom_vjp`` (whose forward pass runs
+                        ``fwd``).
 ``smartvjp_fwd``        ``[*fwd_consts, *primals] -> [*primal_outs, *new_res]``:
                         evaluates ``fwd``.
 ``smartvjp_jvp``        ``[*f_consts, *fwd_consts, *primals, *nz_tangents]
@@ -34,6 +41,7 @@ import jax
 from smartvjp import _compat as C
 
 call_p = C.new_primitive("smartvjp_call")
+primal_p = C.new_primitive("smartvjp_primal")
 fwd_p = C.new_primitive("smartvjp_fwd")
 jvp_p = C.new_primitive("smartvjp_jvp")
 lin_p = C.new_primitive("smartvjp_lin")
@@ -68,11 +76,30 @@ def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
   """
   fwd_inputs = [*fwd_consts, *primals]
   if fwd.num_new_res == 0:
-    outs = call_p.bind(*f_consts, *primals, call=call)
+    outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
     return list(outs), fwd.assemble_residuals(fwd_inputs, [])
   outs = fwd_p.bind(*fwd_inputs, call=call, fwd=fwd, offload=None)
   primal_outs, new_res = outs[:call.num_outs], outs[call.num_outs:]
   return list(primal_outs), fwd.assemble_residuals(fwd_inputs, new_res)
+
+
+def bind_primal(call, fwd, f_consts, fwd_consts, primals):
+  """``f``'s outputs for a differentiated call (see ``smartvjp_primal``);
+  without ``fwd`` (only ``fwd_bwd`` given) a plain ``smartvjp_call``."""
+  if fwd is None:
+    return call_p.bind(*f_consts, *primals, call=call)
+  return primal_p.bind(*f_consts, *fwd_consts, *primals, call=call, fwd=fwd)
+
+
+def primal_eqn(call, fwd, f_consts, fwd_consts, primals, outvars, eqn):
+  """The equation of :func:`bind_primal`, with ``eqn``'s source info."""
+  if fwd is None:
+    return C.new_jaxpr_eqn([*f_consts, *primals], outvars, call_p,
+                           dict(call=call), call.jaxpr.effects,
+                           eqn.source_info, eqn.ctx)
+  return C.new_jaxpr_eqn([*f_consts, *fwd_consts, *primals], outvars, primal_p,
+                         dict(call=call, fwd=fwd), call.jaxpr.effects,
+                         eqn.source_info, eqn.ctx)
 
 
 # -- smartvjp_call ------------------------------------------------------------
@@ -88,6 +115,28 @@ def _call_lower(*args, call):
 call_p.def_effectful_abstract_eval(_call_abstract_eval)
 call_p.def_impl(_call_lower)
 C.register_lowering_from_impl(call_p, _call_lower)
+
+
+# -- smartvjp_primal ------------------------------------------------------------
+
+def split_primal_args(args, call, fwd):
+  """``[*f_consts, *fwd_consts, *primals]`` -> three lists."""
+  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
+  return list(args[:n1]), list(args[n1:n2]), list(args[n2:])
+
+
+def _primal_abstract_eval(*avals, call, fwd):
+  return list(call.out_avals), call.jaxpr.effects
+
+
+def primal_eval(*args, call, fwd):
+  f_consts, _, primals = split_primal_args(args, call, fwd)
+  return _call_lower(*f_consts, *primals, call=call)
+
+
+primal_p.def_effectful_abstract_eval(_primal_abstract_eval)
+primal_p.def_impl(primal_eval)
+C.register_lowering_from_impl(primal_p, primal_eval)
 
 
 # -- smartvjp_fwd -------------------------------------------------------------
@@ -191,15 +240,14 @@ def _dce_jvp(used_outputs, eqn):
   if not any(used_outputs[:n]):
     return _dce_whole(used_outputs, eqn)
   f_consts, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
-  new_eqn = C.new_jaxpr_eqn(
-      [*f_consts, *primals], eqn.outvars[:n], call_p, dict(call=call),
-      call.jaxpr.effects, eqn.source_info, eqn.ctx)
-  used = ([True] * len(f_consts) + [False] * len(fwd_consts)
+  new_eqn = primal_eqn(call, fwd, f_consts, fwd_consts, primals,
+                       eqn.outvars[:n], eqn)
+  used = ([True] * len(f_consts) + [fwd is not None] * len(fwd_consts)
           + [True] * len(primals) + [False] * len(tangents))
   return used, new_eqn
 
 
-for _p in (call_p, fwd_p, lin_p, fused_lin_p, rule_p):
+for _p in (call_p, primal_p, fwd_p, lin_p, fused_lin_p, rule_p):
   C.register_dce(_p, _dce_whole)
 C.register_dce(jvp_p, _dce_jvp)
 
@@ -211,7 +259,8 @@ def _pp_rule(eqn, context, settings):
   call = params.pop("call")
   shown = {"f": call.name}
   fwd = params.pop("fwd", None)
-  if eqn.primitive in (fwd_p, lin_p, jvp_p) and call.rules.fwd is not None:
+  if (eqn.primitive in (fwd_p, lin_p, jvp_p, primal_p)
+      and call.rules.fwd is not None):
     shown["fwd"] = call.rules.rule_name("fwd")
   if eqn.primitive in (lin_p, jvp_p) and call.rules.bwd is not None:
     shown["bwd"] = call.rules.rule_name("bwd")
@@ -227,5 +276,5 @@ def _pp_rule(eqn, context, settings):
   return C.pp_eqn(eqn.replace(params=shown), context, settings)
 
 
-for _p in (call_p, fwd_p, jvp_p, lin_p, fused_lin_p, rule_p):
+for _p in (call_p, primal_p, fwd_p, jvp_p, lin_p, fused_lin_p, rule_p):
   C.register_pp(_p, _pp_rule)

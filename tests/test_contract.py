@@ -197,14 +197,14 @@ def _forward_pass(F, policy):
 
 @pytest.mark.parametrize("policy,runs", [
     (jax.checkpoint_policies.dots_saveable, "smartvjp_fwd"),       # dot output
-    (jax.checkpoint_policies.nothing_saveable, "smartvjp_call"),
+    (jax.checkpoint_policies.nothing_saveable, "smartvjp_primal"),
     (jax.checkpoint_policies.save_only_these_names("y"), "smartvjp_fwd"),
-    (jax.checkpoint_policies.save_only_these_names("z"), "smartvjp_call"),
+    (jax.checkpoint_policies.save_only_these_names("z"), "smartvjp_primal"),
 ])
 def test_policy_asks_about_the_equation_producing_each_residual(policy, runs):
   forward = _forward_pass(_jax_coded_matmul(), policy)
   assert runs in forward
-  assert {"smartvjp_fwd", "smartvjp_call"} - {runs} & set(forward.split()) == set()
+  assert {"smartvjp_fwd", "smartvjp_primal"} - {runs} & set(forward.split()) == set()
 
 
 def test_an_unsaveable_unnamed_residual_recomputes_the_call():
@@ -212,7 +212,7 @@ def test_an_unsaveable_unnamed_residual_recomputes_the_call():
   # backward region anyway, so f runs forward and fwd backward
   forward = _forward_pass(_jax_coded_matmul(extra_unnamed=True),
                           jax.checkpoint_policies.save_only_these_names("y"))
-  assert "smartvjp_call" in forward and "smartvjp_fwd" not in forward
+  assert "smartvjp_primal" in forward and "smartvjp_fwd" not in forward
 
 
 def test_literal_argument_with_saved_residuals(ad_mode):

@@ -144,3 +144,28 @@ def test_known_tangent_input_under_every_policy(policy):
     return jax.jit(jax.grad(lambda x: jnp.sum(body(x))))
   x = jnp.linspace(-1.0, 1.0, 3)
   np.testing.assert_allclose(grad_of(S)(x), grad_of(jnp.sin)(x), rtol=1e-6)
+
+
+# -- outer derivatives differentiate what jax.custom_vjp differentiates ----------
+
+def _ste(cls, fwd_res):
+  """A straight-through floor; ``fwd_res`` says whether fwd computes a
+  residual (then the call's primal part is f under remat) or none."""
+  ste = cls(jnp.floor)
+  if fwd_res:
+    ste.defvjp(lambda x: (jnp.floor(x), jnp.sin(x)), lambda _, g: (g,))
+  else:
+    ste.defvjp(lambda x: (jnp.floor(x), None), lambda _, g: (g,))
+  return ste
+
+
+@pytest.mark.parametrize("fwd_res", [False, True])
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_outer_derivative_differentiates_fwd_code(fwd_res, remat, jit):
+  def program(cls):
+    ste = _ste(cls, fwd_res)
+    inner = lambda x: x * (jax.checkpoint(ste) if remat else ste)(x)
+    gg = jax.grad(jax.grad(inner))
+    return jax.jit(gg) if jit else gg
+  assert assert_same(program, jnp.float32(2.7)) == 1.0

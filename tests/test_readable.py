@@ -41,7 +41,7 @@ def test_jaxpr_shows_rule_names_not_jaxprs():
   F = make()
   loss = lambda x, y: jnp.sum(jax.checkpoint(F)(x, y) ** 2)
   text = str(jax.make_jaxpr(jax.grad(loss))(X, X))
-  assert "smartvjp_call[f=my_f]" in text
+  assert "smartvjp_primal[f=my_f fwd=my_fwd num_res=2]" in text  # remat fwd pass
   assert "smartvjp_fwd[f=my_f fwd=my_fwd num_res=2]" in text  # y is forwarded
   assert "smartvjp_bwd[bwd=my_bwd f=my_f]" in text
   assert text.count("{ lambda") == 2   # the program and remat's body only
