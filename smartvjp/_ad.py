@@ -25,6 +25,7 @@ import jax
 
 from smartvjp import _compat as C
 from smartvjp._bwd import run_bwd, run_fwd_bwd
+from smartvjp._errors import expect_used_up
 from smartvjp._spec import eager_f, eager_fwd
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
@@ -77,7 +78,7 @@ def expand_tangents(call, nz_outs):
   it = iter(nz_outs)
   outs = [next(it) if nz else C.Zero(a.to_tangent_aval())
           for a, nz in zip(call.out_avals, call.out_nz)]
-  assert next(it, None) is None
+  expect_used_up(it, "tangents")
   return outs
 
 

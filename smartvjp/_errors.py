@@ -45,3 +45,13 @@ def check_jax_leaves(tree, rules, which: str, what: str) -> None:
           f"returned {what} containing a value of type {type(leaf).__name__} "
           f"at {what}{tree_util.keystr(path)}, which is not a valid JAX type "
           "(arrays, scalars and pytrees of them are).") from None
+
+
+def expect_used_up(it, what: str) -> None:
+  """Raises ``RuntimeError`` (a smartvjp bug, never the user's) when the
+  iterator ``it`` still has items; a check that ``python -O`` keeps."""
+  end = object()
+  if next(it, end) is not end:
+    raise RuntimeError(
+        f"smartvjp internal error: more {what} than expected; please report "
+        "this with the program that raised it.")
