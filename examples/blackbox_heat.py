@@ -174,6 +174,7 @@ def loss(F):
 
 
 def _time(fn, *args, repeat=3):
+  """Best of ``repeat`` wall times of ``fn(*args)`` in seconds, after a warm-up."""
   fn(*args)  # compile / warm up
   best = float("inf")
   for _ in range(repeat):
@@ -183,50 +184,86 @@ def _time(fn, *args, repeat=3):
   return best
 
 
-def main(nx=200, nt=2000):
+def interleaved(fns, *args, rounds=5):
+  """Wall times in seconds, ``{name: [one per round]}``: each round runs every
+  function once, in turn, so that drifts in machine load hit all alike."""
+  for fn in fns.values():
+    jax.block_until_ready(fn(*args))   # compile / warm up
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - t0)
+  return times
+
+
+def main(nx=200, nt=2000, rounds=5):
   t_start = time.perf_counter()
   small = HeatSimulator(nx=48, nt=120, stride=16)
   comp, _ = make_component(small)
   T0 = jnp.asarray(small.initial_state(), jnp.float32)
   ref = jax.jit(jax.grad(loss(jax_reference(small))))(T0)
   print(f"Gradient check on a {small.nx}-cell, {small.nt}-step grid against a "
-        "pure-JAX solver (tridiagonal_solve in a scan):")
-  for name, prog in (("no remat", loss(comp)),
-                     ("remat", loss(jax.checkpoint(comp)))):
+        "pure-JAX solver (tridiagonal_solve in a scan),")
+  print("error = max |ours - reference| / max |reference|:")
+  for name, prog in (("smartvjp, no remat", loss(comp)),
+                     ("smartvjp, jax.checkpoint", loss(jax.checkpoint(comp)))):
     g = jax.jit(jax.grad(prog))(T0)
     err = float(jnp.max(jnp.abs(g - ref)) / jnp.max(jnp.abs(ref)))
-    print(f"  {name:9s} max relative error {err:.1e}")
+    print(f"  {name:26s} {err:.1e}")
 
   sim = HeatSimulator(nx=nx, nt=nt)
   comp, apply_then_vjp = make_component(sim)
   T0 = jnp.asarray(sim.initial_state(), jnp.float32)
   g = jnp.ones_like(T0)
   t0_np = np.asarray(T0, np.float64)
-  print(f"\nEndpoint times ({nx} cells, {nt} steps, numpy/scipy, best of 3):")
+  print(f"\nEndpoint times ({nx} cells, {nt} steps, numpy/scipy called "
+        "directly, best of 3):")
   endpoints = {
       "apply": lambda: sim.apply(t0_np),
       "apply_with_residuals": lambda: sim.apply_with_residuals(t0_np),
       "bwd": lambda r=sim.apply_with_residuals(t0_np)[1]: sim.bwd(r, g),
       "vector_jacobian_product": lambda: sim.vector_jacobian_product(t0_np, g),
   }
+  alone = {}
   for name, fn in endpoints.items():
-    print(f"  {name:24s} {_time(lambda: fn()):.3f} s")
+    alone[name] = _time(lambda: fn())
+    print(f"  {name:24s} {alone[name]:.3f} s")
 
-  print("\nOne gradient step of sum(T_final**2), jitted, best of 3:")
-  modes = [
-      ("jax.custom_vjp: apply + vjp (tesseract-jax)", loss(apply_then_vjp)),
-      ("smartvjp, no remat: residual path", loss(comp)),
-      ("smartvjp, jax.checkpoint: apply + vjp", loss(jax.checkpoint(comp))),
-  ]
-  base = None
-  for name, prog in modes:
-    fn = jax.jit(jax.grad(prog))
-    seconds = _time(fn, T0)
+  modes = {
+      "jax.custom_vjp (tesseract-jax)": loss(apply_then_vjp),
+      "smartvjp, no remat (residual path)": loss(comp),
+      "smartvjp, jax.checkpoint": loss(jax.checkpoint(comp)),
+  }
+  fns = {name: jax.jit(jax.grad(prog)) for name, prog in modes.items()}
+  schedules = {}
+  for name, fn in fns.items():
     CALLS.clear()
     jax.block_until_ready(fn(T0))
-    base = base or seconds
-    calls = ", ".join(f"{k} {v}" for k, v in CALLS.items())
-    print(f"  {name:45s} {seconds:.3f} s ({seconds / base:.2f}x)  [{calls}]")
+    schedules[name] = dict(CALLS)
+  times = interleaved(fns, T0, rounds=rounds)
+  base = next(iter(fns))
+  print(f"\nOne jitted gradient step of sum(T_final**2); {rounds} rounds, each "
+        "running every row once in turn.")
+  print("step: median wall time over the rounds. alone: the endpoint times "
+        "above, added up over the")
+  print("endpoints the row runs. ratio: step time / row 1's step time in the "
+        "same round, median [min-max].")
+  print(f"  {'implementation':36s} {'endpoints run':36s} {'step':>7s} "
+        f"{'alone':>7s}  ratio to row 1")
+  for name in fns:
+    step = float(np.median(times[name]))
+    alone_s = sum(alone[k] * v for k, v in schedules[name].items())
+    calls = ", ".join(f"{k} {v}" for k, v in schedules[name].items())
+    if name == base:
+      ratio = "1 (the baseline)"
+    else:
+      r = np.array(times[name]) / np.array(times[base])
+      ratio = f"{np.median(r):.2f} [{r.min():.2f}-{r.max():.2f}]"
+      if schedules[name] == schedules[base]:
+        ratio += " same schedule as row 1: noise"
+    print(f"  {name:36s} {calls:36s} {step:5.3f} s {alone_s:5.3f} s  {ratio}")
   print(f"\nFinished in {time.perf_counter() - t_start:.1f} s.")
 
 

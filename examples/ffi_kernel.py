@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -85,25 +86,41 @@ _PY_COUNTS: collections.Counter = collections.Counter()
 
 
 def build():
-  """Compiles and registers the FFI targets once; returns True on success."""
+  """Compiles and registers the FFI targets once; returns True on success.
+
+  The shared library goes to ``<temp dir>/smartvjp-ffi-<hash>/`` (the hash
+  covers the C++ source and the JAX version), is built there at first use,
+  with a message saying so, and is reused by later runs. What happened is
+  recorded in ``_STATE["how"]``."""
   if "ok" in _STATE:
     return _STATE["ok"]
   cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
   ok = False
-  if cxx is not None:
+  if cxx is None:
+    _STATE["how"] = "no C++ compiler found (set CXX to use one)"
+  else:
     digest = hashlib.sha1((SOURCE + jax.__version__).encode()).hexdigest()[:12]
     folder = os.path.join(tempfile.gettempdir(), f"smartvjp-ffi-{digest}")
     os.makedirs(folder, exist_ok=True)
     lib_path = os.path.join(folder, "libsmartvjp_sin.so")
+    _STATE["how"] = f"reused {lib_path}, built by an earlier run"
     if not os.path.exists(lib_path):
       src = os.path.join(folder, "sin.cc")
       with open(src, "w") as fh:
         fh.write(SOURCE)
       cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17",
              f"-I{jax.ffi.include_dir()}", src, "-o", lib_path + ".tmp"]
-      ok = subprocess.run(cmd, capture_output=True).returncode == 0
-      if ok:
+      print(f"Compiling the C++ handlers (first use): {cxx} -> {lib_path} ...",
+            flush=True)
+      t0 = time.perf_counter()
+      done = subprocess.run(cmd, capture_output=True, text=True)
+      if done.returncode == 0:
         os.replace(lib_path + ".tmp", lib_path)
+        _STATE["how"] = (f"compiled now into {lib_path} in "
+                         f"{time.perf_counter() - t0:.1f} s; later runs reuse it")
+      else:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        _STATE["how"] = f"compiling failed ({last[:120]})"
     if os.path.exists(lib_path):
       lib = ctypes.cdll.LoadLibrary(lib_path)
       for rule in RULES:
@@ -168,10 +185,17 @@ def make(fused=False):
 
 
 def main():
-  backend = "XLA FFI (C++)" if build() else "pure_callback stand-ins"
-  print(f"Rules as {backend}.\n")
+  t0 = time.perf_counter()
+  if build():
+    print(f"Rules as XLA FFI handlers in C++: {_STATE['how']}.")
+  else:
+    print(f"Rules as jax.pure_callback stand-ins: {_STATE['how']}.")
+  print("Per jitted gradient step of sum(sin(x)**2), x of 16 floats; each rule "
+        "is one call of its handler, counted\nin the handler. Gradient error: "
+        "max |ours - 2 sin(x) cos(x)|, absolute.\n")
   x = jnp.linspace(-1.0, 2.0, 16, dtype=jnp.float32)
   want = 2 * jnp.sin(x) * jnp.cos(x)
+  print(f"  {'program':28s} {'rule calls':24s} gradient error")
   for name, fused, remat in (("grad", False, False),
                              ("grad(checkpoint)", False, True),
                              ("grad(checkpoint), fwd_bwd", True, True)):
@@ -179,9 +203,11 @@ def main():
     G = jax.checkpoint(F) if remat else F
     reset()
     g = jax.block_until_ready(jax.jit(jax.grad(lambda x: jnp.sum(G(x) ** 2)))(x))
-    ok = bool(jnp.allclose(g, want, rtol=1e-5, atol=1e-6))
+    err = float(jnp.max(jnp.abs(g - want)))
     c = ", ".join(f"{k} {v}" for k, v in counts().items())
-    print(f"  {name:28s} {c:24s} gradient {'ok' if ok else 'WRONG'}")
+    print(f"  {name:28s} {c:24s} {err:.1e}"
+          f"{'' if err < 1e-5 else '  WRONG'}")
+  print(f"\nFinished in {time.perf_counter() - t0:.1f} s.")
 
 
 if __name__ == "__main__":

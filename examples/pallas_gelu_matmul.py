@@ -8,23 +8,30 @@ Four kernels, blocked over rows (``block_m``) and columns (``block_n``):
   ``dy = g * gelu'(y)``;
 * ``fwd_bwd`` (fused): recomputes ``y`` tile by tile and never writes it.
 
+Rule calls and kernel launches differ here: ``bwd`` and ``fwd_bwd`` each
+launch two kernels (one for ``dx``, one for ``dw``), so one call of either
+rule is two kernel launches. The script prints both counts.
+
 Cost per gradient step (``M x K`` times ``K x N``), counting matmuls of that
-size and ``M x N`` arrays written to or read from memory:
+size and ``M x N`` arrays written to or read from memory by the rules that
+touch ``y`` or ``z`` (``g`` is read the same way on every path):
 
-================  =========================  ==========================
-path              matmuls                    M x N memory traffic
-================  =========================  ==========================
-no remat          fwd 1 + bwd 2 = 3          y written, y read twice
-remat, fwd+bwd    f 1 + fwd 1 + bwd 2 = 4    y written, y read twice
-remat, fwd_bwd    f 1 + fwd_bwd 2 + 2 = 5    none for y
-================  =========================  ==========================
+================  =========================  ==================================
+path              matmuls                    M x N arrays moved
+================  =========================  ==================================
+no remat          fwd 1 + bwd 2 = 3          fwd writes z, y; bwd reads y twice
+remat, fwd+bwd    f 1 + fwd 1 + bwd 2 = 4    f writes z; fwd writes z, y; bwd
+                                             reads y twice
+remat, fwd_bwd    f 1 + fwd_bwd 2 + 2 = 5    f writes z
+================  =========================  ==================================
 
-The fused rule costs one more matmul than ``fwd`` + ``bwd`` (``dx`` and
-``dw`` both need ``dy``, so each of its two kernels recomputes its share of
-``y``) and saves writing and reading ``y``: it pays when the matmul is cheap
-relative to moving ``y``, i.e. when ``K`` is small (roughly when
-``2 K / bytes_per_element`` is below the chip's flop/byte ratio, about 300
-on an H200 in bf16) or memory is the constraint.
+Under remat the fused rule costs one more matmul than ``fwd`` + ``bwd``
+(``dx`` and ``dw`` both need ``dy``, so each of its two kernels recomputes
+``y``), and it saves four ``M x N`` transfers (``fwd``'s writes of ``z`` and
+``y``, ``bwd``'s two reads of ``y``) and the ``M x N`` buffer for ``y``.
+Time: it pays when ``2 M K N / peak_flops < 4 M N b / bandwidth`` for
+``b`` bytes per element, that is when ``K < 2 b * peak_flops / bandwidth``.
+``main()`` prints this bound for an H200 in bf16.
 
 On a GPU the kernels lower through Pallas' Triton backend; elsewhere they run
 in interpret mode (``interpret=True``), which is how the tests run them.
@@ -231,50 +238,105 @@ def _loss(F, remat):
   return lambda x, w: jnp.sum(G(x, w).astype(jnp.float32) ** 2)
 
 
+KERNELS_PER_RULE = {"f": 1, "fwd": 1, "bwd": 2, "fwd_bwd": 2}  # bwd: dx, dw
+RULES = ("f", "fwd", "bwd", "fwd_bwd")
+
+# Published H200 SXM figures, for the break-even printed at the end.
+H200_BF16_FLOPS = 989e12      # dense bf16 tensor-core flop/s
+H200_BYTES_PER_S = 4.8e12     # HBM3e bandwidth
+
+
+def rule_calls(launches):
+  """Rule calls from kernel launches: each call of a rule launches all of its
+  kernels once (``KERNELS_PER_RULE``)."""
+  calls = {}
+  for rule, n in launches.items():
+    assert n % KERNELS_PER_RULE[rule] == 0, (rule, n)
+    calls[rule] = n // KERNELS_PER_RULE[rule]
+  return calls
+
+
+def fmt(counts):
+  return ", ".join(f"{k} {counts[k]}" for k in RULES if counts.get(k)) or "none"
+
+
+def fused_break_even_k(bytes_per_element=2, flops=H200_BF16_FLOPS,
+                       bandwidth=H200_BYTES_PER_S):
+  """The ``K`` below which ``fwd_bwd`` is faster than ``fwd`` + ``bwd`` under
+  remat: one extra ``2 M K N``-flop matmul against four ``M x N`` transfers."""
+  return 2 * bytes_per_element * flops / bandwidth
+
+
 def main():
   t0 = time.perf_counter()
-  print(f"Pallas matmul+GELU on {jax.default_backend()} "
-        f"({'interpret mode' if jax.default_backend() != 'gpu' else 'Triton'})\n")
-  print("Values and gradients against jax.nn.gelu(x @ w):")
+  mode = "Triton" if jax.default_backend() == "gpu" else "interpret mode"
+  print(f"Pallas matmul+GELU on {jax.default_backend()} ({mode})\n")
+  print("Accuracy of the smartvjp kernels (32 x 32 tiles) against the plain-JAX "
+        "reference jax.nn.gelu(x @ w),")
+  print("gradients against jax.grad of it. Output: max |ours - reference|. "
+        "Gradient: max |ours - reference|")
+  print("over dx and dw, divided by max |reference gradient|; it must be below "
+        "the tolerance.")
+  print(f"  {'dtype':8s} {'x @ w':14s} {'output':>8s}  "
+        f"{'gradient: no remat / remat':>26s}  tolerance")
   for dtype, tol in ((jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)):
-    for (m, k, n) in ((64, 32, 48), (50, 20, 37)):   # multiple / not of 16
-      gm, _ = make_gelu_matmul(block_m=16, block_n=16)
+    for (m, k, n) in ((64, 32, 64), (50, 20, 37)):   # multiple / not of 32
+      gm, _ = make_gelu_matmul(block_m=32, block_n=32)
       kx, kw = jax.random.split(jax.random.key(0))
       x = jax.random.normal(kx, (m, k), dtype)
       w = (jax.random.normal(kw, (k, n)) / math.sqrt(k)).astype(dtype)
       err = jnp.max(jnp.abs(gm(x, w).astype(jnp.float32)
                             - reference(x, w).astype(jnp.float32)))
+      want = jax.grad(_loss(reference, False), (0, 1))(x, w)
       gerr = []
       for remat in (False, True):
-        g1 = jax.jit(jax.grad(_loss(gm, remat), (0, 1)))(x, w)
-        g2 = jax.grad(_loss(reference, False), (0, 1))(x, w)
+        got = jax.jit(jax.grad(_loss(gm, remat), (0, 1)))(x, w)
         gerr.append(max(float(jnp.max(jnp.abs(a.astype(jnp.float32)
                                                - b.astype(jnp.float32)))
                               / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-9))
-                        for a, b in zip(g1, g2)))
-      print(f"  {jnp.dtype(dtype).name:8s} {m}x{k} @ {k}x{n}: max|z err| "
-            f"{float(err):.1e}, grad rel err {max(gerr):.1e} "
-            f"({'ok' if max(gerr) < tol else 'TOO LARGE'})")
+                        for a, b in zip(got, want)))
+      verdict = "ok" if max(gerr) < tol else "TOO LARGE"
+      shape = f"{m}x{k} @ {k}x{n}"
+      print(f"  {jnp.dtype(dtype).name:8s} {shape:14s} {float(err):8.1e}  "
+            f"{gerr[0]:18.1e} / {gerr[1]:.1e}  {tol:.0e} {verdict}")
 
-  print("\nKernel launches per gradient step (x 64x32, w 32x48):")
+  print("\nPer jitted gradient step of sum(gelu(x @ w)**2), x 64x32, w 32x48, "
+        "counted by a callback in each kernel.")
+  print("Rule calls count calls of f, fwd, bwd, fwd_bwd; kernel launches count "
+        "kernels: bwd and fwd_bwd")
+  print("launch two each (dx and dw), f and fwd one.")
+  print(f"  {'remat':8s} {'implementation':20s} {'rule calls':20s} kernel launches")
   x = jax.random.normal(jax.random.key(1), (64, 32))
   w = jax.random.normal(jax.random.key(2), (32, 48)) / 6
   for remat in (False, True):
     for name in ("jax.custom_vjp", "optimize_remat", "smartvjp",
                  "smartvjp + fwd_bwd"):
-      gm, rules = make_gelu_matmul(block_m=16, block_n=16, count=True,
+      gm, rules = make_gelu_matmul(block_m=32, block_n=32, count=True,
                                    fused=name.endswith("fwd_bwd"))
       F = gm if name.startswith("smartvjp") else custom_vjp_version(
           rules, optimize_remat=name == "optimize_remat")
       LAUNCHES.clear()
       jax.block_until_ready(jax.jit(jax.grad(_loss(F, remat), (0, 1)))(x, w))
       jax.effects_barrier()
-      order = ("f", "fwd", "bwd", "fwd_bwd")
-      c = ", ".join(f"{k} {LAUNCHES[k]}" for k in order if LAUNCHES[k])
-      print(f"  {'remat' if remat else 'no remat':8s} {name:20s} {c}")
-  print("\nbwd and fwd_bwd are two kernels each (dx, dw). The fused path "
-        "writes no y: it pays when K is small or memory is short (see the "
-        "module docstring).")
+      launches = dict(LAUNCHES)
+      print(f"  {'remat' if remat else 'no remat':8s} {name:20s} "
+            f"{fmt(rule_calls(launches)):20s} {fmt(launches)}")
+
+  k_bf16 = fused_break_even_k()
+  print("\nWhen the fused rule pays: under remat it replaces fwd + bwd in the "
+        "backward pass. It runs one")
+  print("more M x K x N matmul (each of its two kernels recomputes y = x @ w), "
+        "moves four fewer M x N")
+  print("arrays (fwd's writes of z and y, bwd's two reads of y) and never holds "
+        "y in memory. By a roofline")
+  print("estimate it is faster when 2*M*K*N / peak_flops < 4*M*N*bytes / "
+        "bandwidth, i.e. when")
+  print(f"K < 2 * bytes * peak_flops / bandwidth: on an H200 in bf16 "
+        f"({H200_BF16_FLOPS / 1e12:.0f} TFLOP/s, "
+        f"{H200_BYTES_PER_S / 1e12:.1f} TB/s), K < {k_bf16:.0f}.")
+  print("For larger K it is slower but still saves the M x N buffer for y. "
+        f"(The kernels here run in {mode},")
+  print("so this machine's times say nothing about it.)")
   print(f"Finished in {time.perf_counter() - t0:.1f} s.")
 
 

@@ -169,6 +169,9 @@ def reference(x, gamma):
   return jax.nn.gelu(n * gamma.astype(jnp.float32)).astype(x.dtype)
 
 
+ARRAYS_MOVED = {"f": 2, "fwd": 3, "bwd": 3, "fwd_bwd": 3}  # M x D, per call
+
+
 def main():
   t0 = time.perf_counter()
   x = jax.random.normal(jax.random.key(0), (200, 96))
@@ -176,25 +179,36 @@ def main():
   loss = lambda F, remat: (lambda x, gm: jnp.sum(
       (jax.checkpoint(F) if remat else F)(x, gm).astype(jnp.float32) ** 2))
   want = jax.grad(loss(reference, False), (0, 1))(x, gamma)
-  print("RMSNorm+GELU, x 200x96 (ragged against block 64); M x D arrays moved "
-        "per step in parentheses:")
-  for name, remat, fused in (("no remat", False, True),
-                             ("remat, jax.custom_vjp", True, None),
-                             ("remat, smartvjp fwd+bwd", True, False),
-                             ("remat, smartvjp fwd_bwd", True, True)):
-    op, rules = make_rmsnorm_gelu(count=True, fused=bool(fused))
-    if fused is None:
+  print("RMSNorm+GELU in Pallas, x 200x96 (ragged against the 64-row block), "
+        "one jitted gradient step of sum(z**2).")
+  print("Each rule is one kernel, so rule calls are also kernel launches. "
+        "Arrays moved: M x D arrays read or written")
+  print("by the kernels (f 2, fwd 3, bwd 3, fwd_bwd 3 per call). Gradient "
+        "error: max |ours - reference| / max |reference|")
+  print("over dx and dgamma, reference = jax.grad of the same function in "
+        "plain JAX.\n")
+  print(f"  {'remat':6s} {'implementation':34s} {'rule calls':20s} "
+        f"{'arrays moved':>12s}  grad error")
+  for remat, name, impl, fused in (
+      (False, "jax.custom_vjp", "jax", False),
+      (False, "smartvjp (fwd_bwd given, unused)", "smart", True),
+      (True, "jax.custom_vjp", "jax", False),
+      (True, "smartvjp, fwd + bwd", "smart", False),
+      (True, "smartvjp, fused fwd_bwd", "smart", True)):
+    op, rules = make_rmsnorm_gelu(count=True, fused=fused)
+    if impl == "jax":
       op = jax.custom_vjp(rules["f"])
       op.defvjp(rules["fwd"], rules["bwd"])
     LAUNCHES.clear()
     got = jax.block_until_ready(jax.jit(jax.grad(loss(op, remat), (0, 1)))(x, gamma))
     jax.effects_barrier()
-    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, want))
-    moved = (2 * LAUNCHES["f"] + 3 * LAUNCHES["fwd"] + 3 * LAUNCHES["bwd"]
-             + 3 * LAUNCHES["fwd_bwd"])
+    err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+              for a, b in zip(got, want))
+    moved = sum(ARRAYS_MOVED[k] * n for k, n in LAUNCHES.items())
     c = ", ".join(f"{k} {LAUNCHES[k]}" for k in ("f", "fwd", "bwd", "fwd_bwd")
                   if LAUNCHES[k])
-    print(f"  {name:26s} {c:24s} ({moved})  max grad error {err:.1e}")
+    print(f"  {'yes' if remat else 'no':6s} {name:34s} {c:20s} {moved:12d}  "
+          f"{err:.1e}")
   print(f"Finished in {time.perf_counter() - t0:.1f} s.")
 
 

@@ -1,9 +1,19 @@
-"""smartvjp: a drop-in ``jax.custom_vjp`` that never makes the remat mess.
+"""smartvjp: ``jax.custom_vjp`` rules that do not run ``fwd`` twice under remat.
 
 Under ``jax.checkpoint``, ``jax.custom_vjp`` runs ``fwd`` in the forward pass,
 drops its residuals and runs ``fwd`` again in the backward pass
-(jax-ml/jax#21303). ``smart_custom_vjp`` runs ``f`` in the forward pass and
-``fwd`` (or a fused ``fwd_bwd``) only in the rematerialized backward region.
+(jax-ml/jax#21303). ``smart_custom_vjp`` takes the same rules and runs ``f`` in
+the forward pass and ``fwd`` (or a fused ``fwd_bwd``) only in the backward
+pass.
+
+Public names:
+
+* ``smart_custom_vjp``: replaces ``jax.custom_vjp`` (same ``defvjp``, plus an
+  optional ``fwd_bwd=`` rule). ``help(smartvjp.smart_custom_vjp)`` has a
+  runnable example and the ways it differs from ``jax.custom_vjp``.
+* ``filter_custom_vjp``: replaces ``equinox.filter_custom_vjp``.
+* ``check_primals``, ``PrimalMismatchError``: an opt-in check that ``f`` and
+  ``fwd`` agree.
 """
 
 from smartvjp._api import smart_custom_vjp

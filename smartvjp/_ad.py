@@ -26,7 +26,7 @@ import jax
 from smartvjp import _compat as C
 from smartvjp._bwd import run_bwd, run_fwd_bwd
 from smartvjp._errors import expect_used_up
-from smartvjp._spec import eager_f, eager_fwd
+from smartvjp._spec import eager_f, eager_fwd, select_outputs
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
     fwd_p, jvp_p, lin_p, primal_p, rule_eval, rule_p, split_jvp_args,
@@ -85,6 +85,9 @@ def expand_tangents(call, nz_outs):
 # -- JVP (reached by jax.checkpoint and by non-direct linearize) --------------
 
 def _call_jvp(primals, tangents, *, call):
+  if call.full is not None:   # pruned by DCE: the whole call's rule, selected
+    outs, out_tangents = _call_jvp(primals, tangents, call=call.full)
+    return select_outputs(call, outs), select_outputs(call, out_tangents)
   if _classify(call, [type(t) is not C.Zero for t in tangents]) == "closure":
     return _closure_jvp(call, primals, tangents)
   in_nz, nz_tangents = _split_tangents(call, tangents)
@@ -105,6 +108,18 @@ C.register_jvp(call_p, _call_jvp)
 # -- direct linearize (jax.grad / jax.vjp by default) -------------------------
 
 def _call_linearize(is_vjp, nonzeros, *primals_in, call):
+  if call.full is not None:   # pruned by DCE: the whole call's rule, selected
+    outs, nzs, res, linearized = _call_linearize(is_vjp, nonzeros, *primals_in,
+                                                 call=call.full)
+    return (select_outputs(call, outs), select_outputs(call, nzs), res,
+            lambda res, *t: select_outputs(call, linearized(res, *t)))
+  if call.eager is not None:   # fwd (or f) already ran on concrete values
+    in_nz, primal_outs, residuals, fwd = call.eager
+    if fwd is None:
+      prim, params = fused_lin_p, dict(call=call, in_nz=in_nz)
+    else:
+      prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
+    return _linearized(call, in_nz, primal_outs, residuals, prim, params)
   if _classify(call, nonzeros) == "closure":
     return C.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
                                         call=call)
@@ -130,12 +145,17 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
     primal_outs, residuals = bind_primal_and_residuals(
         call, fwd, f_consts, fwd_consts, primals)
     prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
+  return _linearized(call, in_nz, primal_outs, residuals, prim, params)
 
+
+def _linearized(call, in_nz, primal_outs, residuals, prim, params):
+  """The four values of a linearization rule whose tangent map binds
+  ``prim`` (``smartvjp_lin`` or ``smartvjp_fused_lin``) on the residuals."""
   def linearized(residuals, *tangents):
     nz_t = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
     return expand_tangents(call, prim.bind(*residuals, *nz_t, **params))
 
-  return primal_outs, list(call.out_nz), residuals, linearized
+  return list(primal_outs), list(call.out_nz), list(residuals), linearized
 
 
 C.register_linearization(call_p, _call_linearize)
@@ -346,6 +366,11 @@ def _call_transpose(cts, *args, call):
   forward mode): the transpose of ``f``'s own traced jaxpr, which JAX checks
   is linear; an ``f`` that is not (or is opaque) gets JAX's error, as a
   ``jax.custom_vjp`` function does."""
+  if call.full is not None:   # pruned by DCE: zero cotangents for the rest
+    full_cts = [C.Zero(a.to_tangent_aval()) for a in call.full.out_avals]
+    for i, ct in zip(call.kept, cts):
+      full_cts[i] = ct
+    return _call_transpose(full_cts, *args, call=call.full)
   consts, primals = args[:call.num_consts], args[call.num_consts:]
   if (any(C.is_undefined_primal(c) for c in consts)
       or not all(C.is_undefined_primal(p) for p in primals)):

@@ -2,43 +2,66 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 from jax import tree_util
+from jax.errors import UnexpectedTracerError
 
 from smartvjp import _compat as C
 from smartvjp import _ad, _batching, _partial_eval  # noqa: F401  (rules)
 from smartvjp._errors import rule_error
 from smartvjp._primitives import call_p
-from smartvjp._spec import Rules, trace_call
+from smartvjp._cache import TraceLocalCache
+from smartvjp._spec import EagerClosureError, Rules, eager_call, trace_call
 from smartvjp._static import static_key
 
-ReturnValue = TypeVar("ReturnValue")
 _CACHE_SIZE = 256
 
 
-class smart_custom_vjp(Generic[ReturnValue]):
-  """A ``jax.custom_vjp`` that puts ``f`` in the forward pass under remat.
+class smart_custom_vjp:
+  """A ``jax.custom_vjp`` whose forward pass under remat runs ``f``, not ``fwd``.
 
-  Use it exactly as ``jax.custom_vjp``::
+  Decorate the primal ``f``, then give its rules with :meth:`defvjp`, as with
+  ``jax.custom_vjp``. The difference shows under ``jax.checkpoint`` (remat):
+  ``jax.custom_vjp`` runs ``fwd`` in the forward pass, drops its residuals and
+  runs ``fwd`` again in the backward pass, so ``f`` never runs; here the
+  forward pass runs ``f`` and the backward pass runs ``fwd`` once (or the
+  fused ``fwd_bwd`` rule, if given). Example (self-contained; it runs as
+  written)::
+
+    import jax
+    import jax.numpy as jnp
+    from smartvjp import smart_custom_vjp
 
     @smart_custom_vjp
-    def f(x, w):                    # primal: cheapest kernel, no residuals
-      return gelu_matmul(x, w)
+    def f(x, w):                  # the primal: returns only the output
+      return jnp.tanh(x @ w)
 
-    def f_fwd(x, w):                # primal output and residuals
-      y = x @ w
-      return gelu(y), (x, w, y)
+    def f_fwd(x, w):              # the output and the residuals bwd needs
+      z = jnp.tanh(x @ w)
+      return z, (x, w, z)
 
-    def f_bwd(res, g):              # one cotangent per argument
-      x, w, y = res
-      dy = g * gelu_grad(y)
+    def f_bwd(res, g):            # one cotangent per argument of f
+      x, w, z = res
+      dy = g * (1 - z ** 2)
       return dy @ w.T, x.T @ dy
 
-    f.defvjp(f_fwd, f_bwd)          # optionally also fwd_bwd=f_fwd_bwd
+    def f_fwd_bwd(x, w, g):       # optional fused rule: bwd's result from
+      z = jnp.tanh(x @ w)         # the arguments, keeping no residuals
+      dy = g * (1 - z ** 2)
+      return dy @ w.T, x.T @ dy
+
+    f.defvjp(f_fwd, f_bwd, fwd_bwd=f_fwd_bwd)
+
+    def loss(x, w):
+      return jnp.sum(jax.checkpoint(f)(x, w) ** 2)
+
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    w = jnp.linspace(0.5, -0.5, 6).reshape(3, 2)
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    # forward pass: f; backward pass: f_fwd_bwd (f_fwd then f_bwd without it)
 
   Args:
     fun: the primal function ``f(*args) -> out``. Arguments and output are
@@ -48,7 +71,7 @@ class smart_custom_vjp(Generic[ReturnValue]):
       ``jax.custom_vjp``.
     nondiff_argnames: the same, by name.
 
-  What runs where (per call site; see ``README.md`` for the measured table):
+  What runs where, per call site (counted as rule calls):
 
   * plain evaluation, under ``jit`` or not: ``f`` only; ``fwd``/``bwd`` are
     never traced.
@@ -71,9 +94,24 @@ class smart_custom_vjp(Generic[ReturnValue]):
   backward pass needs; otherwise everything is recomputed, since keeping a
   part would still need ``fwd`` again in the backward region.
 
-  Design: jax-ml/jax#21303 (the seed issue) and the ``optimize_remat`` DCE
-  rule of jax-ml/jax#22735, which this replaces by partial-evaluation rules
-  on smartvjp's own primitives (``design/``).
+  Where it differs from ``jax.custom_vjp`` (the full list, with reasons, is
+  ``design/limitations.md`` in the source repository; it is not installed
+  with the package):
+
+  * ``f`` is traced to a jaxpr whenever an argument is a tracer, even under
+    eager ``jax.grad``, so Python code in ``f`` that needs concrete values
+    (``float(x)``, ``if x > 0:``) raises JAX's ``ConcretizationTypeError``
+    there. Plain eager calls run ``f`` on concrete values.
+  * The rules are traced once per signature and cached, like a jitted
+    function: Python state they read while tracing (a global, a mutable
+    closure) is baked in for later calls with the same shapes.
+  * A policy that saves some of a call's residuals but not others recomputes
+    the whole call (``f`` forward, ``fwd`` in the backward region).
+  * ``optimize_remat`` is accepted and ignored (the behaviour is always on).
+  * Beyond ``jax.custom_vjp``: forward mode (``jax.jvp``) transposes
+    ``g -> bwd(res, g)``, so ``bwd`` must be linear in ``g`` and written in
+    JAX (a nonlinear ``bwd`` is not detected); higher-order derivatives under
+    remat differentiate the rules themselves.
 
   Raises:
     AttributeError: when called before ``defvjp``.
@@ -84,9 +122,11 @@ class smart_custom_vjp(Generic[ReturnValue]):
       value is differentiated.
   """
 
-  def __init__(self, fun: Callable[..., ReturnValue],
+  def __init__(self, fun: Callable[..., Any],
                nondiff_argnums: Sequence[int] = (),
                nondiff_argnames: Sequence[str] = ()):
+    """Wraps ``fun``; see the class help for the arguments. ``defvjp`` must be
+    called before the wrapper is."""
     functools.update_wrapper(self, fun)
     self.fun = fun
     argnums = set(nondiff_argnums)
@@ -105,9 +145,10 @@ class smart_custom_vjp(Generic[ReturnValue]):
     self.symbolic_zeros = False
     self.optimize_remat = False
     self._rules: Rules | None = None
-    self._cache: collections.OrderedDict = collections.OrderedDict()
+    self._cache = TraceLocalCache(_CACHE_SIZE)
 
   def __getattr__(self, name):
+    """Attributes that the wrapper lacks are looked up on ``fun``."""
     # like jax.custom_vjp: attributes of the wrapped function show through
     if name in ("fun", "__wrapped__"):
       raise AttributeError(name)
@@ -166,9 +207,31 @@ class smart_custom_vjp(Generic[ReturnValue]):
     self._rules = Rules(fun=self.fun, fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd,
                         symbolic_zeros=self.symbolic_zeros,
                         nondiff_argnums=self.nondiff_argnums)
-    self._cache = collections.OrderedDict()
+    self._cache = TraceLocalCache(_CACHE_SIZE)
 
-  def __call__(self, *args: Any, **kwargs: Any) -> ReturnValue:
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    """Evaluates ``f(*args, **kwargs)``; its derivatives come from the rules.
+
+    Args:
+      *args: ``f``'s arguments: pytrees of arrays, or any Python value at a
+        position marked by ``nondiff_argnums``/``nondiff_argnames``.
+      **kwargs: ``f``'s arguments by name; they are bound to ``f``'s
+        signature and passed on (to ``f`` and to the rules) by position.
+
+    Returns:
+      ``f``'s output, a pytree of arrays. Eagerly, with no transformation
+      active, ``f`` is simply called; otherwise the call is recorded as one
+      smartvjp primitive, and transformations pick the rule that runs.
+
+    Raises:
+      AttributeError: when ``defvjp`` has not been called yet.
+      TypeError: when the arguments do not fit ``f``'s signature, when a
+        differentiable argument holds a value that is not a JAX type, or
+        when a rule's output has the wrong structure, shape or dtype (raised
+        when the rule is traced, naming it).
+      jax.errors.UnexpectedTracerError: when a tracer is passed at a nondiff
+        position (a subclass of ``TypeError``).
+    """
     rules = self._rules
     if rules is None:
       raise AttributeError(
@@ -183,27 +246,36 @@ class smart_custom_vjp(Generic[ReturnValue]):
     avals = tuple(_aval(rules, dyn, i, x) for i, x in enumerate(leaves))
     if C.is_eval_trace() and not any(isinstance(x, C.Tracer) for x in leaves):
       return self.fun(*args)  # plain eager evaluation, as jax.custom_vjp
+    eager = C.eager_linearize_inputs(leaves)
+    if eager is not None:   # eager grad/vjp: fwd on concrete values, f untraced
+      parent, primals, nonzero = eager
+      try:
+        with C.set_current_trace(parent):
+          call = eager_call(rules, nondiff, len(args), in_tree, avals, primals,
+                            nonzero)
+      except (EagerClosureError, UnexpectedTracerError):
+        call = None    # a rule closes over a tracer: trace f to find it
+      if call is not None:
+        outs = call_p.bind(*leaves, call=call)
+        return tree_util.tree_unflatten(call.out_tree, outs)
     call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
     outs = call_p.bind(*consts, *leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
 
   def _spec(self, rules, nondiff, num_args, in_tree, avals):
-    """The traced ``f`` for this signature: an LRU cache of ``_CACHE_SIZE``
-    signatures per function. Nondiff arguments are part of the key (see
-    ``_static.static_key``); unhashable ones are traced afresh at every call."""
+    """The traced ``f`` for this signature, reused within one outer trace
+    (see ``_cache.py``; at most ``_CACHE_SIZE`` signatures). Nondiff arguments
+    are part of the key (see ``_static.static_key``); unhashable ones are
+    traced afresh at every call."""
     static = tuple(static_key(v) for v in nondiff)
     if any(k is None for k in static):   # unhashable: it may be mutated
       return trace_call(rules, nondiff, num_args, in_tree, avals)
     key = (in_tree, avals, static, num_args, C.config_key())
     hit = self._cache.get(key)
     if hit is not None:
-      self._cache.move_to_end(key)
       return hit
     call, consts = trace_call(rules, nondiff, num_args, in_tree, avals)
-    if not any(isinstance(c, C.Tracer) for c in consts):
-      self._cache[key] = (call, consts)
-      if len(self._cache) > _CACHE_SIZE:
-        self._cache.popitem(last=False)
+    self._cache.put(key, (call, consts), consts)
     return call, consts
 
 

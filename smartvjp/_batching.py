@@ -26,7 +26,7 @@ from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
     primal_p, rule_p, split_jvp_args, split_primal_args)
-from smartvjp._spec import CallSpec, Rules, trace_call
+from smartvjp._spec import CallSpec, Rules, select_outputs, trace_call
 
 
 def _vmap(fn, in_axes, axis_data, out_axes=0):
@@ -140,16 +140,14 @@ def _batched_avals(call, in_dims, axis_data):
 def batched_call(call, consts, const_dims, in_dims, axis_data):
   """``(batched CallSpec, its consts)``; ``in_dims`` are 0 or None."""
   key = (tuple(const_dims), tuple(in_dims), axis_data)
-  cacheable = not any(isinstance(c, C.Tracer) for c in consts)
-  hit = call.batch_cache.get(key) if cacheable else None
+  hit = call.batch_cache.get(key)
   if hit is not None:
     return hit
   rules = batched_rules(call, consts, const_dims, in_dims, axis_data)
   in_avals = _batched_avals(call, in_dims, axis_data)
   in_tree = tree_util.tree_structure(tuple(range(len(in_avals))))
   out = trace_call(rules, (), len(in_avals), in_tree, in_avals)
-  if cacheable:
-    call.batch_cache[key] = out
+  call.batch_cache.put(key, out, [*consts, *out[1]])
   return out
 
 
@@ -170,7 +168,7 @@ def linear_only_call(call, in_dims, axis_data):
       in_avals=in_avals,
       out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))),
       out_avals=out_avals, jaxpr=None, num_consts=0)
-  call.batch_cache[key] = spec
+  call.batch_cache.put(key, spec)
   return spec
 
 
@@ -190,6 +188,9 @@ def _to_front_or_none(axis_data, xs, dims):
 # -- smartvjp_call ------------------------------------------------------------
 
 def _call_batch(axis_data, args, dims, *, call):
+  if call.full is not None:   # pruned by DCE: the whole call, selected
+    outs, out_dims = _call_batch(axis_data, args, dims, call=call.full)
+    return select_outputs(call, outs), select_outputs(call, out_dims)
   if all(d is None for d in dims):
     return call_p.bind(*args, call=call), [None] * call.num_outs
   consts, primals = args[:call.num_consts], args[call.num_consts:]

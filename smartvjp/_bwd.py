@@ -79,8 +79,7 @@ def _bind_rule(call, which, key, user, inputs, cts):
         flat, avals, f"smart_custom_vjp {which}", getattr(call.rules, which),
         avals)
     hit = (jaxpr, consts, store["zero_out"])
-    if not any(isinstance(c, C.Tracer) for c in consts):
-      call.rule_cache[cache_key] = hit
+    call.rule_cache.put(cache_key, hit, consts)
   jaxpr, consts, zero_out = hit
   outs = iter(rule_p.bind(*consts, *args, call=call, which=which, jaxpr=jaxpr))
   return [C.Zero(_ct_aval(a)) if z else next(outs)

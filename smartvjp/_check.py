@@ -46,18 +46,39 @@ class PrimalMismatchError(ValueError):
 
 
 class check_primals(contextlib.ContextDecorator):
-  """``with check_primals(...):`` compares ``f`` with ``fwd`` wherever both run.
+  """Checks, while tracing inside it, that ``f`` and ``fwd`` agree.
 
-  Both run for a rematerialized call whose ``fwd`` computes residuals: ``f``
-  in the forward pass, ``fwd`` in the backward region (when ``fwd``'s
-  residuals are all inputs, ``fwd`` never runs and there is nothing to check).
-  The setting is read when a program is traced.
+  Under remat the forward pass uses ``f``'s output and the backward pass the
+  residuals of ``fwd``, so the two must compute the same primal output. Inside
+  ``with check_primals(...):`` (or in a function decorated with it), every
+  rematerialized call whose ``fwd`` computes residuals also runs ``f`` in the
+  backward pass and compares the outputs on the host. When ``fwd``'s
+  residuals are all inputs, ``fwd`` never runs and nothing is checked. The
+  setting is read when a program is traced, so a jitted function retraces
+  when it changes. Example (self-contained; it runs as written)::
+
+    import jax
+    import jax.numpy as jnp
+    import smartvjp
+
+    @smartvjp.smart_custom_vjp
+    def f(x):
+      return jnp.sin(x)
+
+    def f_fwd(x):                 # a bug: its output is not f's
+      return jnp.sin(x) + 0.1, jnp.cos(x)
+
+    f.defvjp(f_fwd, lambda c, g: (c * g,))
+    loss = lambda x: jnp.sum(jax.checkpoint(f)(x))
+    with smartvjp.check_primals("warn"):
+      jax.grad(loss)(jnp.ones(3))   # RuntimeWarning: f and fwd disagree
 
   Args:
     mode: ``"raise"`` (a :class:`PrimalMismatchError`; under ``jit`` JAX
       surfaces it as its runtime error carrying this message), ``"warn"`` (a
       ``RuntimeWarning``) or ``"off"``.
-    rtol, atol: tolerances as in ``numpy.allclose``, per output leaf.
+    rtol, atol: relative and absolute tolerances, as in ``numpy.allclose``,
+      per output leaf.
 
   Raises:
     ValueError: for an unknown mode or a negative tolerance (at once).
@@ -65,6 +86,7 @@ class check_primals(contextlib.ContextDecorator):
 
   def __init__(self, mode: str = "raise", rtol: float = 1e-5,
                atol: float = 1e-6):
+    """Records the setting; it applies inside ``with`` or a decorated call."""
     if mode not in ("off", "warn", "raise"):
       raise ValueError(f"check_primals mode must be 'off', 'warn' or 'raise', "
                        f"got {mode!r}.")
@@ -75,11 +97,24 @@ class check_primals(contextlib.ContextDecorator):
     self._ctx = _option(value)
 
   def __enter__(self):
+    """Turns the check on (with this mode and tolerances) until exit."""
     self._ctx.__enter__()
     return self
 
   def __exit__(self, *exc):
+    """Restores the previous setting."""
     return self._ctx.__exit__(*exc)
+
+  def __call__(self, func):
+    """Decorator use: ``func`` runs with the check on.
+
+    Args:
+      func: any callable.
+
+    Returns:
+      A function that calls ``func`` inside ``with self:``.
+    """
+    return super().__call__(func)
 
 
 def maybe_check(call, f_consts, primals, fwd_outs) -> None:

@@ -29,11 +29,11 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
         "custom_partial_eval_rules", "dce_rules", "ensure_enum",
-        "_default_dce_rule")),
+        "_default_dce_rule", "dce_jaxpr")),
     ("jax._src.interpreters.ad", (
         "is_undefined_primal", "instantiate_zeros", "primitive_jvps",
         "primitive_transposes", "primitive_linearizations",
-        "fallback_linearize_rule", "LinearizeTrace")),
+        "fallback_linearize_rule", "LinearizeTrace", "LinearizeTracer")),
     ("jax._src.interpreters.batching", (
         "fancy_primitive_batchers", "batch_jaxpr", "batch_jaxpr_axes",
         "bdim_at_front", "zero_if_mapped")),
@@ -303,3 +303,48 @@ def define_string_option(name: str, help: str):
   (so jitted functions retrace when it changes)."""
   return _config.optional_string_state(name, default=None, help=help,
                                        include_in_trace_context=True)
+
+
+def outermost_trace():
+  """The outermost transformation trace now active, or ``None`` under plain
+  evaluation. Each ``jax.jit``/``make_jaxpr``/eager ``grad``/``vmap`` call
+  starts a new one; nested traces (scan bodies, linearize inside jit) lead
+  back to it through their ``parent_trace``."""
+  trace, outer = _core.trace_ctx.trace, None
+  while trace is not None and not isinstance(trace, _core.EvalTrace):
+    outer = trace
+    trace = getattr(trace, "parent_trace", None)
+  return outer
+
+
+def eager_linearize_inputs(leaves):
+  """``(parent_trace, primals, nonzero)`` when ``leaves`` are being
+  differentiated eagerly: the current trace is a linearization (``jax.grad``,
+  ``jax.vjp``) directly over plain evaluation and every leaf is concrete or
+  that trace's tracer over a concrete value, at least one of them. ``None``
+  otherwise."""
+  trace = _core.trace_ctx.trace
+  if (not isinstance(trace, _ad.LinearizeTrace)
+      or not isinstance(trace.parent_trace, _core.EvalTrace)):
+    return None
+  primals, nonzero = [], []
+  for x in leaves:
+    if isinstance(x, _ad.LinearizeTracer) and x._trace is trace:
+      if isinstance(x.primal, Tracer):
+        return None
+      primals.append(x.primal)
+      nonzero.append(True)
+    elif isinstance(x, Tracer):
+      return None
+    else:
+      primals.append(x)
+      nonzero.append(False)
+  if not any(nonzero):
+    return None
+  return trace.parent_trace, primals, nonzero
+
+
+def dce_jaxpr_keep_inputs(closed: ClosedJaxpr, used_outputs) -> ClosedJaxpr:
+  """``closed`` computing only the used outputs; every input is kept."""
+  jaxpr, _ = _pe.dce_jaxpr(closed.jaxpr, list(used_outputs), instantiate=True)
+  return ClosedJaxpr(jaxpr, closed.consts)

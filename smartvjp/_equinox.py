@@ -64,48 +64,84 @@ def _zero_to_none(ct):
 
 
 def _none_to_zero(ct, x):
+  if x is None:   # not an inexact array of vjp_arg: it gets no gradient
+    return None
   if ct is None:
-    return None if x is None else jnp.zeros(jnp.shape(x), jnp.result_type(x))
+    return jnp.zeros(jnp.shape(x), jnp.result_type(x))
   return ct
 
 
-class filter_custom_vjp:
-  """As ``equinox.filter_custom_vjp``, with smartvjp's remat behaviour.
+def _as_array(x):
+  """A leaf that was an array (or a tracer) at the call, as an array again.
 
-  Usage (exactly equinox's, plus the optional fused rule)::
+  Under eager ``jax.grad``/``jax.vjp`` of a Python scalar, JAX hands the rules
+  the primal as a Python-number subclass (``TypedFloat``), which equinox's
+  ``is_array`` does not count as an array; ``fn_fwd`` would then return a
+  Python number where ``fn`` returned an array."""
+  return x if isinstance(x, jax.Array) else jnp.asarray(x)   # tracers too
+
+
+class filter_custom_vjp:
+  """``equinox.filter_custom_vjp``'s API with ``smart_custom_vjp``'s remat.
+
+  The first argument ``vjp_arg`` is any pytree (an ``equinox.Module``, a
+  tuple, ...): its inexact-array leaves get gradients; its other leaves, and
+  everything in ``*args``/``**kwargs``, do not (arrays there must not be
+  differentiated). Give the rules with :meth:`def_fwd` and :meth:`def_bwd`,
+  optionally also the fused :meth:`def_fwd_bwd`. Under
+  ``equinox.filter_checkpoint``/``jax.checkpoint`` the forward pass runs
+  ``fn`` and the backward pass ``fn_fwd`` + ``fn_bwd`` (or ``fn_fwd_bwd``),
+  where equinox's own runs ``fn_fwd`` in both. Example (self-contained; it
+  needs equinox and runs as written)::
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import smartvjp
+
+    class Linear(eqx.Module):
+      w: jax.Array
 
     @smartvjp.filter_custom_vjp
-    def fn(vjp_arg, *args, **kwargs):
-      return out                      # any pytree
+    def apply(layer, x):          # vjp_arg is layer; x gets no gradient
+      return jnp.tanh(x @ layer.w)
 
-    @fn.def_fwd
-    def fn_fwd(perturbed, vjp_arg, *args, **kwargs):
-      return out, residuals           # residuals: any pytree
+    @apply.def_fwd
+    def apply_fwd(perturbed, layer, x):
+      z = jnp.tanh(x @ layer.w)
+      return z, z                 # (output, residuals)
 
-    @fn.def_bwd
-    def fn_bwd(residuals, grad_obj, perturbed, vjp_arg, *args, **kwargs):
-      return grad_vjp_arg             # structure of vjp_arg, None allowed
+    @apply.def_bwd
+    def apply_bwd(z, g, perturbed, layer, x):
+      return Linear(x.T @ (g * (1 - z ** 2)))   # shaped like layer
 
-    @fn.def_fwd_bwd                   # optional
-    def fn_fwd_bwd(grad_obj, perturbed, vjp_arg, *args, **kwargs):
-      return grad_vjp_arg
+    @apply.def_fwd_bwd            # optional: recomputes z, keeps nothing
+    def apply_fwd_bwd(g, perturbed, layer, x):
+      z = jnp.tanh(x @ layer.w)
+      return Linear(x.T @ (g * (1 - z ** 2)))
 
-  ``perturbed`` has ``vjp_arg``'s structure with a bool per leaf; ``grad_obj``
-  has ``None`` for output leaves that were not differentiated. Only
-  ``vjp_arg``'s inexact-array leaves get gradients; arrays in ``args`` and
-  ``kwargs`` are non-differentiable (as in equinox). Under
-  ``equinox.filter_checkpoint``/``jax.checkpoint`` the forward pass runs
-  ``fn`` and the backward region ``fn_fwd`` + ``fn_bwd`` (or
-  ``fn_fwd_bwd``); see ``smartvjp.smart_custom_vjp`` for the policy rules.
+    layer = Linear(jnp.linspace(0.5, -0.5, 6).reshape(3, 2))
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    loss = lambda layer: jnp.sum(jax.checkpoint(apply)(layer, x) ** 2)
+    grads = eqx.filter_grad(loss)(layer)     # a Linear; grads.w is 3 x 2
+
+  The rules' arguments: ``perturbed`` has ``vjp_arg``'s structure with a
+  bool per leaf (is that leaf differentiated?); ``g`` (equinox's
+  ``grad_obj``) has the output's structure, with ``None`` for output leaves
+  that are not differentiated; ``fn_bwd`` and ``fn_fwd_bwd`` return one
+  gradient per leaf of ``vjp_arg``, or ``None`` (no gradient; a value
+  returned for a leaf that is not an inexact array is dropped). See
+  ``smartvjp.smart_custom_vjp`` for what runs where and how remat policies
+  decide.
 
   Raises:
-    RuntimeError: when called before ``def_fwd``/``def_bwd`` (or
-      ``def_fwd_bwd``), or when ``fn_bwd``'s output structure differs from
-      ``equinox.filter(vjp_arg, equinox.is_inexact_array)`` (equinox's
-      messages).
+    RuntimeError: when called before its rules are defined, or when the
+      backward rule's gradient does not have ``vjp_arg``'s structure.
+    ImportError: when equinox is not installed.
   """
 
   def __init__(self, fn: Callable):
+    """Wraps ``fn(vjp_arg, *args, **kwargs)``; define its rules next."""
     self.fn = fn
     self.fn_fwd: Callable | None = None
     self.fn_bwd: Callable | None = None
@@ -116,18 +152,33 @@ class filter_custom_vjp:
     self.__wrapped__ = fn
 
   def def_fwd(self, fn_fwd: Callable) -> Callable:
+    """Sets ``fn_fwd(perturbed, vjp_arg, *args, **kwargs) -> (out, res)``.
+
+    ``out`` is what ``fn`` returns for the same arguments; ``res`` (any
+    pytree) is handed to ``fn_bwd``. Usable as a decorator; returns
+    ``fn_fwd``."""
     self.fn_fwd = fn_fwd
     self._maybe_defvjp()
     return fn_fwd
 
   def def_bwd(self, fn_bwd: Callable) -> Callable:
+    """Sets ``fn_bwd(res, g, perturbed, vjp_arg, *args, **kwargs)``.
+
+    It returns the gradient of ``vjp_arg``: its structure, with ``None`` for
+    leaves that get no gradient. Usable as a decorator; returns ``fn_bwd``."""
     self.fn_bwd = fn_bwd
     self._maybe_defvjp()
     return fn_bwd
 
   def def_fwd_bwd(self, fn_fwd_bwd: Callable) -> Callable:
-    """Optional fused rule ``fn_fwd_bwd(grad_obj, perturbed, vjp_arg, *args,
-    **kwargs) -> grad of vjp_arg``: it recomputes what it needs."""
+    """Sets the optional fused ``fn_fwd_bwd(g, perturbed, vjp_arg, *args,
+    **kwargs)``.
+
+    It returns what ``fn_bwd`` returns, recomputing what it needs from the
+    arguments instead of reading residuals. Under remat it replaces
+    ``fn_fwd`` + ``fn_bwd`` in the backward pass; without ``def_fwd`` and
+    ``def_bwd`` it is used everywhere. Usable as a decorator; returns
+    ``fn_fwd_bwd``."""
     self.fn_fwd_bwd = fn_fwd_bwd
     self._maybe_defvjp()
     return fn_fwd_bwd
@@ -158,9 +209,9 @@ class filter_custom_vjp:
           jtu.tree_map(lambda _: False, nonarray_vjp_arg),
           jtu.tree_map(lambda _: False, nondiff),
           jtu.tree_map(lambda x: x.perturbed, diff))
-      diff = jtu.tree_map(lambda x: x.value, diff)
-      nondiff = jtu.tree_map(lambda x: x.value, nondiff)
-      arrays = jtu.tree_map(lambda x: x.value, arrays)
+      diff = jtu.tree_map(lambda x: _as_array(x.value), diff)
+      nondiff = jtu.tree_map(lambda x: _as_array(x.value), nondiff)
+      arrays = jtu.tree_map(lambda x: _as_array(x.value), arrays)
       vjp_arg = combine(nonarray_vjp_arg, diff, nondiff)
       args, kwargs = combine(nonarray_args_kwargs, arrays)
       return perturbed, vjp_arg, args, kwargs, (diff, nondiff, arrays)
@@ -169,9 +220,12 @@ class filter_custom_vjp:
       if (jtu.tree_structure(out, is_leaf=_is_none)
           != jtu.tree_structure(diff, is_leaf=_is_none)):
         raise RuntimeError(
-            "custom_vjp gradients must have the same structure as "
-            "`equinox.filter(vjp_arg, equinox.is_inexact_array)`, where "
-            "`vjp_arg` is the first argument used in the forward pass.")
+            f"filter_custom_vjp function {outer.__name__}: the backward rule "
+            "returned a gradient whose pytree structure differs from the "
+            "first argument's (vjp_arg's) structure, with None allowed at any "
+            f"leaf: expected {jtu.tree_structure(diff, is_leaf=_is_none)}, "
+            f"got {jtu.tree_structure(out, is_leaf=_is_none)}. Return one "
+            "gradient per leaf of vjp_arg, or None where there is none.")
       out = jtu.tree_map(_none_to_zero, out, diff, is_leaf=_is_none)
       return out, None, None
 
@@ -225,9 +279,26 @@ class filter_custom_vjp:
     self.fn_wrapped = wrapped
 
   def __call__(self, vjp_arg, /, *args: Any, **kwargs: Any):
+    """Evaluates ``fn(vjp_arg, *args, **kwargs)``; derivatives come from the rules.
+
+    Args:
+      vjp_arg: any pytree; its inexact-array leaves are differentiable.
+      *args: any values; arrays among them are not differentiable.
+      **kwargs: the same, by name.
+
+    Returns:
+      ``fn``'s output (any pytree; its non-array leaves pass through).
+
+    Raises:
+      RuntimeError: when the rules are not defined yet, or (under
+        differentiation) when an array in ``args``/``kwargs`` is
+        differentiated, or ``fn_bwd``'s gradient has the wrong structure.
+    """
     if self.fn_wrapped is None:
       raise RuntimeError(
-          f"`def_fwd` or `def_bwd` not yet called for {self.__name__}")
+          f"filter_custom_vjp function {self.__name__} was called before its "
+          "rules were defined: decorate them with def_fwd and def_bwd (or "
+          "def_fwd_bwd) first.")
     eqx = _eqx()
     combine, partition = eqx.combine, eqx.partition
     array_vjp_arg, nonarray_vjp_arg = partition(vjp_arg, eqx.is_array)

@@ -1,6 +1,6 @@
 """smartvjp's primitives and their evaluation rules.
 
-Six primitives, all with multiple results:
+Seven primitives, all with multiple results:
 
 ``smartvjp_call``       ``[*f_consts, *primals] -> primal_outs``: evaluates ``f``.
 ``smartvjp_primal``     ``[*f_consts, *fwd_consts, *primals] -> primal_outs``:
@@ -39,6 +39,7 @@ from __future__ import annotations
 import jax
 
 from smartvjp import _compat as C
+from smartvjp._spec import pruned
 
 call_p = C.new_primitive("smartvjp_call")
 primal_p = C.new_primitive("smartvjp_primal")
@@ -247,7 +248,20 @@ def _dce_jvp(used_outputs, eqn):
   return used, new_eqn
 
 
-for _p in (call_p, primal_p, fwd_p, lin_p, fused_lin_p, rule_p):
+def _dce_call(used_outputs, eqn):
+  """Per output, as JAX prunes ``jax.custom_vjp``'s ``f``: only the work for
+  the used outputs stays (every input is kept)."""
+  if all(used_outputs) or not any(used_outputs):
+    return _dce_whole(used_outputs, eqn)
+  kept = tuple(i for i, u in enumerate(used_outputs) if u)
+  new_eqn = eqn.replace(
+      outvars=[eqn.outvars[i] for i in kept],
+      params=dict(eqn.params, call=pruned(eqn.params["call"], kept)))
+  return [True] * len(eqn.invars), new_eqn
+
+
+C.register_dce(call_p, _dce_call)
+for _p in (primal_p, fwd_p, lin_p, fused_lin_p, rule_p):
   C.register_dce(_p, _dce_whole)
 C.register_dce(jvp_p, _dce_jvp)
 

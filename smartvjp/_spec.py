@@ -16,6 +16,7 @@ import jax
 from jax import tree_util
 
 from smartvjp import _compat as C
+from smartvjp._cache import TraceLocalCache
 from smartvjp._errors import (
     check_jax_leaves, describe_tree, expect_used_up, rule_error)
 
@@ -124,11 +125,20 @@ class CallSpec:
   in_avals: tuple
   out_tree: Any
   out_avals: tuple
-  jaxpr: C.ClosedJaxpr | None  # None for the linear-only batched specs
+  jaxpr: C.ClosedJaxpr | None  # None for linear-only and eager specs
   num_consts: int
-  fwd_cache: dict = dataclasses.field(default_factory=dict)
-  batch_cache: dict = dataclasses.field(default_factory=dict)
-  rule_cache: dict = dataclasses.field(default_factory=dict)
+  # eager differentiation (see ``eager_call``): what fwd (or f) returned
+  eager: Any = None
+  # a call of which dead-code elimination kept only some outputs (see
+  # ``pruned``): the whole call, and which of its outputs this one has
+  full: Any = None
+  kept: tuple | None = None
+  # traced rules, each valid within one outer trace (see _cache.py)
+  fwd_cache: TraceLocalCache = dataclasses.field(default_factory=TraceLocalCache)
+  batch_cache: TraceLocalCache = dataclasses.field(
+      default_factory=TraceLocalCache)
+  rule_cache: TraceLocalCache = dataclasses.field(
+      default_factory=TraceLocalCache)
 
   @property
   def name(self) -> str:
@@ -172,9 +182,31 @@ class CallSpec:
     if hit is not None:
       return hit
     spec, consts = _trace_fwd(self, tuple(in_nz))
-    if not any(isinstance(c, C.Tracer) for c in consts):
-      self.fwd_cache[key] = (spec, consts)
+    self.fwd_cache.put(key, (spec, consts), consts)
     return spec, consts
+
+
+def pruned(call: CallSpec, kept: tuple) -> CallSpec:
+  """``call`` keeping only outputs ``kept`` (indices into its outputs): its
+  jaxpr computes only those (so ``f(x, y)[0]`` does no work for output 1),
+  while differentiating or batching it goes through the whole call and its
+  rules, then selects (``full``/``kept``)."""
+  base = call.full if call.full is not None else call
+  base_kept = (tuple(call.kept[i] for i in kept) if call.kept is not None
+               else tuple(kept))
+  used = [i in base_kept for i in range(base.num_outs)]
+  out_avals = tuple(base.out_avals[i] for i in base_kept)
+  return dataclasses.replace(
+      base, jaxpr=C.dce_jaxpr_keep_inputs(base.jaxpr, used),
+      out_avals=out_avals,
+      out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))),
+      full=base, kept=base_kept, fwd_cache=TraceLocalCache(),
+      batch_cache=TraceLocalCache(), rule_cache=TraceLocalCache())
+
+
+def select_outputs(call: CallSpec, outs) -> list:
+  """The outputs of ``call.full`` that the pruned ``call`` has."""
+  return [outs[i] for i in call.kept]
 
 
 def _has_tangent(aval) -> bool:
@@ -212,10 +244,12 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
   return spec, consts
 
 
-def _call_fwd(call: CallSpec, in_nz, primals):
-  """Calls the user's ``fwd``; checks it; returns ``(outs, res, res_tree)``."""
+def _call_fwd(call: CallSpec, in_nz, primals, pair=None):
+  """Calls the user's ``fwd`` (unless ``pair`` is what it returned); checks
+  it; returns ``(outs, res, res_tree)``."""
   rules = call.rules
-  pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
+  if pair is None:
+    pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
   if not isinstance(pair, (tuple, list)) or len(pair) != 2:
     raise rule_error(
         TypeError, rules, "fwd",
@@ -228,20 +262,57 @@ def _call_fwd(call: CallSpec, in_nz, primals):
   return tree_util.tree_leaves(primal_out), res_leaves, res_tree
 
 
+class EagerClosureError(Exception):
+  """fwd (or f) returned a tracer it closed over during eager differentiation."""
+
+
+def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
+               in_avals: tuple, primals, nonzero) -> CallSpec:
+  """A call differentiated eagerly (``jax.grad`` without ``jit``, concrete
+  primal values): like ``jax.custom_vjp``, run ``fwd`` (or, given only
+  ``fwd_bwd``, ``f``) on the concrete values now, and never trace ``f``, so
+  Python control flow on values works in every rule. The result is kept in
+  the spec for the linearization rule."""
+  call = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
+                  in_tree=in_tree, in_avals=in_avals, out_tree=None,
+                  out_avals=(), jaxpr=None, num_consts=0)
+  in_nz = tuple(nz and possible for nz, possible in
+                zip(nonzero, call.in_nz_possible))
+  if rules.fwd is None:
+    with jax.named_scope(f"smartvjp/{call.name}/f"):
+      out = rules.fun(*call.full_args(primals))
+    check_jax_leaves(out, rules, "fun", "output")
+    out_leaves, out_tree = tree_util.tree_flatten(out)
+    result = (in_nz, out_leaves, list(primals), None)
+  else:
+    with jax.named_scope(f"smartvjp/{call.name}/fwd"):
+      pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
+    if isinstance(pair, (tuple, list)) and len(pair) == 2:
+      out_tree = tree_util.tree_structure(pair[0])
+    out_leaves, res, fwd = eager_fwd(call, in_nz, primals, pair)
+    result = (in_nz, out_leaves, res, fwd)
+  if any(isinstance(x, C.Tracer) for x in (*result[1], *result[2])):
+    raise EagerClosureError
+  return dataclasses.replace(
+      call, out_tree=out_tree,
+      out_avals=tuple(C.get_aval(x) for x in out_leaves), eager=result)
+
+
 def eager_f(call: CallSpec, primals) -> list:
   """``f`` called on concrete values (flat outputs)."""
   with jax.named_scope(f"smartvjp/{call.name}/f"):
     return tree_util.tree_leaves(call.rules.fun(*call.full_args(primals)))
 
 
-def eager_fwd(call: CallSpec, in_nz, primals):
-  """``fwd`` called on concrete values, as ``jax.custom_vjp`` does eagerly.
+def eager_fwd(call: CallSpec, in_nz, primals, pair=None):
+  """``fwd`` called on concrete values, as ``jax.custom_vjp`` does eagerly
+  (or ``pair``, what it already returned, checked).
 
   Returns ``(primal_outs, residuals, spec)``; ``spec`` has no jaxpr and
   describes the residuals for ``bwd``.
   """
   with jax.named_scope(f"smartvjp/{call.name}/fwd"):
-    outs, res, res_tree = _call_fwd(call, tuple(in_nz), primals)
+    outs, res, res_tree = _call_fwd(call, tuple(in_nz), primals, pair)
   res_src = tuple(StaticResidual(r) if is_static_residual(r) else None
                   for r in res)
   dynamic = [r for r in res if not is_static_residual(r)]
@@ -303,6 +374,8 @@ def _producers(v, producers) -> tuple:
 
 
 def _check_primal_out(call: CallSpec, primal_out) -> None:
+  if call.out_tree is None:   # eager differentiation: f has not run
+    return
   rules = call.rules
   leaves, tree = tree_util.tree_flatten(primal_out)
   if tree != call.out_tree:

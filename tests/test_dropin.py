@@ -169,3 +169,63 @@ def test_outer_derivative_differentiates_fwd_code(fwd_res, remat, jit):
     gg = jax.grad(jax.grad(inner))
     return jax.jit(gg) if jit else gg
   assert assert_same(program, jnp.float32(2.7)) == 1.0
+
+
+# -- eager differentiation runs the rules on concrete values ---------------------
+
+def _leaky_relu(cls):
+  f = cls(lambda x: x if x > 0 else 0.1 * x)        # Python control flow
+  f.defvjp(lambda x: (f(x), x), lambda x, g: (g if x > 0 else 0.1 * g,))
+  return f
+
+
+@pytest.mark.parametrize("x", [-2.0, 3.0])
+@pytest.mark.parametrize("how", ["grad", "value_and_grad", "vjp"])
+def test_python_control_flow_in_rules_under_eager_grad(x, how):
+  def program(cls):
+    f = _leaky_relu(cls)
+    if how == "vjp":
+      return lambda x: jax.vjp(f, x)[1](1.0)
+    return getattr(jax, how)(f)
+  assert_same(program, x)
+
+
+def test_eager_grad_traces_no_rule_and_runs_fwd_once():
+  import kernels as K
+  f, fwd, bwd, _ = K.sin_rules(never_dce=True)
+  counts = []
+  for cls in DECORATORS:
+    F = cls(f)
+    F.defvjp(fwd, bwd)
+    K.reset()
+    jax.grad(lambda x: jnp.sum(F(x)))(jnp.ones(3))
+    counts.append(dict(K.COUNTS))
+  assert counts[0] == counts[1] == {"fwd": 1, "bwd": 1}
+
+
+# -- dead-code elimination per output --------------------------------------------
+
+def _two_outputs(cls):
+  f = cls(lambda x, y: (jnp.sin(x), x + jnp.cos(y)))
+  f.defvjp(lambda x, y: (f(x, y), (jnp.cos(x), jnp.sin(y))),
+           lambda r, g: (2.0 * r[0] * g[0] + 1.5 * g[1], -0.5 * r[1] * g[1]))
+  return f
+
+
+@pytest.mark.parametrize("used", [(True, False), (False, True)])
+def test_per_output_dce_keeps_only_the_used_work_and_the_custom_rule(used):
+  from jax._src.interpreters import partial_eval as pe  # test-only internal
+  kept = used.index(True)
+  gone = "stablehlo.cosine" if kept == 0 else "stablehlo.sine"
+  grads = []
+  for cls in DECORATORS:
+    jaxpr = jax.make_jaxpr(_two_outputs(cls))(0.1, -1.3).jaxpr
+    pruned, _ = pe.dce_jaxpr(jaxpr, list(used))
+    fun = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(pruned, ()))
+    one = lambda x, y: fun(x, y)[0]
+    if cls is smart_custom_vjp:
+      hlo = jax.jit(one).lower(0.1, -1.3).as_text()
+      assert gone not in hlo   # the other output's work is gone
+    grads.append(jax.grad(one, argnums=(0, 1))(0.1, -1.3))
+    grads.append(jax.jit(jax.vmap(jax.grad(one)))(jnp.ones(2), jnp.ones(2)))
+  jax.tree_util.tree_map(_same_leaf, grads[2:], grads[:2])

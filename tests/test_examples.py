@@ -1,9 +1,18 @@
 """The examples run and show what the README says they show."""
 
+import concurrent.futures
 import importlib.util
 import os
+import re
+import shlex
+import subprocess
+import sys
+import time
 
 import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+EXAMPLE_TIMEOUT_S = 300   # each takes under a minute alone on a 2-core CPU
 
 
 def load(name):
@@ -69,3 +78,81 @@ def test_architecture_walkthrough_is_current():
   if recorded is None or recorded.group(1) != jax.__version__:
     pytest.skip("generated with another JAX version (jaxpr printing differs)")
   assert walk.main(["--check"]) == 0, "run: python design/walkthrough.py"
+
+
+# -- every command of the README's examples table, as a user would run it -----
+
+def readme_example_commands():
+  text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  section = text[text.index("\n## Examples\n"):]
+  section = section[:section.find("\n## ", 1)]
+  commands = re.findall(r"^\| `(python [^`]+)` \|", section, re.M)
+  assert commands, "no commands found in the README's examples table"
+  return commands
+
+
+COMMANDS = readme_example_commands()
+
+# What each example's output must say, besides "Finished in": the labels
+# that tell a reader what its numbers count and what they are compared to.
+LABELS = {
+    "examples/seed_remat.py": ["Kernel launches per gradient step",
+                               "also rule calls", "jnp.allclose"],
+    "examples/pallas_gelu_matmul.py": [
+        "rule calls", "kernel launches", "max |ours - reference|",
+        "When the fused rule pays", "K <"],
+    "examples/pallas_rmsnorm_gelu.py": [
+        "rule calls", "arrays moved", "max |ours - reference| / max |reference|"],
+    "examples/equinox_mlp.py": ["rule calls", "kernel launches",
+                                "max |ours - equinox's|", "mean squared error"],
+    "examples/blackbox_heat.py": ["max |ours - reference| / max |reference|",
+                                  "each running every row once in turn",
+                                  "median [min-max]", "same schedule"],
+    "examples/ffi_kernel.py": ["Rules as", "rule calls",
+                               "max |ours - 2 sin(x) cos(x)|"],
+}
+
+
+def _run(command):
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+  argv = shlex.split(command)
+  assert argv[0] == "python"
+  t0 = time.perf_counter()
+  try:
+    done = subprocess.run([sys.executable] + argv[1:], cwd=ROOT, env=env,
+                          capture_output=True, text=True,
+                          timeout=EXAMPLE_TIMEOUT_S)
+    return done.returncode, done.stdout, done.stderr, time.perf_counter() - t0
+  except subprocess.TimeoutExpired as e:
+    return "timeout", e.stdout or "", e.stderr or "", EXAMPLE_TIMEOUT_S
+
+
+@pytest.fixture(scope="module")
+def example_runs(request):
+  """Runs the table's commands that this session selected, two at a time
+  (they are independent; CI's CPU has two cores)."""
+  selected = [item.callspec.params["command"] for item in request.session.items
+              if item.originalname == "test_readme_example_command"]
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    return dict(zip(selected, pool.map(_run, selected)))
+
+
+def test_examples_table_lists_every_example():
+  listed = {c.split()[1] for c in COMMANDS}
+  present = {f"examples/{n}" for n in os.listdir(os.path.join(ROOT, "examples"))
+             if n.endswith(".py")}
+  assert listed == present
+  assert set(LABELS) == present
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_example_command(example_runs, command):
+  rc, out, err, seconds = example_runs[command]
+  assert rc == 0, f"{command} exited with {rc}:\n{out[-2000:]}\n{err[-3000:]}"
+  assert re.search(r"Finished in \d+\.\d s\.", out), out[-2000:]
+  for bad in ("WRONG", "TOO LARGE", "Traceback"):
+    assert bad not in out, f"{command} printed {bad}:\n{out}"
+  for label in LABELS[command.split()[1]]:
+    assert label in out, f"{command} does not print {label!r}:\n{out}"

@@ -1,0 +1,55 @@
+"""Caches of traced rules that live no longer than one outer trace.
+
+``jax.custom_vjp`` calls the user's ``f``, ``fwd`` and ``bwd`` afresh inside
+every new outer trace (a new ``jax.jit``, ``jax.make_jaxpr``, eager
+``jax.grad`` or ``jax.vmap``), so Python state they read (a config dict, a
+global) is read again each time. smartvjp traces each rule once per abstract
+signature to build its primitives; these caches keep a traced rule only for
+the outermost trace that made it, so repeated calls inside one program share
+it and a new program traces again.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any, Hashable
+
+from smartvjp import _compat as C
+
+
+class TraceLocalCache:
+  """A mapping (LRU-bounded when ``maxsize`` is given) whose entries are valid
+  only while the outermost trace that stored them is the current one; under
+  plain evaluation nothing is cached."""
+
+  def __init__(self, maxsize: int | None = None):
+    self.maxsize = maxsize
+    self._entries: collections.OrderedDict = collections.OrderedDict()
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+  def get(self, key: Hashable) -> Any:
+    hit = self._entries.get(key)
+    if hit is None:
+      return None
+    owner, value = hit
+    outer = C.outermost_trace()
+    if outer is None or owner() is not outer:
+      del self._entries[key]   # made by an earlier program: trace again
+      return None
+    self._entries.move_to_end(key)
+    return value
+
+  def put(self, key: Hashable, value: Any, consts=()) -> None:
+    """Stores ``value`` unless ``consts`` (the values it closes over) hold a
+    tracer: one of a nested trace (a scan body) must not leak into the
+    enclosing program."""
+    outer = C.outermost_trace()
+    if outer is None or any(isinstance(c, C.Tracer) for c in consts):
+      return
+    self._entries[key] = (weakref.ref(outer), value)
+    self._entries.move_to_end(key)
+    if self.maxsize is not None and len(self._entries) > self.maxsize:
+      self._entries.popitem(last=False)
