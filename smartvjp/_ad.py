@@ -25,6 +25,7 @@ import jax
 
 from smartvjp import _compat as C
 from smartvjp._bwd import run_bwd, run_fwd_bwd
+from smartvjp._errors import expect_used_up
 from smartvjp._spec import (check_aliased_refs, check_fwd_output_types,
                             eager_f, eager_fwd, select_outputs)
 from smartvjp._primitives import (
@@ -78,7 +79,7 @@ def expand_tangents(call, nz_outs):
   it = iter(nz_outs)
   outs = [next(it) if nz else C.Zero(a.to_tangent_aval())
           for a, nz in zip(call.out_avals, call.out_nz)]
-  assert next(it, None) is None
+  expect_used_up(it, "tangents")
   return outs
 
 
@@ -328,7 +329,9 @@ def _primal_jvp(primals, tangents, *, call, fwd):
 
 
 def _jvp_jvp(primals, tangents, **params):
-  return _rule_jvp(jvp_p, _jvp_forward, "bwd", primals, tangents, **params)
+  # the tangent map is bwd's, or fwd_bwd's for a function without fwd/bwd
+  role = "bwd" if params["fwd"] is not None else "fwd_bwd"
+  return _rule_jvp(jvp_p, _jvp_forward, role, primals, tangents, **params)
 
 
 def _lin_jvp(primals, tangents, **params):

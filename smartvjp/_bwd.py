@@ -1,13 +1,16 @@
 """Calling the user's ``bwd`` and ``fwd_bwd`` and checking what they return.
 
-The checks follow ``jax.custom_vjp``'s (``_flatten_bwd`` in
-``jax/_src/custom_derivatives.py``): one entry per differentiable argument,
-``None`` for "no cotangent", shapes and dtypes of the corresponding inputs,
-and cotangents of integer inputs ignored (they are ``float0``).
+What a rule may return is what ``jax.custom_vjp`` accepts (``_flatten_bwd``
+in ``jax/_src/custom_derivatives.py``; ``tests/test_cotangents.py`` runs a
+table of outputs through both): one entry per differentiable argument,
+``None`` or a single value for a whole subtree, the shapes of the
+corresponding inputs, any float precision (passed on as returned), and
+cotangents of integer inputs ignored (they are ``float0``).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import tree_util
 
@@ -59,7 +62,8 @@ def _bind_rule(call, which, key, user, inputs, cts):
   if C.is_eval_trace() and not any(isinstance(a, C.Tracer) for a in args):
     return user(inputs, cts)  # concrete values: run the rule itself, eagerly
   avals = tuple(C.get_aval(a) for a in args)
-  cache_key = (which, key, avals, zero_in, C.config_key())
+  cache_key = (which, key, avals, zero_in, C.config_key(),
+               bwd_checks_disabled())
   hit = call.rule_cache.get(cache_key)
   if hit is None:
     store = {}
@@ -82,73 +86,114 @@ def _bind_rule(call, which, key, user, inputs, cts):
           for a, z in zip(call.in_avals, zero_out)]
 
 
-def _inexact(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.inexact)
-
-
 def _ct_aval(aval):
   return aval.to_ct_aval() if hasattr(aval, "to_ct_aval") \
       else aval.to_tangent_aval()
 
 
-def flatten_cotangents(call, out, which: str) -> list:
-  """Checks a rule's cotangent output; returns arrays or ``Zero`` per leaf."""
+def bwd_checks_disabled() -> bool:
+  """``jax_disable_bwd_checks``: cotangents are passed on unchecked."""
+  return bool(getattr(jax.config, "jax_disable_bwd_checks", False))
+
+
+_NO_CT = object()   # a None cotangent: no contribution to the input
+
+
+def _spread(call, out, which) -> list:
+  """One cotangent (or ``_NO_CT``) per primal leaf, in ``in_tree`` order.
+
+  Each entry of ``out`` covers the argument subtree at its position: ``None``
+  means zeros for all its leaves, and any other value (an array, a
+  ``SymbolicZero``) stands for every leaf below it, as ``jax.custom_vjp``
+  allows. The user's pytrees are only flattened, never rebuilt.
+  """
   rules = call.rules
   arg_trees = tree_util.treedef_children(call.in_tree)
   if isinstance(out, list) and len(out) == len(arg_trees):
     out = tuple(out)
-  if not isinstance(out, tuple) or len(out) != len(arg_trees):
-    n = len(arg_trees)
+  if not isinstance(out, tuple):
     raise rule_error(
         TypeError, rules, which,
         f"must return a tuple with one cotangent (or None) per "
-        f"differentiable argument of {rules.name}, i.e. of length {n} "
-        f"matching the structure {call.in_tree}, but returned "
-        f"{describe_tree(out)}.")
-  sentinel_leaves = [object() for _ in range(call.in_tree.num_leaves)]
-  dummy = tree_util.tree_unflatten(call.in_tree, sentinel_leaves)
-  position = {id(s): i for i, s in enumerate(sentinel_leaves)}
-  flat: list = [None] * call.in_tree.num_leaves
-
-  def visit(path, ct, d):
-    leaves = tree_util.tree_leaves(d)
-    if ct is None:
-      return
-    if len(leaves) != 1 or leaves[0] is not d:
-      raise rule_error(
-          TypeError, rules, which,
-          f"returned a single value at output{tree_util.keystr(path)} where "
-          f"a pytree of structure {tree_util.tree_structure(d)} (the "
-          "argument's structure) or None was expected.")
-    flat[position[id(d)]] = (path, ct)
-
+        f"differentiable argument of {rules.name}, i.e. of length "
+        f"{len(arg_trees)} matching the structure {call.in_tree}, but "
+        f"returned {describe_tree(out)}.")
+  out_tree = tree_util.tree_structure(out, is_leaf=lambda x: x is None)
+  dummy = tree_util.tree_unflatten(
+      call.in_tree, [object() for _ in range(call.in_tree.num_leaves)])
   try:
-    tree_util.tree_map_with_path(visit, out, dummy,
-                                 is_leaf=lambda x: x is None)
+    subtrees = out_tree.flatten_up_to(dummy)
   except ValueError as e:
-    got = tree_util.tree_structure(out, is_leaf=lambda x: x is None)
+    what = ("a tuple with one cotangent (or None) per differentiable "
+            f"argument of {rules.name}, i.e. of length {len(arg_trees)}"
+            if len(out) != len(arg_trees) else "cotangents")
     raise rule_error(
         TypeError, rules, which,
-        f"returned cotangents with pytree structure {got}, but the "
-        f"differentiable arguments of {rules.name} have structure "
-        f"{call.in_tree} (None is allowed for any subtree). Details: {e}"
-    ) from None
+        f"must return {what} matching the structure {call.in_tree} (None "
+        f"or one array may stand for any subtree), but returned pytree "
+        f"structure {out_tree}. Details: {e}") from None
+  flat = []
+  for ct, sub in zip(tree_util.tree_leaves(out, is_leaf=lambda x: x is None),
+                     subtrees):
+    count = len(tree_util.tree_leaves(sub))
+    flat.extend([_NO_CT if ct is None else ct] * count)
+  return flat
 
+
+def _same_but_dtype(want, got) -> bool:
+  """jax.custom_vjp's tolerance for a cotangent of another dtype: same shape
+  (and sharding), and either the input's cotangent is inexact (a float or
+  complex of any precision, even an integer array, passes through as
+  returned) or the cotangent has an extended dtype."""
+  if not (isinstance(want, C.ShapedArray) and isinstance(got, C.ShapedArray)):
+    return False
+  if want.shape != got.shape:
+    return False
+  if not C.typecompat(want, got.update(dtype=want.dtype,
+                                       weak_type=want.weak_type)):
+    return False
+  return (jax.dtypes.issubdtype(got.dtype, jax.dtypes.extended)
+          or jnp.issubdtype(want.dtype, jnp.inexact))
+
+
+def _accepts(want, got) -> bool:
+  if C.typecompat(want, got):
+    return True
+  inner = getattr(want, "inner_aval", None)   # a mutable array reference
+  if inner is not None and C.typecompat(_ct_aval(inner), got):
+    return True
+  return _same_but_dtype(want, got)
+
+
+def flatten_cotangents(call, out, which: str) -> list:
+  """Checks a rule's cotangent output; returns arrays or ``Zero`` per leaf.
+
+  Matches what ``jax.custom_vjp`` accepts: a list for the tuple, ``None``
+  for any subtree, one value for a whole subtree, a ``SymbolicZero`` of the
+  input's cotangent type, cotangents of integer inputs ignored, and a
+  cotangent of another dtype passed on unchanged (not cast) when the input's
+  cotangent is inexact. ``jax_disable_bwd_checks`` passes any array on.
+  """
+  rules = call.rules
+  flat = _spread(call, out, which)
+  paths = [tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(
+      tree_util.tree_unflatten(call.in_tree, list(call.in_avals)))[0]]
+  unchecked = bwd_checks_disabled()
   results = []
-  for entry, aval in zip(flat, call.in_avals):
+  for path, aval, ct in zip(paths, call.in_avals, flat):
     ct_aval = _ct_aval(aval)
-    if entry is None or ct_aval.dtype == C.float0:
+    if ct is _NO_CT or ct_aval.dtype == C.float0:
       results.append(C.Zero(ct_aval))
       continue
-    path, ct = entry
     if type(ct) is C.SymbolicZero:
-      if (ct.aval.shape, ct.aval.dtype) != (ct_aval.shape, ct_aval.dtype):
+      if not C.typecompat(ct_aval, ct.aval):
         raise rule_error(
             ValueError, rules, which,
-            f"returned a SymbolicZero at output{tree_util.keystr(path)} of "
-            f"type {ct.aval.str_short()}, but the corresponding input has "
-            f"cotangent type {ct_aval.str_short()}.")
-      results.append(C.Zero(ct_aval))
+            f"returned a SymbolicZero of type {ct.aval.str_short()} at "
+            f"output{path}, but the corresponding input's cotangent type is "
+            f"{ct_aval.str_short()} (input {aval.str_short()}); return None "
+            "there for a zero cotangent.")
+      results.append(C.Zero(ct.aval))
       continue
     try:
       got = C.get_aval(ct)
@@ -156,28 +201,21 @@ def flatten_cotangents(call, out, which: str) -> list:
       raise rule_error(
           TypeError, rules, which,
           f"returned a value of type {type(ct).__name__} at "
-          f"output{tree_util.keystr(path)}, which is not a JAX array.") from None
-    if (got.shape == ct_aval.shape and got.dtype != ct_aval.dtype
-        and _inexact(ct_aval.dtype) and _inexact(got.dtype)):
-      # jax.custom_vjp lets a float cotangent of another precision through
-      # (mixed precision); we cast it to the input's cotangent dtype
-      ct = ct.astype(ct_aval.dtype)
-      got = C.get_aval(ct)
-    if got.shape != ct_aval.shape or got.dtype != ct_aval.dtype:
+          f"output{path}, which is not a JAX array.") from None
+    if not unchecked and not _accepts(ct_aval, got):
       raise rule_error(
           ValueError, rules, which,
           f"returned a cotangent of type {got.str_short()} at "
-          f"output{tree_util.keystr(path)}, but the corresponding input of "
-          f"{rules.name} has type {aval.str_short()} (expected cotangent "
-          f"{ct_aval.str_short()}).")
-    if not C.typecompat(ct_aval, got):
-      raise rule_error(
-          ValueError, rules, which,
-          f"returned a cotangent of type {got.str_short()} at "
-          f"output{tree_util.keystr(path)}, whose sharding or varying manual "
-          f"axes (shard_map) differ from those of the corresponding input of "
-          f"{rules.name}, {aval.str_short()} (expected cotangent "
-          f"{ct_aval.str_short()}); a psum over the missing axes is usually "
-          "what is needed.")
+          f"output{path}, but the corresponding input of {rules.name} has "
+          f"type {aval.str_short()} (expected cotangent "
+          f"{ct_aval.str_short()}){_sharding_hint(ct_aval, got)}.")
     results.append(ct)
   return results
+
+
+def _sharding_hint(want, got) -> str:
+  if (want.shape, want.dtype) != (got.shape, got.dtype):
+    return ""
+  return ("; shape and dtype agree, so the sharding or the varying manual "
+          "axes (shard_map) differ, and a psum over the missing axes is "
+          "usually what is needed")

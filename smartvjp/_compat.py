@@ -54,6 +54,9 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.dtypes", ("float0",)),
     ("jax._src.util", ("weakref_cache_key_types",)),
     ("jax.extend.core", ("ClosedJaxpr",)),
+    ("jax._src.core", ("ShapedArray",)),
+    ("jax._src.traceback_util", ("register_exclusion",)),
+    ("jax._src.source_info_util", ("register_exclusion",)),
 )
 
 
@@ -120,6 +123,7 @@ batch_jaxpr = _batching.batch_jaxpr
 batch_jaxpr_axes = _batching.batch_jaxpr_axes
 bdim_at_front = _batching.bdim_at_front
 zero_if_mapped = _batching.zero_if_mapped
+ShapedArray = _core.ShapedArray
 
 
 # -- feature detection --------------------------------------------------------
@@ -339,6 +343,14 @@ def uses_axis_name(effects, name) -> bool:
   (a collective such as ``psum(x, name)`` inside it)."""
   return name is not None and any(
       isinstance(e, _core.NamedAxisEffect) and e.name == name for e in effects)
+
+
+def hide_frames_under(path: str) -> None:
+  """Treats files under ``path`` as JAX treats its own: left out of filtered
+  tracebacks and skipped when an equation records its user source line."""
+  from jax._src import source_info_util, traceback_util
+  traceback_util.register_exclusion(path)
+  source_info_util.register_exclusion(path)
 
 
 def define_string_option(name: str, help: str):

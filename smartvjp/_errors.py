@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 from jax import tree_util
 
 from smartvjp import _compat as C
+
+# As with JAX's own files: tracebacks of errors raised in (or through) the
+# user's rules show the user's frames, not smartvjp's, and equations that
+# smartvjp binds (residuals in jax.ad_checkpoint.print_saved_residuals) carry
+# the user's source line.
+C.hide_frames_under(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 _ROLE = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd"}
 
@@ -37,3 +45,13 @@ def check_jax_leaves(tree, rules, which: str, what: str) -> None:
           f"returned {what} containing a value of type {type(leaf).__name__} "
           f"at {what}{tree_util.keystr(path)}, which is not a valid JAX type "
           "(arrays, scalars and pytrees of them are).") from None
+
+
+def expect_used_up(it, what: str) -> None:
+  """Raises ``RuntimeError`` (a smartvjp bug, never the user's) when the
+  iterator ``it`` still has items; a check that ``python -O`` keeps."""
+  end = object()
+  if next(it, end) is not end:
+    raise RuntimeError(
+        f"smartvjp internal error: more {what} than expected; please report "
+        "this with the program that raised it.")

@@ -52,13 +52,18 @@ def residual_policy(saveable, eqn):
   still need ``fwd`` in the backward region, which is never cheaper.
   """
   fwd = eqn.params["fwd"]
-  if fwd is None or fwd.num_new_res == 0:
-    return None  # nothing to keep; f is never dearer than fwd
+  if fwd is None:
+    return None
   if eqn.params["call"].rules.always_save:  # defremat: the user decides
     return (None,) * fwd.num_new_res
   call_answer = C.policy_answer(
       saveable, jvp_p, [v.aval for v in eqn.invars], eqn.params)
   recompute = type(C.Recompute)
+  if fwd.num_new_res == 0:
+    # residuals are all inputs: f runs in the forward pass either way; a
+    # policy that saves the call keeps its outputs there too (as jax.custom_vjp
+    # keeps fwd's), instead of running f again in the backward region
+    return None if isinstance(call_answer, recompute) else ()
   answers = []
   chains = fwd.new_res_eqns or ((),) * fwd.num_new_res
   for chain in chains:
@@ -124,10 +129,14 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     offload = kept if any(s is not None for s in kept) else None
     new_res = [C.Var(a if s is None else a.update(memory_space=s))
                for a, s in zip(fwd.jaxpr.out_avals[n_out:], kept)]
-    known = C.new_jaxpr_eqn(
-        fwd_inputs, [*eqn.outvars[:n_out], *new_res], fwd_p,
-        dict(call=call, fwd=fwd, offload=offload),
-        C.eqn_effects(fwd.jaxpr, fwd_inputs), eqn.source_info, eqn.ctx)
+    if fwd.num_new_res:
+      known = C.new_jaxpr_eqn(
+          fwd_inputs, [*eqn.outvars[:n_out], *new_res], fwd_p,
+          dict(call=call, fwd=fwd, offload=offload),
+          C.eqn_effects(fwd.jaxpr, fwd_inputs), eqn.source_info, eqn.ctx)
+    else:   # fwd computes nothing that f does not
+      known = primal_eqn(call, fwd, f_consts, fwd_consts, primals,
+                         eqn.outvars[:n_out], eqn)
     residuals = fwd.assemble_residuals(fwd_inputs, new_res)
     reload = None
     if offload is not None:

@@ -195,6 +195,21 @@ fwd_p.def_impl(fwd_eval)
 C.register_lowering_from_impl(fwd_p, fwd_eval)
 
 
+def _bind_fwd(*args, call, fwd, offload):
+  """Binds ``smartvjp_fwd``; a residual that ``fwd`` named with
+  ``checkpoint_name`` leaves it through a ``checkpoint_name`` equation, as it
+  leaves ``jax.custom_vjp``'s inlined ``fwd``, so that outer remat policies
+  and ``jax.ad_checkpoint.print_saved_residuals`` see the name."""
+  outs = C.Primitive.bind(fwd_p, *args, call=call, fwd=fwd, offload=offload)
+  n = call.num_outs
+  named = [r if name is None else C.name_p.bind(r, name=name)
+           for r, name in zip(outs[n:], fwd.new_res_names)]
+  return [*outs[:n], *named]
+
+
+fwd_p.bind = _bind_fwd
+
+
 # -- smartvjp_jvp -------------------------------------------------------------
 
 def _jvp_abstract_eval(*avals, call, fwd, in_nz, remat):

@@ -17,7 +17,8 @@ from jax import tree_util
 
 from smartvjp import _compat as C
 from smartvjp._cache import TraceLocalCache
-from smartvjp._errors import check_jax_leaves, describe_tree, rule_error
+from smartvjp._errors import (
+    check_jax_leaves, describe_tree, expect_used_up, rule_error)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -96,7 +97,7 @@ class FwdSpec:
     it = iter(new_res)
     res = [fwd_inputs[s] if type(s) is int else next(it)
            for s in self.res_src if type(s) is not StaticResidual]
-    assert next(it, None) is None
+    expect_used_up(it, "computed residuals")
     return res
 
   def residual_tree(self, residuals):
@@ -104,7 +105,7 @@ class FwdSpec:
     it = iter(residuals)
     leaves = [s.value if type(s) is StaticResidual else next(it)
               for s in self.res_src]
-    assert next(it, None) is None
+    expect_used_up(it, "residuals")
     return tree_util.tree_unflatten(self.res_tree, leaves)
 
   def shifted(self, jaxpr, shift: int) -> "FwdSpec":

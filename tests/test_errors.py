@@ -12,7 +12,7 @@ from smartvjp import smart_custom_vjp
 X = jnp.ones((2, 3), jnp.float32)
 
 
-def make(fwd=None, bwd=None, **kw):
+def make(fwd=None, bwd=None, jax_impl=False, **kw):
   def my_f(x, y):
     return {"out": x * y, "aux": (x,)}
 
@@ -23,7 +23,7 @@ def make(fwd=None, bwd=None, **kw):
     x, y = res
     return g["out"] * y + g["aux"][0], g["out"] * x
 
-  F = smart_custom_vjp(my_f, **kw)
+  F = (jax.custom_vjp if jax_impl else smart_custom_vjp)(my_f, **kw)
   F.defvjp(fwd or good_fwd, bwd or good_bwd)
   return F
 
@@ -111,17 +111,43 @@ def test_bwd_wrong_shape_or_dtype(remat):
 
   def my_bwd_int(res, g):
     x, y = res
-    return g["out"] * y, (g["out"] * x).astype(jnp.int32)
-  with pytest.raises(ValueError, match=r"int32\[2,3\] at output\[1\]"):
+    return g["out"] * y, (g["out"] * x)[:1].astype(jnp.int32)
+  with pytest.raises(ValueError, match=r"int32\[1,3\] at output\[1\]"):
     grad_of(make(bwd=my_bwd_int))(X, X)
 
 
-def test_other_float_precision_is_cast_like_jax_allows():
+@pytest.mark.parametrize("ct_dtype", [jnp.float16, jnp.bfloat16, jnp.int32])
+@pytest.mark.parametrize("remat", [False, True])
+def test_other_float_precision_passes_through_like_jax(ct_dtype, remat):
+  """jax.custom_vjp passes a same-shape cotangent of another dtype on as bwd
+  returned it (no cast) when the input's cotangent is a float; so does
+  smartvjp, on the same paths, with the same values."""
   def my_bwd16(res, g):
     x, y = res
-    return g["out"] * y, (g["out"] * x).astype(jnp.float16)
-  gx, gy = grad_of(make(bwd=my_bwd16))(X, X)
-  assert gy.dtype == jnp.float32
+    return g["out"] * y, (g["out"] * x).astype(ct_dtype)
+  gx, gy = grad_of(make(bwd=my_bwd16), remat)(X, X)
+  jx, jy = grad_of(make(bwd=my_bwd16, jax_impl=True), remat)(X, X)
+  assert gy.dtype == jy.dtype == ct_dtype
+  assert gx.dtype == jx.dtype == jnp.float32
+  assert jnp.array_equal(gy, jy) and jnp.array_equal(gx, jx)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_bwd_checks_can_be_disabled_like_jax(remat):
+  """jax_disable_bwd_checks: a wrong-shape cotangent is passed on unchecked,
+  as jax.custom_vjp does (it becomes the gradient as returned)."""
+  from jax._src import config
+
+  def my_bwd(res, g):
+    x, y = res
+    return g["out"] * y, (g["out"] * x)[0]
+  with config.disable_bwd_checks(True):
+    gx, gy = grad_of(make(bwd=my_bwd), remat)(X, X)
+    jx, jy = grad_of(make(bwd=my_bwd, jax_impl=True), remat)(X, X)
+  assert gy.shape == jy.shape == (3,)
+  assert jnp.array_equal(gy, jy) and jnp.array_equal(gx, jx)
+  with pytest.raises(ValueError, match=r"float32\[3\] at output\[1\]"):
+    grad_of(make(bwd=my_bwd), remat)(X, X)
 
 
 def test_fwd_bwd_wrong_output():
@@ -161,3 +187,35 @@ def test_unknown_nondiff_argname():
     return x
   with pytest.raises(ValueError, match=r"nondiff_argnames contains 'q'.*my_f"):
     smart_custom_vjp(my_f, nondiff_argnames=("q",))
+
+
+def test_forward_mode_error_of_fused_only_function_names_fwd_bwd():
+  """A function defined with fwd_bwd alone: an error about its tangent map
+  names the fwd_bwd rule, not a missing bwd (NoneType)."""
+  import numpy as np
+
+  @smart_custom_vjp
+  def my_f(x):
+    return jnp.sin(x)
+
+  def my_fused(x, g):
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return (jax.pure_callback(lambda x, g: np.cos(x) * g, out, x, g),)
+  my_f.defvjp(fwd_bwd=my_fused)
+  x = jnp.ones(3)
+  with pytest.raises(TypeError) as info:
+    jax.jvp(lambda x: jax.jvp(my_f, (x,), (x,))[1], (x,), (x,))
+  assert "fwd_bwd rule (my_fused)" in str(info.value)
+  assert "NoneType" not in str(info.value)
+
+
+def test_errors_never_come_from_bare_asserts():
+  """smartvjp's package has no bare ``assert`` (an empty AssertionError as
+  the cause of a user's error, and gone under ``python -O``)."""
+  import ast
+  import pathlib
+  import smartvjp
+  for path in pathlib.Path(smartvjp.__file__).parent.glob("*.py"):
+    tree = ast.parse(path.read_text())
+    found = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
+    assert not found, f"{path.name}: assert at lines {found}"
