@@ -29,7 +29,7 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
         "custom_partial_eval_rules", "dce_rules", "ensure_enum",
-        "_default_dce_rule")),
+        "_default_dce_rule", "partial_eval_jaxpr_custom", "dce_jaxpr")),
     ("jax._src.interpreters.ad", (
         "is_undefined_primal", "instantiate_zeros", "primitive_jvps",
         "primitive_transposes", "primitive_linearizations",
@@ -275,6 +275,24 @@ def config_key() -> Any:
 def policy_answer(policy: Callable, prim: Primitive, avals, params):
   """Asks a remat policy about one equation; returns Saveable/Recompute/Offloadable."""
   return _pe.ensure_enum(policy(prim, *avals, **params))
+
+
+def split_by_policy(jaxpr, ensure_out_unknowns, ensure_out_inst, policy):
+  """Splits a jaxpr whose inputs are all known by a remat policy, as
+  ``jax.checkpoint`` splits its body: ``(known, staged, num_res)``. ``known``
+  maps the inputs to ``[*known_outs, *residuals]``; ``staged`` maps the
+  residuals (inputs among them) to the instantiated outputs, recomputing what
+  the policy does not save."""
+  n = len(jaxpr.invars)
+  known, staged, _, _, num_res = _pe.partial_eval_jaxpr_custom(
+      jaxpr, [False] * n, [False] * n, ensure_out_unknowns, ensure_out_inst,
+      policy)
+  return known, staged, num_res
+
+
+def dce_jaxpr(jaxpr, used_outputs, instantiate=False):
+  """JAX's dead-code elimination: ``(jaxpr, used_inputs)``."""
+  return _pe.dce_jaxpr(jaxpr, used_outputs, instantiate)
 
 
 def only_unordered_debug_effects(effects) -> bool:

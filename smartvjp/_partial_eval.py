@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from smartvjp import _compat as C
 from smartvjp._check import maybe_check
+from smartvjp._policy import plan_split
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
     split_jvp_args)
@@ -130,6 +131,11 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     return (known, staged, unks_out, inst_out,
             _residuals(eqn, inst_in, staged, new_res))
 
+  split = plan_split(saveable, call, fwd)
+  if split is not None:
+    return _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals,
+                       tangents, unks_out)
+
   # Recompute: f in the forward pass, the whole jvp in the backward region.
   known = C.new_jaxpr_eqn(
       [*f_consts, *primals], eqn.outvars[:n_out], call_p, dict(call=call),
@@ -137,6 +143,28 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   staged = eqn.replace(params=dict(eqn.params, remat=True))
   return (known, staged, unks_out, [True] * len(eqn.outvars),
           _residuals(eqn, inst_in, staged))
+
+
+def _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals, tangents,
+                unks_out):
+  """Some of fwd's values saved: the forward pass runs the part of ``fwd``
+  that produces the primal outputs and the saved values; the backward region
+  rebuilds the rest of ``fwd`` from them (a ``smartvjp_jvp`` whose ``fwd``
+  takes the saved values as leading constants) and runs ``bwd``."""
+  call = eqn.params["call"]
+  n_out = call.num_outs
+  saved = [C.Var(a) for a in split.saved_avals]
+  known = C.new_jaxpr_eqn(
+      [*fwd_consts, *primals], [*eqn.outvars[:n_out], *saved], fwd_p,
+      dict(call=call, fwd=split.known, offload=None),
+      split.known.jaxpr.effects, eqn.source_info, eqn.ctx)
+  staged = C.new_jaxpr_eqn(
+      [*f_consts, *saved, *fwd_consts, *primals, *tangents], eqn.outvars,
+      jvp_p, dict(eqn.params, fwd=split.staged, remat=False),
+      call.jaxpr.effects | split.staged.jaxpr.effects, eqn.source_info,
+      eqn.ctx)
+  return (known, staged, unks_out, [True] * len(eqn.outvars),
+          _residuals(eqn, inst_in, staged, saved))
 
 
 C.register_partial_eval_custom(jvp_p, _jvp_partial_eval_custom)
