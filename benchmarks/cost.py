@@ -13,12 +13,14 @@ of rule for the layer ``gelu(x @ w)``:
 * ``named``: JAX-coded, the residual ``gelu'(y)`` named ``"res"`` with
   ``checkpoint_name``.
 
-Per cell, for ``jit(grad(loss))`` of an unrolled stack of layers: XLA's
+Per cell, for ``jit(grad(loss))`` of a ``lax.scan`` over layers (or, with
+``--unrolled``, a Python loop; at the top level of a program XLA may merge a
+rematerialized computation with the forward one, hiding the difference): XLA's
 flops and bytes accessed (``cost_analysis``), temporary memory
 (``memory_analysis().temp_size_in_bytes``) and kernel launches counted when
 the step runs. Deterministic: the same program gives the same numbers.
 
-Run:  python benchmarks/cost.py [--batch 256 --width 512 --layers 4]
+Run:  python benchmarks/cost.py [--batch 256 --width 512 --layers 4 --unrolled]
 """
 
 from __future__ import annotations
@@ -179,7 +181,14 @@ def _first(d):
   return d[0] if isinstance(d, (list, tuple)) else d
 
 
-def measure(impl, kind, policy_name, batch, width, layers, scan=False):
+# XLA options that make compilation faster without changing the optimized
+# HLO that cost and memory analysis read (only machine-code generation)
+FAST_COMPILE = {"xla_backend_optimization_level": 0,
+                "xla_llvm_disable_expensive_passes": True}
+
+
+def measure(impl, kind, policy_name, batch, width, layers, scan=False,
+            compiler_options=None):
   """``dict(flops, bytes, temp, launches)``: XLA's flops and bytes accessed
   per layer (XLA counts a loop body once: per trip of a scan, the unrolled
   program's divided by its layers), temporary memory and kernel launches per
@@ -190,7 +199,7 @@ def measure(impl, kind, policy_name, batch, width, layers, scan=False):
     ws = jnp.stack(ws)
   fn = step(impl, kind, policy_name, scan)
   try:
-    compiled = fn.lower(x, ws).compile()
+    compiled = fn.lower(x, ws).compile(compiler_options)
   except Exception:  # noqa: BLE001 - a backend without the memory space
     if "offload" in policy_name:
       return None
@@ -206,10 +215,13 @@ def measure(impl, kind, policy_name, batch, width, layers, scan=False):
               launches=sum(K.COUNTS.values()))
 
 
-def table(batch=256, width=512, layers=4, kinds=KINDS, policies=None):
+def table(batch=256, width=512, layers=4, kinds=KINDS, policies=None,
+          scan=True, compiler_options=None):
   """``{(policy, kind): {impl: cell}}`` for every row and column."""
   policies = list(POLICIES) if policies is None else policies
-  return {(p, k): {i: measure(i, k, p, batch, width, layers) for i in IMPLS}
+  return {(p, k): {i: measure(i, k, p, batch, width, layers, scan,
+                              compiler_options)
+                   for i in IMPLS}
           for p in policies for k in kinds}
 
 
@@ -263,8 +275,11 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--width", type=int, default=512)
   ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--unrolled", action="store_true",
+                  help="a Python loop of layers instead of a lax.scan")
   args = ap.parse_args(argv)
-  print(render(table(args.batch, args.width, args.layers)))
+  print(render(table(args.batch, args.width, args.layers,
+                     scan=not args.unrolled)))
   print()
   print(issue_case(args.batch, args.width))
 

@@ -13,7 +13,8 @@ _spec = importlib.util.spec_from_file_location("smartvjp_cost_bench", _PATH)
 cost = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cost)
 
-SIZES = dict(batch=16, width=32, layers=1)
+SIZES = dict(batch=16, width=32, layers=2, scan=True,
+             compiler_options=cost.FAST_COMPILE)
 # XLA's flop count of the same arithmetic varies by a unit or two with the
 # shapes of the (zero-flop) custom calls around it; any real operation of
 # these programs costs at least an array of batch * width elements
@@ -45,7 +46,8 @@ def test_the_mixed_residual_case_saves_the_matmul():
   # the issue's case: fwd returns (x, w, y, gelu'(y)); under dots_saveable
   # jax.custom_vjp saves y and recomputes gelu'(y) only; so does smartvjp,
   # where recomputing the whole call would add a matmul per layer
-  sizes = dict(batch=64, width=64, layers=3, scan=True)
+  sizes = dict(batch=64, width=64, layers=3, scan=True,
+               compiler_options=cost.FAST_COMPILE)
   row = {i: cost.measure(i, "mixed", "dots_saveable", **sizes)
          for i in ("jax.custom_vjp", "optimize_remat", "smartvjp")}
   matmul = 2 * 64 * 64 * 64
