@@ -109,6 +109,11 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   unks_out = [False] * n_out + [True] * n_tan
 
   kept = residual_policy(saveable, eqn)
+  if kept is None or not any(s is not None for s in kept):
+    split = plan_split(saveable, call, fwd)
+    if split is not None:
+      return _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals,
+                         tangents, unks_out)
   if kept is not None:
     fwd_inputs = [*fwd_consts, *primals]
     offload = kept if any(s is not None for s in kept) else None
@@ -131,11 +136,6 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     return (known, staged, unks_out, inst_out,
             _residuals(eqn, inst_in, staged, new_res))
 
-  split = plan_split(saveable, call, fwd)
-  if split is not None:
-    return _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals,
-                       tangents, unks_out)
-
   # Recompute: f in the forward pass, the whole jvp in the backward region.
   known = C.new_jaxpr_eqn(
       [*f_consts, *primals], eqn.outvars[:n_out], call_p, dict(call=call),
@@ -153,17 +153,25 @@ def _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals, tangents,
   takes the saved values as leading constants) and runs ``bwd``."""
   call = eqn.params["call"]
   n_out = call.num_outs
-  saved = [C.Var(a) for a in split.saved_avals]
+  saved = [C.Var(a) if o is None else eqn.outvars[o]
+           for a, o in zip(split.saved_avals, split.saved_outputs)]
+  extra = [v for v, o in zip(saved, split.saved_outputs) if o is None]
   known = C.new_jaxpr_eqn(
-      [*fwd_consts, *primals], [*eqn.outvars[:n_out], *saved], fwd_p,
+      [*fwd_consts, *primals], [*eqn.outvars[:n_out], *extra], fwd_p,
       dict(call=call, fwd=split.known, offload=None),
       split.known.jaxpr.effects, eqn.source_info, eqn.ctx)
+  # a primal output the policy saves is read from the forward pass, not
+  # recomputed: the staged equation's copy of it goes unused
+  kept_outs = set(o for o in split.saved_outputs if o is not None)
+  outvars = [C.Var(v.aval) if i in kept_outs else v
+             for i, v in enumerate(eqn.outvars)]
   staged = C.new_jaxpr_eqn(
-      [*f_consts, *saved, *fwd_consts, *primals, *tangents], eqn.outvars,
+      [*f_consts, *saved, *fwd_consts, *primals, *tangents], outvars,
       jvp_p, dict(eqn.params, fwd=split.staged, remat=False),
       call.jaxpr.effects | split.staged.jaxpr.effects, eqn.source_info,
       eqn.ctx)
-  return (known, staged, unks_out, [True] * len(eqn.outvars),
+  inst_out = [i not in kept_outs for i in range(len(eqn.outvars))]
+  return (known, staged, unks_out, inst_out,
           _residuals(eqn, inst_in, staged, saved))
 
 

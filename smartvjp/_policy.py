@@ -23,6 +23,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
+
 from smartvjp import _compat as C
 
 
@@ -35,6 +38,8 @@ class Split:
   known: object
   staged: object
   saved_avals: tuple
+  # per saved value, the primal output it is (saved as itself), or None
+  saved_outputs: tuple = ()
 
 
 def plan_split(saveable, call, fwd) -> Split | None:
@@ -47,23 +52,42 @@ def plan_split(saveable, call, fwd) -> Split | None:
       jaxpr, [False] * n_out + [True] * fwd.num_new_res, True, saveable)
   inputs = set(jaxpr.invars)
   computed = [r for r in staged.invars[:num_res] if r not in inputs]
-  staged = staged.replace(invars=[*computed, *jaxpr.invars])
+  staged = _without_saved_outputs(
+      staged.replace(invars=[*computed, *jaxpr.invars]), n_out, set(computed))
   _, used = C.dce_jaxpr(staged, [True] * len(staged.outvars))
   saved = [r for r, u in zip(computed, used) if u]
   if not saved:
     return None   # nothing fwd computes is kept: f forward is never dearer
   staged, _ = C.dce_jaxpr(staged.replace(invars=[*saved, *jaxpr.invars]),
                           [True] * len(staged.outvars), True)
-  known, _ = C.dce_jaxpr(
-      known.replace(outvars=[*known.outvars[:n_out], *saved]),
-      [True] * (n_out + len(saved)), True)
+  outs = list(known.outvars[:n_out])
+  saved_outputs = tuple(outs.index(v) if v in outs else None for v in saved)
+  extra = [v for v, o in zip(saved, saved_outputs) if o is None]
+  known, _ = C.dce_jaxpr(known.replace(outvars=[*outs, *extra]),
+                         [True] * (n_out + len(extra)), True)
   if not _worth_it(known, staged, call):
     return None
   known_spec = dataclasses.replace(
       fwd, jaxpr=C.ClosedJaxpr(known, ()),
-      new_res_names=(None,) * len(saved), new_res_eqns=())
+      new_res_names=(None,) * len(extra), new_res_eqns=())
   staged_spec = fwd.shifted(C.ClosedJaxpr(staged, ()), len(saved))
-  return Split(known_spec, staged_spec, tuple(v.aval for v in saved))
+  return Split(known_spec, staged_spec, tuple(v.aval for v in saved),
+               saved_outputs)
+
+
+def _without_saved_outputs(staged, n_out, saved):
+  """A primal output that the policy saves is read from the forward pass,
+  not from the backward region: its place among the staged outputs gets a
+  zero array (unused, so XLA drops it) instead of the saved value, so that
+  the backward region does not keep it alive for nothing."""
+  outvars, eqns = list(staged.outvars), list(staged.eqns)
+  for i in range(n_out):
+    if outvars[i] in saved:
+      aval = outvars[i].aval
+      zeros = jax.make_jaxpr(lambda: jnp.zeros(aval.shape, aval.dtype))()
+      eqns.extend(zeros.jaxpr.eqns)
+      outvars[i] = zeros.jaxpr.outvars[0]
+  return staged.replace(eqns=eqns, outvars=outvars)
 
 
 def _worth_it(known, staged, call) -> bool:
@@ -110,6 +134,8 @@ def cost(eqns) -> float:
       total += inner * e.params.get("length", 1)
     elif is_opaque(e):
       return math.inf
+    elif e.primitive is C.name_p:   # checkpoint_name: an identity
+      continue
     elif e.primitive.name == "dot_general":
       (lhs_contract, _), _ = e.params["dimension_numbers"]
       k = math.prod(e.invars[0].aval.shape[d] for d in lhs_contract)
