@@ -44,12 +44,29 @@ def residual_policy(saveable, eqn):
   rules, while a Pallas or callback output is not), or for the call's own
   primitive (so ``everything_saveable`` saves and ``nothing_saveable``
   recomputes). Residuals that are
-  inputs of the call cost nothing to keep and are not asked about. If every
-  residual asked about is saveable or offloadable, the residuals are kept (the
-  forward pass runs ``fwd``, the backward pass only ``bwd``); otherwise
-  everything is recomputed (the forward pass runs ``f``, the backward region
-  ``fwd`` + ``bwd`` or ``fwd_bwd``), because keeping only some residuals would
-  still need ``fwd`` in the backward region, which is never cheaper.
+  inputs of the call cost nothing to keep and are not asked about.
+
+  The decision for the whole call (``_jvp_partial_eval_custom``), for any mix
+  of opaque and transparent equations in ``fwd``: the forward pass runs the
+  cheapest program that produces the primal outputs and the saved values, and
+  the backward region recomputes only what was not saved. Concretely:
+
+  * a JAX-coded ``fwd`` is split by the policy equation by equation, exactly
+    as ``jax.checkpoint`` splits ``fwd`` inlined (``_policy.plan_split``):
+    the forward pass runs the part of ``fwd`` producing the primal outputs
+    and the saved values, the backward region rebuilds the rest from them and
+    the inputs, then runs ``bwd``. Primal outputs follow the policy too.
+  * The call is recomputed whole instead (``f`` forward, ``fwd`` + ``bwd`` or
+    ``fwd_bwd`` backward) when the split saves nothing ``fwd`` computes, when
+    an opaque kernel (one equation producing several values: a Pallas call,
+    a custom call, a callback) would run in both passes (keeping part of a
+    kernel's outputs still needs the kernel again), or when what would run in
+    both passes costs more than ``f`` (``_policy.cost``).
+  * When this function's answers save or offload every residual and the
+    split does not apply (an opaque ``fwd``, offloading), the forward pass
+    runs ``fwd`` and the backward pass only ``bwd``.
+
+  ``fwd_bwd`` runs only where nothing of the call is saved.
   """
   fwd = eqn.params["fwd"]
   if fwd is None or fwd.num_new_res == 0:
