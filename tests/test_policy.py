@@ -78,3 +78,29 @@ def test_unsaveable_primal_output_is_recomputed():
   smart = _saved(loss(build(smart_custom_vjp, False), p))
   ref = _saved(loss(build(jax.custom_vjp, False), p))
   assert smart == ref
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("policy", ["dots", "name_y", "everything"])
+def test_split_fwd_under_vmap_jit_scan_and_forward_over_reverse(policy, mixed):
+  p = POLICIES[policy]
+  xs = jnp.stack([X, 2 * X])
+
+  def programs(cls):
+    L = loss(build(cls, mixed), p)
+    g = jax.vmap(jax.grad(L, (0, 1)), in_axes=(0, None))
+
+    def scanned(x, w):
+      layer = jax.checkpoint(build(cls, mixed), policy=p)
+      h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x,
+                          jnp.stack([w, w]))
+      return jnp.sum(jnp.sin(h))
+    return [jax.jit(g)(xs, W), g(xs, W),
+            jax.grad(lambda x, w: jnp.sum(jax.vmap(L, (0, None))(x, w)),
+                     (0, 1))(xs, W),
+            jax.jacfwd(jax.grad(L))(X, W),
+            jax.jit(jax.grad(scanned, (0, 1)))(X, W)]
+
+  for a, b in zip(programs(smart_custom_vjp), programs(jax.custom_vjp)):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                         atol=1e-5), a, b)
