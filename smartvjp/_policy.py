@@ -52,7 +52,7 @@ def plan_split(saveable, call, fwd) -> Split | None:
       jaxpr, [False] * n_out + [True] * fwd.num_new_res, True, saveable)
   inputs = set(jaxpr.invars)
   computed = [r for r in staged.invars[:num_res] if r not in inputs]
-  staged = _without_saved_outputs(
+  staged, fillers = _without_saved_outputs(
       staged.replace(invars=[*computed, *jaxpr.invars]), n_out, set(computed))
   _, used = C.dce_jaxpr(staged, [True] * len(staged.outvars))
   saved = [r for r, u in zip(computed, used) if u]
@@ -60,6 +60,8 @@ def plan_split(saveable, call, fwd) -> Split | None:
     return None   # nothing fwd computes is kept: f forward is never dearer
   staged, _ = C.dce_jaxpr(staged.replace(invars=[*saved, *jaxpr.invars]),
                           [True] * len(staged.outvars), True)
+  if len(staged.eqns) == fillers:
+    return None   # nothing to recompute: the residuals are simply kept
   outs = list(known.outvars[:n_out])
   saved_outputs = tuple(outs.index(v) if v in outs else None for v in saved)
   extra = [v for v, o in zip(saved, saved_outputs) if o is None]
@@ -76,18 +78,21 @@ def plan_split(saveable, call, fwd) -> Split | None:
 
 
 def _without_saved_outputs(staged, n_out, saved):
-  """A primal output that the policy saves is read from the forward pass,
+  """``(staged, fillers)``: a primal output that the policy saves is read
+  from the forward pass,
   not from the backward region: its place among the staged outputs gets a
   zero array (unused, so XLA drops it) instead of the saved value, so that
   the backward region does not keep it alive for nothing."""
   outvars, eqns = list(staged.outvars), list(staged.eqns)
+  fillers = 0
   for i in range(n_out):
     if outvars[i] in saved:
       aval = outvars[i].aval
       zeros = jax.make_jaxpr(lambda: jnp.zeros(aval.shape, aval.dtype))()
       eqns.extend(zeros.jaxpr.eqns)
+      fillers += len(zeros.jaxpr.eqns)
       outvars[i] = zeros.jaxpr.outvars[0]
-  return staged.replace(eqns=eqns, outvars=outvars)
+  return staged.replace(eqns=eqns, outvars=outvars), fillers
 
 
 def _worth_it(known, staged, call) -> bool:
