@@ -31,7 +31,8 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
         "convert_constvars_jaxpr", "partial_eval_jaxpr_custom_rules",
         "custom_partial_eval_rules", "dce_rules", "ensure_enum",
-        "_default_dce_rule", "dce_jaxpr", "dceable_effects")),
+        "_default_dce_rule", "dce_jaxpr", "dceable_effects",
+        "partial_eval_jaxpr_custom")),
     ("jax._src.interpreters.ad", (
         "is_undefined_primal", "instantiate_zeros", "primitive_jvps",
         "primitive_transposes", "primitive_linearizations",
@@ -343,6 +344,26 @@ def uses_axis_name(effects, name) -> bool:
   (a collective such as ``psum(x, name)`` inside it)."""
   return name is not None and any(
       isinstance(e, _core.NamedAxisEffect) and e.name == name for e in effects)
+
+
+def split_by_policy(jaxpr, ensure_out_unknowns, ensure_out_inst, policy):
+  """Splits a jaxpr whose inputs are all known by a remat policy, as
+  ``jax.checkpoint`` splits its body: ``(known, staged, num_res)``. ``known``
+  maps the inputs to ``[*known_outs, *residuals]``; ``staged`` maps the
+  residuals (inputs among them) to the instantiated outputs, recomputing what
+  the policy does not save."""
+  n = len(jaxpr.invars)
+  known, staged, _, _, num_res = _pe.partial_eval_jaxpr_custom(
+      jaxpr, [False] * n, [False] * n, ensure_out_unknowns, ensure_out_inst,
+      policy)
+  return known, staged, num_res
+
+
+def dce_jaxpr(jaxpr, used_outputs, instantiate=False):
+  """JAX's dead-code elimination: ``(jaxpr, used_inputs)``."""
+  return _pe.dce_jaxpr(jaxpr, used_outputs, instantiate)
+
+
 
 
 def hide_frames_under(path: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from smartvjp import _compat as C
 from smartvjp._check import maybe_check
 from smartvjp._jax_api import remat_variant
+from smartvjp._policy import plan_split
 from smartvjp._primitives import (
     bind_primal, bind_primal_and_residuals, fused_lin_p, fwd_p, jvp_p, lin_p,
     primal_eqn, split_jvp_args)
@@ -44,12 +45,29 @@ def residual_policy(saveable, eqn):
   rules, while a Pallas or callback output is not), or for the call's own
   primitive (so ``everything_saveable`` saves and ``nothing_saveable``
   recomputes). Residuals that are
-  inputs of the call cost nothing to keep and are not asked about. If every
-  residual asked about is saveable or offloadable, the residuals are kept (the
-  forward pass runs ``fwd``, the backward pass only ``bwd``); otherwise
-  everything is recomputed (the forward pass runs ``f``, the backward region
-  ``fwd`` + ``bwd`` or ``fwd_bwd``), because keeping only some residuals would
-  still need ``fwd`` in the backward region, which is never cheaper.
+  inputs of the call cost nothing to keep and are not asked about.
+
+  The decision for the whole call (``_jvp_partial_eval_custom``), for any mix
+  of opaque and transparent equations in ``fwd``: the forward pass runs the
+  cheapest program that produces the primal outputs and the saved values, and
+  the backward region recomputes only what was not saved. Concretely:
+
+  * a JAX-coded ``fwd`` is split by the policy equation by equation, exactly
+    as ``jax.checkpoint`` splits ``fwd`` inlined (``_policy.plan_split``):
+    the forward pass runs the part of ``fwd`` producing the primal outputs
+    and the saved values, the backward region rebuilds the rest from them and
+    the inputs, then runs ``bwd``. Primal outputs follow the policy too.
+  * The call is recomputed whole instead (``f`` forward, ``fwd`` + ``bwd`` or
+    ``fwd_bwd`` backward) when the split saves nothing ``fwd`` computes, when
+    an opaque kernel (one equation producing several values: a Pallas call,
+    a custom call, a callback) would run in both passes (keeping part of a
+    kernel's outputs still needs the kernel again), or when what would run in
+    both passes costs more than ``f`` (``_policy.cost``).
+  * When this function's answers save or offload every residual and the
+    split does not apply (an opaque ``fwd``, offloading), the forward pass
+    runs ``fwd`` and the backward pass only ``bwd``.
+
+  ``fwd_bwd`` runs only where nothing of the call is saved.
   """
   fwd = eqn.params["fwd"]
   if fwd is None:
@@ -116,6 +134,12 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   unks_out = [False] * n_out + [True] * n_tan
 
   kept = residual_policy(saveable, eqn)
+  if (call.rules.remat is None and not call.rules.always_save
+      and (kept is None or not any(s is not None for s in kept))):
+    split = plan_split(saveable, call, fwd)
+    if split is not None:
+      return _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals,
+                         tangents, unks_out)
   if kept is None and call.rules.remat is not None:
     swapped = remat_variant(eqn, inst_in)  # defremat's rules where recomputed
     if swapped is not None:
@@ -156,6 +180,36 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   staged = eqn.replace(params=dict(eqn.params, remat=True))
   return (known, staged, unks_out, [True] * len(eqn.outvars),
           _residuals(eqn, inst_in, staged))
+
+
+def _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals, tangents,
+                unks_out):
+  """Some of fwd's values saved: the forward pass runs the part of ``fwd``
+  that produces the primal outputs and the saved values; the backward region
+  rebuilds the rest of ``fwd`` from them (a ``smartvjp_jvp`` whose ``fwd``
+  takes the saved values as leading constants) and runs ``bwd``."""
+  call = eqn.params["call"]
+  n_out = call.num_outs
+  saved = [C.Var(a) if o is None else eqn.outvars[o]
+           for a, o in zip(split.saved_avals, split.saved_outputs)]
+  extra = [v for v, o in zip(saved, split.saved_outputs) if o is None]
+  known = C.new_jaxpr_eqn(
+      [*fwd_consts, *primals], [*eqn.outvars[:n_out], *extra], fwd_p,
+      dict(call=call, fwd=split.known, offload=None),
+      split.known.jaxpr.effects, eqn.source_info, eqn.ctx)
+  # a primal output the policy saves is read from the forward pass, not
+  # recomputed: the staged equation's copy of it goes unused
+  kept_outs = set(o for o in split.saved_outputs if o is not None)
+  outvars = [C.Var(v.aval) if i in kept_outs else v
+             for i, v in enumerate(eqn.outvars)]
+  staged = C.new_jaxpr_eqn(
+      [*f_consts, *saved, *fwd_consts, *primals, *tangents], outvars,
+      jvp_p, dict(eqn.params, fwd=split.staged, remat=False),
+      call.jaxpr.effects | split.staged.jaxpr.effects, eqn.source_info,
+      eqn.ctx)
+  inst_out = [i not in kept_outs for i in range(len(eqn.outvars))]
+  return (known, staged, unks_out, inst_out,
+          _residuals(eqn, inst_in, staged, saved))
 
 
 C.register_partial_eval_custom(jvp_p, _jvp_partial_eval_custom)

@@ -1,0 +1,106 @@
+"""Remat policies inside a JAX-coded fwd: each value fwd computes, the primal
+outputs included, is saved or recomputed as jax.custom_vjp (whose fwd JAX
+partially evaluates equation by equation) would do it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+from jax._src.ad_checkpoint import saved_residuals
+
+from smartvjp import smart_custom_vjp
+
+P = jax.checkpoint_policies
+POLICIES = {
+    "nothing": P.nothing_saveable,
+    "everything": P.everything_saveable,
+    "dots": P.dots_saveable,
+    "dots_no_batch": P.dots_with_no_batch_dims_saveable,
+    "name_y": P.save_only_these_names("y"),
+    "name_d": P.save_only_these_names("d"),
+    "all_but_d": P.save_anything_except_these_names("d"),
+}
+
+
+def build(cls, mixed):
+  def f(x, w):
+    return jnp.tanh(x @ w)
+
+  def fwd(x, w):
+    y = checkpoint_name(x @ w, "y")
+    z = jnp.tanh(y)
+    if mixed:
+      return z, (x, w, checkpoint_name(1 - z ** 2, "d"))
+    return z, (x, w, y)
+
+  def bwd(res, g):
+    x, w, r = res
+    d = g * (r if mixed else 1 - jnp.tanh(r) ** 2)
+    return d @ w.T, x.T @ d
+
+  F = cls(f)
+  F.defvjp(fwd, bwd)
+  return F
+
+
+def loss(F, policy):
+  # inside the checkpoint, the backward pass needs the primal output z
+  # (for cos(z), the derivative of sin(z)); cos is not saveable
+  layer = jax.checkpoint(lambda x, w: jnp.sin(F(x, w)), policy=policy)
+  return lambda x, w: jnp.sum(layer(layer(x, w), w) ** 2)
+
+
+X = jnp.asarray(np.random.RandomState(0).randn(8, 6), jnp.float32)
+W = jnp.asarray(np.random.RandomState(1).randn(6, 6) / 3, jnp.float32)
+
+
+def _saved(fn):
+  """The shapes of what the forward pass keeps, as a sorted list."""
+  return sorted(str(aval.str_short()) for aval, _ in saved_residuals(fn, X, W))
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_values_saved_as_with_jax_custom_vjp(policy, mixed):
+  p = POLICIES[policy]
+  smart, ref = loss(build(smart_custom_vjp, mixed), p), loss(
+      build(jax.custom_vjp, mixed), p)
+  assert len(_saved(smart)) <= len(_saved(ref)), (_saved(smart), _saved(ref))
+  np.testing.assert_allclose(jax.grad(smart, (0, 1))(X, W)[1],
+                             jax.grad(ref, (0, 1))(X, W)[1], rtol=1e-5)
+
+
+def test_unsaveable_primal_output_is_recomputed():
+  # under dots_saveable, y = x @ w is saved and tanh(y) (the primal output
+  # the backward pass needs) is recomputed from it, as with jax.custom_vjp
+  p = P.dots_saveable
+  smart = _saved(loss(build(smart_custom_vjp, False), p))
+  ref = _saved(loss(build(jax.custom_vjp, False), p))
+  assert smart == ref
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("policy", ["dots", "name_y", "everything"])
+def test_split_fwd_under_vmap_jit_scan_and_forward_over_reverse(policy, mixed):
+  p = POLICIES[policy]
+  xs = jnp.stack([X, 2 * X])
+
+  def programs(cls):
+    L = loss(build(cls, mixed), p)
+    g = jax.vmap(jax.grad(L, (0, 1)), in_axes=(0, None))
+
+    def scanned(x, w):
+      layer = jax.checkpoint(build(cls, mixed), policy=p)
+      h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x,
+                          jnp.stack([w, w]))
+      return jnp.sum(jnp.sin(h))
+    return [jax.jit(g)(xs, W), g(xs, W),
+            jax.grad(lambda x, w: jnp.sum(jax.vmap(L, (0, None))(x, w)),
+                     (0, 1))(xs, W),
+            jax.jacfwd(jax.grad(L))(X, W),
+            jax.jit(jax.grad(scanned, (0, 1)))(X, W)]
+
+  for a, b in zip(programs(smart_custom_vjp), programs(jax.custom_vjp)):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                         atol=1e-5), a, b)
