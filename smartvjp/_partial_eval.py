@@ -101,6 +101,13 @@ def residual_policy(saveable, eqn):
 
 # -- policy-driven partial eval (jax.checkpoint) ------------------------------
 
+def uses_references(call) -> bool:
+  """References (inputs, or effects on them) keep the call whole: their
+  effects' positions follow the rules' own inputs."""
+  return (C.has_input_effects(call.jaxpr)
+          or any(C.is_ref_aval(a) for a in call.in_avals))
+
+
 def _residuals(eqn, inst_in, staged, new_vars=()):
   """What the staged side needs from the known side: ``new_vars`` (outputs of
   the known equation), then each input of ``eqn`` that the staged equation
@@ -134,8 +141,10 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   unks_out = [False] * n_out + [True] * n_tan
 
   kept = residual_policy(saveable, eqn)
-  if (call.rules.remat is None and not call.rules.always_save
-      and (kept is None or not any(s is not None for s in kept))):
+  if (kept is None and call.rules.remat is None and not call.rules.always_save
+      and not uses_references(call)):
+    # some residual is not saveable: save what the policy saves and recompute
+    # the rest (when all are saveable, fwd runs whole in the forward pass)
     split = plan_split(saveable, call, fwd)
     if split is not None:
       return _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals,
