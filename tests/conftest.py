@@ -13,8 +13,7 @@ REMAT3_PENDING = ("smartvjp registers no rules in JAX's remat3 rule table yet "
                   "(the remat3 work of the remat3 and architecture issue)")
 
 
-def has_flag(name):
-  """Whether this JAX defines the config flag ``name``."""
+def _has_flag(name):
   try:
     getattr(jax.config, name)
     return True
@@ -59,7 +58,7 @@ def ad_mode(request):
   if request.param == "default":
     yield "default"
     return
-  missing = [f for f in REMAT3_FLAGS if not has_flag(f)]
+  missing = [f for f in REMAT3_FLAGS if not _has_flag(f)]
   if missing:
     pytest.skip(f"jax {jax.__version__} does not define {', '.join(missing)} "
                 "(jax_remat3 first appears in jax 0.10.1)")

@@ -27,7 +27,12 @@ def needs(method):
                             reason=f"jax {jax.__version__} lacks {method}")
 
 
-from conftest import has_flag as _has_flag  # noqa: E402
+def _has_flag(name):
+  try:
+    getattr(jax.config, name)
+    return True
+  except AttributeError:
+    return False
 
 
 @contextlib.contextmanager
