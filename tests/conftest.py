@@ -13,12 +13,7 @@ REMAT3_PENDING = ("smartvjp registers no rules in JAX's remat3 rule table yet "
                   "(the remat3 work of the remat3 and architecture issue)")
 
 
-def _has_flag(name):
-  try:
-    getattr(jax.config, name)
-    return True
-  except AttributeError:
-    return False
+_has_flag = kernels.has_flag
 
 
 def pytest_configure(config):

@@ -26,6 +26,15 @@ from smartvjp import _compat  # registration adapters (DCE rule signature)
 COUNTS: collections.Counter = collections.Counter()
 
 
+def has_flag(name):
+  """Whether this JAX defines the config flag ``name``."""
+  try:
+    getattr(jax.config, name)
+    return True
+  except AttributeError:
+    return False
+
+
 def reset():
   COUNTS.clear()
 

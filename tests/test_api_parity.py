@@ -27,12 +27,7 @@ def needs(method):
                             reason=f"jax {jax.__version__} lacks {method}")
 
 
-def _has_flag(name):
-  try:
-    getattr(jax.config, name)
-    return True
-  except AttributeError:
-    return False
+_has_flag = K.has_flag
 
 
 @contextlib.contextmanager
