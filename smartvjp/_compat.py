@@ -25,7 +25,7 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.core", (
         "Primitive", "JaxprEqn", "Var", "Literal", "Tracer", "typeof",
         "typecompat", "mem_kind_to_space", "trace_ctx", "EvalTrace",
-        "eval_jaxpr", "unmapped_aval", "mapped_aval", "pp_eqn_rules",
+        "eval_jaxpr", "unmapped_aval", "mapped_aval", "pp_eqn_rules", "pp_eqn",
         "set_current_trace", "DropVar", "get_referent", "NamedAxisEffect")),
     ("jax._src.interpreters.partial_eval", (
         "Recompute", "Offloadable", "new_jaxpr_eqn", "trace_to_jaxpr_dynamic",
@@ -274,10 +274,21 @@ def register_pp(prim: Primitive, rule: Callable) -> None:
   _core.pp_eqn_rules[prim] = rule
 
 
+_PRINT_STAND_INS: dict[str, Primitive] = {}
+
+
 def pp_eqn(eqn, context, settings):
   """JAX's default printing of an equation (what a ``register_pp`` rule
-  delegates to after choosing which params to show)."""
-  return _core._pp_eqn(eqn, context, settings)
+  delegates to after choosing which params to show).
+
+  ``core.pp_eqn`` would call the rule again, so the equation is printed under
+  a stand-in primitive of the same name that has no printing rule.
+  """
+  name = eqn.primitive.name
+  stand_in = _PRINT_STAND_INS.get(name)
+  if stand_in is None:
+    stand_in = _PRINT_STAND_INS.setdefault(name, Primitive(name))
+  return _core.pp_eqn(eqn.replace(primitive=stand_in), context, settings)
 
 
 # -- tracing ------------------------------------------------------------------
