@@ -68,7 +68,7 @@ def stages() -> str:
   show("4. `grad(checkpoint(F))`: `f` forward; in the rematerialized region "
        "(after the trace-time partial eval of 3b and transposition) `fwd` and "
        "`bwd`", jax.make_jaxpr(jax.grad(loss))(x))
-  show("5. Without remat (direct linearize): `fwd` now, `bwd` in the "
+  show("5. Without remat (linearize): `fwd` now, `bwd` in the "
        "transpose", jax.make_jaxpr(jax.grad(lambda x: jnp.sum(F(x) ** 2)))(x))
   return "\n".join(out)
 

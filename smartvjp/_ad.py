@@ -1,4 +1,4 @@
-"""Differentiation rules: JVP, direct linearize, transpose, forward mode.
+"""Differentiation rules: JVP, linearize, transpose, forward mode.
 
 Which JAX machinery calls which rule (jax 0.10):
 
@@ -30,7 +30,7 @@ from smartvjp._spec import (check_aliased_refs, check_fwd_output_types,
                             eager_f, eager_fwd, select_outputs)
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
-    fwd_p, jvp_p, lin_out_avals, lin_p, primal_p, rule_eval, rule_p,
+    fwd_p, jvp_p, lin_out_avals, lin_p, primal_p, bwd_eval, bwd_p,
     split_jvp_args, split_primal_args, tangent_avals)
 
 
@@ -83,7 +83,7 @@ def expand_tangents(call, nz_outs):
   return outs
 
 
-# -- JVP (reached by jax.checkpoint and by non-direct linearize) --------------
+# -- JVP (reached by jax.checkpoint and jax.jvp) -----------------------------
 
 def _call_jvp(primals, tangents, *, call):
   if call.full is not None:   # pruned by DCE: the whole call's rule, selected
@@ -105,10 +105,7 @@ def _call_jvp(primals, tangents, *, call):
   return primal_outs, expand_tangents(call, nz_out)
 
 
-C.register_jvp(call_p, _call_jvp)
-
-
-# -- direct linearize (jax.grad / jax.vjp by default) -------------------------
+# -- linearize (jax.grad / jax.vjp) ------------------------------------------
 
 def _call_linearize(is_vjp, nonzeros, *primals_in, call):
   if call.full is not None:   # pruned by DCE: the whole call's rule, selected
@@ -162,9 +159,6 @@ def _linearized(call, in_nz, primal_outs, residuals, prim, params):
   return list(primal_outs), list(call.out_nz), list(residuals), linearized
 
 
-C.register_linearization(call_p, _call_linearize)
-
-
 # -- transposes ---------------------------------------------------------------
 
 def _nz_inputs(cts_in, in_nz):
@@ -194,10 +188,6 @@ def _fused_lin_transpose(cts, *args, call, in_nz):
   cts_out = expand_tangents(call, cts)
   cts_in = run_fwd_bwd(call, args[:n], in_nz, cts_out)
   return [None] * n + _nz_inputs(cts_in, in_nz)
-
-
-C.register_transpose(lin_p, _lin_transpose)
-C.register_transpose(fused_lin_p, _fused_lin_transpose)
 
 
 # -- forward mode: the tangent map is the transpose of the cotangent map ------
@@ -257,12 +247,6 @@ def _jvp_forward(*args, call, fwd, in_nz, remat):
   res = fwd.assemble_residuals(fwd_inputs, outs[call.num_outs:])
   return [*primal_outs, *_lin_forward(*res, *nz_t, call=call, fwd=fwd,
                                       in_nz=in_nz, reload=None)]
-
-
-for _p, _impl in ((jvp_p, _jvp_forward), (lin_p, _lin_forward),
-                  (fused_lin_p, _fused_lin_forward)):
-  _p.def_impl(_impl)
-  C.register_lowering_from_impl(_p, _impl)
 
 
 # -- higher order: JVPs of the rules' own primitives --------------------------
@@ -328,7 +312,7 @@ def _primal_jvp(primals, tangents, *, call, fwd):
                    [*fwd_consts_t, *xs_t], call=call)
 
 
-def _jvp_jvp(primals, tangents, **params):
+def _jvp_of_smartvjp_jvp(primals, tangents, **params):
   # the tangent map is bwd's, or fwd_bwd's for a function without fwd/bwd
   role = "bwd" if params["fwd"] is not None else "fwd_bwd"
   return _rule_jvp(jvp_p, _jvp_forward, role, primals, tangents, **params)
@@ -347,11 +331,8 @@ def _fused_lin_jvp(primals, tangents, **params):
 
 
 def _bwd_jvp(primals, tangents, **params):
-  return _rule_jvp(rule_p, rule_eval, params["which"], primals, tangents,
+  return _rule_jvp(bwd_p, bwd_eval, params["which"], primals, tangents,
                    **params)
-
-
-C.register_jvp(rule_p, _bwd_jvp)
 
 
 def _bwd_transpose(cts, *args, call, which, jaxpr):
@@ -363,20 +344,12 @@ def _bwd_transpose(cts, *args, call, which, jaxpr):
   def linear_part(*lin):
     it = iter(lin)
     full = [next(it) if u else a for a, u in zip(args, undefined)]
-    return rule_eval(*full, call=call, which=which, jaxpr=jaxpr)
+    return bwd_eval(*full, call=call, which=which, jaxpr=jaxpr)
 
   transposed = jax.linear_transpose(linear_part, *lin_avals)  # full types
   out_cts = transposed([C.instantiate_zeros(c) for c in cts])
   it = iter(out_cts)
   return [next(it) if u else None for u in undefined]
-
-
-C.register_transpose(rule_p, _bwd_transpose)
-C.register_jvp(fwd_p, _fwd_jvp)
-C.register_jvp(primal_p, _primal_jvp)
-C.register_jvp(jvp_p, _jvp_jvp)
-C.register_jvp(lin_p, _lin_jvp)
-C.register_jvp(fused_lin_p, _fused_lin_jvp)
 
 
 # -- a smart_custom_vjp call in a linear position ------------------------------
@@ -412,4 +385,3 @@ def _call_transpose(cts, *args, call):
   return [next(it) if u else None for u in undefined]
 
 
-C.register_transpose(call_p, _call_transpose)

@@ -11,7 +11,7 @@ from jax import tree_util
 from jax.errors import UnexpectedTracerError
 
 from smartvjp import _compat as C
-from smartvjp import _ad, _batching, _checkify, _partial_eval  # noqa: F401  (rules)
+from smartvjp import _rules  # noqa: F401  (registers the primitives' rules)
 from smartvjp import _jax_api
 from smartvjp._errors import rule_error
 from smartvjp._primitives import call_p

@@ -26,7 +26,7 @@ from smartvjp._jax_api import remat_call
 from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, fused_lin_p, fwd_p, jvp_p, lin_p,
-    primal_p, rule_p, split_jvp_args, split_primal_args)
+    primal_p, bwd_p, split_jvp_args, split_primal_args)
 from smartvjp._spec import CallSpec, Rules, select_outputs, trace_call
 
 
@@ -359,26 +359,17 @@ def _fused_lin_batch(axis_data, args, dims, *, call, in_nz):
   return outs, [0] * len(outs)
 
 
-C.register_batching(call_p, _call_batch)
-C.register_batching(primal_p, _primal_batch)
-C.register_batching(fwd_p, _fwd_batch)
-C.register_batching(jvp_p, _jvp_batch)
-C.register_batching(lin_p, _lin_batch)
-C.register_batching(fused_lin_p, _fused_lin_batch)
-
-
 # -- smartvjp_bwd: batch the traced rule --------------------------------------
 
-def _rule_batch(axis_data, args, dims, *, call, which, jaxpr):
+def _bwd_batch(axis_data, args, dims, *, call, which, jaxpr):
   n_out = len(jaxpr.out_avals)
   if _unbatched(axis_data, dims, jaxpr.effects):
-    return rule_p.bind(*args, call=call, which=which, jaxpr=jaxpr), \
+    return bwd_p.bind(*args, call=call, which=which, jaxpr=jaxpr), \
         [None] * n_out
   batched, out_batched = C.batch_jaxpr_axes(
       jaxpr, axis_data, dims, [C.zero_if_mapped] * n_out)
   new = C.ClosedJaxpr(C.convert_constvars_jaxpr(batched.jaxpr), ())
-  outs = rule_p.bind(*batched.consts, *args, call=call, which=which, jaxpr=new)
+  outs = bwd_p.bind(*batched.consts, *args, call=call, which=which, jaxpr=new)
   return outs, [0 if b else None for b in out_batched]
 
 
-C.register_batching(rule_p, _rule_batch)

@@ -16,7 +16,7 @@ from jax import tree_util
 
 from smartvjp import _compat as C
 from smartvjp._errors import describe_tree, rule_error
-from smartvjp._primitives import rule_p
+from smartvjp._primitives import bwd_p
 
 
 def _prepare_cts(call, cts_out):
@@ -81,7 +81,7 @@ def _bind_rule(call, which, key, user, inputs, cts):
     hit = (jaxpr, consts, store["zero_out"])
     call.rule_cache.put(cache_key, hit, consts)
   jaxpr, consts, zero_out = hit
-  outs = iter(rule_p.bind(*consts, *args, call=call, which=which, jaxpr=jaxpr))
+  outs = iter(bwd_p.bind(*consts, *args, call=call, which=which, jaxpr=jaxpr))
   return [C.Zero(_ct_aval(a)) if z else next(outs)
           for a, z in zip(call.in_avals, zero_out)]
 

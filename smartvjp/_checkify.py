@@ -35,8 +35,8 @@ from smartvjp import _compat as C
 from smartvjp._ad import _fused_lin_forward, _jvp_forward, _lin_forward
 from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
-    call_p, fused_lin_p, fwd_p, jvp_p, lin_p, primal_eval, primal_p, rule_eval,
-    rule_p)
+    call_p, fused_lin_p, fwd_p, jvp_p, lin_p, primal_eval, primal_p, bwd_eval,
+    bwd_p)
 from smartvjp._spec import Rules, _check_primal_out, trace_call
 
 
@@ -60,7 +60,7 @@ def _checked_rule(ctx, error, enabled, fn, args, call, which, what):
   all_avals = [*(C.get_aval(e) for e in err_vals), *avals]
   jaxpr, consts = C.trace_to_closed_jaxpr(checked, all_avals, what, name_fun,
                                           all_avals)
-  outs = rule_p.bind(*consts, *err_vals, *args, call=call, which=which,
+  outs = bwd_p.bind(*consts, *err_vals, *args, call=call, which=which,
                      jaxpr=jaxpr)
   n_out_err = store["tree"].num_leaves
   return (tree_util.tree_unflatten(store["tree"], outs[:n_out_err]),
@@ -87,10 +87,10 @@ def _primal_checkify(ctx, error, enabled, *args, call, fwd):
       call, "fun", "smart_custom_vjp f")
 
 
-def _rule_checkify(ctx, error, enabled, *args, call, which, jaxpr):
+def _bwd_checkify(ctx, error, enabled, *args, call, which, jaxpr):
   return _checked_rule(
       ctx, error, enabled,
-      partial(rule_eval, call=call, which=which, jaxpr=jaxpr), args, call,
+      partial(bwd_eval, call=call, which=which, jaxpr=jaxpr), args, call,
       which, f"smart_custom_vjp {which}")
 
 
@@ -104,6 +104,10 @@ def _forward_mode_checkify(impl, which_of):
 
 def _lin_which(params):
   return "bwd"
+
+
+def _fused_lin_which(params):
+  return "fwd_bwd"
 
 
 def _jvp_which(params):
@@ -179,11 +183,3 @@ def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
                symbolic_zeros=user.symbolic_zeros, nondiff_argnums=())
 
 
-C.register_checkify(call_p, _call_checkify)
-C.register_checkify(fwd_p, _fwd_checkify)
-C.register_checkify(primal_p, _primal_checkify)
-C.register_checkify(rule_p, _rule_checkify)
-C.register_checkify(jvp_p, _forward_mode_checkify(_jvp_forward, _jvp_which))
-C.register_checkify(lin_p, _forward_mode_checkify(_lin_forward, _lin_which))
-C.register_checkify(fused_lin_p, _forward_mode_checkify(
-    _fused_lin_forward, lambda params: "fwd_bwd"))

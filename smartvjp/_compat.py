@@ -201,6 +201,51 @@ def vmap_in_trace(fun: Callable, tag, axis_data, in_dims):
   return run
 
 
+# -- one registration entry point per primitive --------------------------------
+
+# What :func:`register_rules` registered: primitive name -> rule kind -> the
+# function as given (before any adapter wrapped it). ``design/architecture.md``
+# lists the same table, and ``tests/test_architecture.py`` keeps them equal.
+RULES: dict[str, dict[str, Callable]] = {}
+
+
+def register_rules(prim: Primitive, **rules: Callable) -> None:
+  """Registers every rule of ``prim`` in one call, through the adapters below.
+
+  Keywords (each optional): ``impl``, ``abstract_eval`` (effectful form:
+  returns ``(out_avals, effects)``), ``lowering`` (an impl that evaluates
+  the primitive's jaxprs, traced to lower it), ``jvp``, ``linearization``,
+  ``transpose``, ``partial_eval``, ``partial_eval_custom``, ``dce``,
+  ``batching``, ``pp``, ``checkify``, ``discharge``; see each adapter for the
+  rule's signature. Raises ``TypeError`` for an unknown keyword and
+  ``ValueError`` if ``prim`` already has rules registered here.
+  """
+  adapters = {
+      "impl": prim.def_impl,
+      "abstract_eval": prim.def_effectful_abstract_eval,
+      "lowering": lambda impl: register_lowering_from_impl(prim, impl),
+      "jvp": lambda r: register_jvp(prim, r),
+      "linearization": lambda r: register_linearization(prim, r),
+      "transpose": lambda r: register_transpose(prim, r),
+      "partial_eval": lambda r: register_partial_eval(prim, r),
+      "partial_eval_custom": lambda r: register_partial_eval_custom(prim, r),
+      "dce": lambda r: register_dce(prim, r),
+      "batching": lambda r: register_batching(prim, r),
+      "pp": lambda r: register_pp(prim, r),
+      "checkify": lambda r: register_checkify(prim, r),
+      "discharge": lambda r: register_discharge(prim, r),
+  }
+  unknown = sorted(set(rules) - set(adapters))
+  if unknown:
+    raise TypeError(f"register_rules({prim.name}): unknown rule kinds "
+                    f"{unknown}; known: {sorted(adapters)}")
+  if prim.name in RULES:
+    raise ValueError(f"register_rules({prim.name}): already registered")
+  RULES[prim.name] = dict(rules)
+  for kind, rule in rules.items():
+    adapters[kind](rule)
+
+
 def register_jvp(prim: Primitive, rule: Callable) -> None:
   """``rule(primals, tangents, **params) -> (primals_out, tangents_out)``."""
   _ad.primitive_jvps[prim] = rule

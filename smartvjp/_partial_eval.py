@@ -221,10 +221,7 @@ def _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals, tangents,
           _residuals(eqn, inst_in, staged, saved))
 
 
-C.register_partial_eval_custom(jvp_p, _jvp_partial_eval_custom)
-
-
-# -- trace-time partial eval (remat backward pass, non-direct linearize) -------
+# -- trace-time partial eval (the JaxprTrace of the remat backward pass) ------
 
 def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, remat):
   params = dict(call=call, fwd=fwd, in_nz=in_nz, remat=remat)
@@ -253,4 +250,3 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, remat):
   return [*primal_outs, *tangent_outs]
 
 
-C.register_partial_eval(jvp_p, _jvp_partial_eval)

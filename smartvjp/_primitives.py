@@ -47,7 +47,8 @@ fwd_p = C.new_primitive("smartvjp_fwd")
 jvp_p = C.new_primitive("smartvjp_jvp")
 lin_p = C.new_primitive("smartvjp_lin")
 fused_lin_p = C.new_primitive("smartvjp_fused_lin")
-rule_p = C.new_primitive("smartvjp_bwd")
+# a backward-pass rule: ``bwd``, or the fused ``fwd_bwd`` (param ``which``)
+bwd_p = C.new_primitive("smartvjp_bwd")
 
 
 def eval_scoped(jaxpr: C.ClosedJaxpr, scope: str, args):
@@ -139,13 +140,8 @@ def _call_abstract_eval(*avals, call):
   return list(call.out_avals), C.positional_effects(call.jaxpr)
 
 
-def _call_lower(*args, call):
+def call_eval(*args, call):
   return eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f", args)
-
-
-call_p.def_effectful_abstract_eval(_call_abstract_eval)
-call_p.def_impl(_call_lower)
-C.register_lowering_from_impl(call_p, _call_lower)
 
 
 # -- smartvjp_primal ------------------------------------------------------------
@@ -162,12 +158,7 @@ def _primal_abstract_eval(*avals, call, fwd):
 
 def primal_eval(*args, call, fwd):
   f_consts, _, primals = split_primal_args(args, call, fwd)
-  return _call_lower(*f_consts, *primals, call=call)
-
-
-primal_p.def_effectful_abstract_eval(_primal_abstract_eval)
-primal_p.def_impl(primal_eval)
-C.register_lowering_from_impl(primal_p, primal_eval)
+  return call_eval(*f_consts, *primals, call=call)
 
 
 # -- smartvjp_fwd -------------------------------------------------------------
@@ -188,11 +179,6 @@ def fwd_eval(*args, call, fwd, offload):
     outs[n:] = [r if space is None else jax.device_put(r, space)
                 for r, space in zip(outs[n:], offload)]
   return outs
-
-
-fwd_p.def_effectful_abstract_eval(_fwd_abstract_eval)
-fwd_p.def_impl(fwd_eval)
-C.register_lowering_from_impl(fwd_p, fwd_eval)
 
 
 def _bind_fwd(*args, call, fwd, offload):
@@ -225,32 +211,20 @@ def _jvp_abstract_eval(*avals, call, fwd, in_nz, remat):
   return outs, effects
 
 
-jvp_p.def_effectful_abstract_eval(_jvp_abstract_eval)
-
-
 # -- smartvjp_lin / smartvjp_fused_lin ------------------------------------------
 
 def _lin_abstract_eval(*avals, call, fwd=None, **_):
-  return tangent_avals(lin_out_avals(call, fwd), call.out_nz)
-
-
-lin_p.def_abstract_eval(_lin_abstract_eval)
-fused_lin_p.def_abstract_eval(_lin_abstract_eval)
+  return tangent_avals(lin_out_avals(call, fwd), call.out_nz), frozenset()
 
 
 # -- smartvjp_bwd (bwd or fwd_bwd, traced at transpose time) -------------------
 
-def _rule_abstract_eval(*avals, call, which, jaxpr):
+def _bwd_abstract_eval(*avals, call, which, jaxpr):
   return list(jaxpr.out_avals), C.positional_effects(jaxpr)
 
 
-def rule_eval(*args, call, which, jaxpr):
+def bwd_eval(*args, call, which, jaxpr):
   return eval_scoped(jaxpr, f"smartvjp/{call.name}/{which}", args)
-
-
-rule_p.def_effectful_abstract_eval(_rule_abstract_eval)
-rule_p.def_impl(rule_eval)
-C.register_lowering_from_impl(rule_p, rule_eval)
 
 
 # -- dead-code elimination ----------------------------------------------------
@@ -323,12 +297,6 @@ def _dce_call(used_outputs, eqn):
   return [True] * len(eqn.invars), new_eqn
 
 
-C.register_dce(call_p, _dce_call)
-for _p in (primal_p, fwd_p, lin_p, fused_lin_p, rule_p):
-  C.register_dce(_p, _dce_whole)
-C.register_dce(jvp_p, _dce_jvp)
-
-
 # -- printing -----------------------------------------------------------------
 
 def _pp_rule(eqn, context, settings):
@@ -351,10 +319,6 @@ def _pp_rule(eqn, context, settings):
     shown["num_res"] = fwd.num_new_res
   shown.update((k, v) for k, v in params.items() if v is not None)
   return C.pp_eqn(eqn.replace(params=shown), context, settings)
-
-
-for _p in (call_p, primal_p, fwd_p, jvp_p, lin_p, fused_lin_p, rule_p):
-  C.register_pp(_p, _pp_rule)
 
 
 # -- state discharge (mutable array references in a rule's inputs) -----------
@@ -385,11 +349,8 @@ def _fwd_discharge(should, *args, call, fwd, offload):
   return new_args, outs
 
 
-def _rule_discharge(should, *args, call, which, jaxpr):
+def _bwd_discharge(should, *args, call, which, jaxpr):
   with jax.named_scope(f"smartvjp/{call.name}/{which}"):
     return _discharged(jaxpr, should, args)
 
 
-C.register_discharge(call_p, _call_discharge)
-C.register_discharge(fwd_p, _fwd_discharge)
-C.register_discharge(rule_p, _rule_discharge)
