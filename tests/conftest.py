@@ -31,18 +31,19 @@ def _mark_remat3_pending(request):
   ``@pytest.mark.remat3_pending(jax_min=(0, 12), remat=True)`` matches when
   the installed JAX is at least ``jax_min`` (and below ``jax_below``, when
   given) and the test's parameters have the given values (every
-  parametrization when none are given)."""
+  parametrization when none are given); ``reason=`` says why it fails."""
   for mark in request.node.iter_markers("remat3_pending"):
     wanted = dict(mark.kwargs)
     jax_min = wanted.pop("jax_min", None)
     jax_below = wanted.pop("jax_below", None)
+    reason = wanted.pop("reason", REMAT3_PENDING)
     if jax_min is not None and _jax_version() < tuple(jax_min):
       continue
     if jax_below is not None and _jax_version() >= tuple(jax_below):
       continue
     params = getattr(getattr(request.node, "callspec", None), "params", {})
     if all(params.get(k) == v for k, v in wanted.items()):
-      request.applymarker(pytest.mark.xfail(strict=True, reason=REMAT3_PENDING))
+      request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
       return
 
 
