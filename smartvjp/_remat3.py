@@ -303,12 +303,26 @@ def _rem_pp(eqn, context, settings):
   return C.pp_eqn(eqn.replace(params=shown), context, settings)
 
 
+def _rem_remat3(ctx, *in_vals, call, fwd, remat):
+  """The rem side rematerialized again (a checkpoint inside a checkpointed
+  scan or function): where ``fwd`` was to run in the backward pass, the new
+  forward pass runs ``f`` for the primal outputs and ``fwd`` stays in the
+  new backward region; otherwise the saved values are simply replayed."""
+  params = dict(call=call, fwd=fwd, remat=remat)
+  if not remat or not ctx.custom_vjp_rules:
+    return _full_remat(rem_p, in_vals, params)
+  f_consts, fwd_consts, primals = _split_rem_args(in_vals, call, fwd)
+  outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
+  return list(outs), (), lambda _res, *rem_in: rem_p.bind(*rem_in, **params)
+
+
 rem_p.def_effectful_abstract_eval(_rem_abstract_eval)
 rem_p.def_impl(_rem_eval)
 C.register_lowering_from_impl(rem_p, _rem_eval)
 C.register_jvp(rem_p, _rem_jvp)
 C.register_dce(rem_p, _rem_dce)
 C.register_pp(rem_p, _rem_pp)
+C.register_remat3(rem_p, _rem_remat3)
 
 
 # -- high-level primitives in a traced rule (checkpoint_name under remat3) ----
