@@ -204,7 +204,11 @@ def test_split_saves_the_named_dot_and_recomputes_the_rest():
         lambda x, w: jnp.sum(jax.checkpoint(G, policy=policy)(x, w)), (0, 1)))
     cost = grad.lower(x, w).compile().cost_analysis()
     flops[name] = (cost[0] if isinstance(cost, list) else cost)["flops"]
-  assert flops["smartvjp"] <= flops["jax"] < 4 * (2 * 64 * 48 * 32)
+  matmul = 2 * 64 * 48 * 32
+  # no matmul more than jax.custom_vjp (jax 0.10.2: a few elementwise flops
+  # more), and three in all
+  assert flops["smartvjp"] < flops["jax"] + matmul / 2
+  assert flops["smartvjp"] < 4 * matmul
 
 
 def _sin_coded():
