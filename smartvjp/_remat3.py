@@ -41,7 +41,7 @@ from smartvjp._jax_api import remat_call
 from smartvjp._policy import plan_split
 from smartvjp._primitives import (
     bind_primal, call_p, eval_scoped, fwd_p, jvp_p, rule_eval, rule_p)
-from smartvjp._spec import select_outputs
+from smartvjp._spec import check_fwd_output_types, select_outputs
 
 rem_p = C.new_primitive("smartvjp_rem")
 
@@ -116,6 +116,7 @@ def _call_remat3(ctx, *in_vals, call):
     return _full_remat(call_p, in_vals, dict(call=call))
   policy = None if ctx.policy is None else _named_policy(ctx.policy)
   fwd, fwd_consts = call.fwd_for(in_nz)
+  check_fwd_output_types(call, fwd)  # f and fwd may both run
   n = call.num_consts
   f_consts, primals = list(in_vals[:n]), list(in_vals[n:])
   plan = _plan(policy, call, fwd, fwd_consts, in_vals, in_nz)

@@ -279,3 +279,38 @@ def test_debug_callbacks_run_as_on_the_default_path():
       stack.enter_context(jax.config.update(f_, False) or contextlib.nullcontext())
     _, default_counts = run(jax.jit(jax.grad(loss(S))), X)
   assert default_counts == counts
+
+
+def _two_outputs():
+  def f(x, n):
+    return jnp.sin(x) * n, jnp.cos(x)
+
+  def fwd(x, n):
+    return f(x, n), (jnp.cos(x), jnp.sin(x), n)
+
+  def bwd(res, g):
+    c, s, n = res
+    return (g[0] * c * n - g[1] * s, None)
+  return both(f, fwd, bwd)
+
+
+@pytest.mark.parametrize("policy", [None, EVERYTHING, DOTS],
+                         ids=["remat", "saved", "dots"])
+def test_one_of_two_outputs_used_and_an_integer_argument(policy):
+  S, R = _two_outputs()
+  prog = lambda F: jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(
+      lambda x: F(x, 3)[0], policy=policy)(x) ** 2)))
+  np.testing.assert_allclose(prog(S)(X), prog(R)(X), rtol=1e-6)
+
+
+def test_fwd_output_type_error_names_fwd():
+  raised = []
+  for cv in (jax.custom_vjp, smart_custom_vjp):
+    F = cv(lambda x: jnp.sin(x))
+    F.defvjp(lambda x: (jnp.sin(x).astype(jnp.float16), (x,)),
+             lambda r, g: (g,))
+    with pytest.raises(Exception) as info:
+      jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x)))(X)
+    raised.append(info.value)
+  assert type(raised[1]) is type(raised[0]) is TypeError
+  assert "fwd rule" in str(raised[1]) and "float16" in str(raised[1])
