@@ -9,8 +9,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kernels  # noqa: E402
 
 REMAT3_FLAGS = ("jax_remat3", "jax_custom_vjp3")
-REMAT3_PENDING = ("smartvjp registers no rules in JAX's remat3 rule table yet "
-                  "(the remat3 work of the remat3 and architecture issue)")
+REMAT3_PENDING = ("differs from the default path under jax_remat3 + "
+                  "jax_custom_vjp3 (give the reason with reason=...)")
 
 
 _has_flag = kernels.has_flag
@@ -19,7 +19,7 @@ _has_flag = kernels.has_flag
 def pytest_configure(config):
   config.addinivalue_line(
       "markers", "remat3_pending: fails under jax_remat3 + jax_custom_vjp3 "
-      "until smartvjp has remat3 rules (strict xfail in that mode only)")
+      "for the reason given (strict xfail in that mode only)")
 
 
 def _jax_version():
