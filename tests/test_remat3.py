@@ -38,6 +38,18 @@ def remat3():
       jax.config.update(f, v)
 
 
+@contextlib.contextmanager
+def default_path():
+  """Both flags off (inside a test, where the fixture turned them on)."""
+  for f in FLAGS:
+    jax.config.update(f, False)
+  try:
+    yield
+  finally:
+    for f in FLAGS:
+      jax.config.update(f, True)
+
+
 @pytest.fixture(autouse=True)
 def _flags():
   with remat3():
@@ -274,9 +286,7 @@ def test_debug_callbacks_run_as_on_the_default_path():
   want, _ = run(jax.jit(jax.grad(loss(R))), X)
   np.testing.assert_allclose(got, want, rtol=1e-6)
   assert counts == {"f": 1, "fwd": 1, "bwd": 1}
-  with contextlib.ExitStack() as stack:   # the same on JAX's default path
-    for f_ in FLAGS:
-      stack.enter_context(jax.config.update(f_, False) or contextlib.nullcontext())
+  with default_path():   # the same on JAX's default path
     _, default_counts = run(jax.jit(jax.grad(loss(S))), X)
   assert default_counts == counts
 
@@ -314,3 +324,44 @@ def test_fwd_output_type_error_names_fwd():
     raised.append(info.value)
   assert type(raised[1]) is type(raised[0]) is TypeError
   assert "fwd rule" in str(raised[1]) and "float16" in str(raised[1])
+
+
+NESTED = {
+    "nested": lambda F: jax.checkpoint(lambda x: jax.checkpoint(F)(x) * 2),
+    "checkpoint_of_vmap": lambda F: jax.checkpoint(jax.vmap(F)),
+    "cond_in_checkpoint": lambda F: jax.checkpoint(
+        lambda x: jax.lax.cond(True, F, lambda x: x, x)),
+    "scan_in_checkpoint": lambda F: jax.checkpoint(lambda x: jax.lax.scan(
+        lambda c, _: (F(c), None), x, None, length=3)[0]),
+    "checkpointed_scan_of_checkpoints": lambda F: jax.checkpoint(
+        lambda x: jax.lax.scan(lambda c, _: (jax.checkpoint(F)(c), None), x,
+                               None, length=3)[0]),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["fwd_bwd_none", "fused"])
+@pytest.mark.parametrize("program", list(NESTED))
+def test_nested_programs_count_as_on_the_default_path(program, fused):
+  xs = jnp.stack([X, X * 0.5]) if program == "checkpoint_of_vmap" else X
+  S, R = kernel_calls(fused)
+  prog = lambda F: jax.jit(jax.grad(lambda x: jnp.sum(NESTED[program](F)(x) ** 2)))
+  got, counts = run(prog(S), xs)
+  want, _ = run(prog(R), xs)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  with default_path():
+    S2, _ = kernel_calls(fused)
+    _, default_counts = run(prog(S2), xs)
+  assert counts == default_counts
+
+
+def test_nested_policies_never_run_more_kernels_than_jax():
+  # remat3 applies the inner checkpoint's policy to the inner body (the outer
+  # everything_saveable does not reach it), for jax.custom_vjp as for smartvjp
+  S, R = kernel_calls()
+  prog = lambda F: jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(
+      lambda x: jax.checkpoint(F)(x) * 2, policy=EVERYTHING)(x) ** 2)))
+  got, counts = run(prog(S), X)
+  want, ref_counts = run(prog(R), X)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert counts["fwd"] == 1 and counts["bwd"] == 1
+  assert sum(counts.values()) <= sum(ref_counts.values())
