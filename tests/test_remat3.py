@@ -245,9 +245,11 @@ def test_grad_of_grad_of_checkpoint(policy):
   np.testing.assert_allclose(second(S)(X), -np.sin(X), rtol=1e-6)
 
 
-def test_linearize_of_checkpoint():
+@pytest.mark.parametrize("policy", [None, EVERYTHING, NOTHING],
+                         ids=["remat", "saved", "nothing"])
+def test_linearize_of_checkpoint(policy):
   S, _ = _sin_coded()
-  out, lin = jax.linearize(jax.checkpoint(S), X)
+  out, lin = jax.linearize(jax.checkpoint(S, policy=policy), X)
   np.testing.assert_allclose(out, np.sin(X), rtol=1e-6)
   np.testing.assert_allclose(lin(jnp.ones_like(X)), np.cos(X), rtol=1e-6)
 
