@@ -162,10 +162,10 @@ def _recompute(call, fwd, f_consts, fwd_consts, primals):
   outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
   params = dict(call=call, fwd=fwd, remat=True)
 
-  def rem(_res, *rem_in):
+  def rem(fwd_consts, *rem_in):
     k = len(f_consts)
     return rem_p.bind(*rem_in[:k], *fwd_consts, *rem_in[k:], **params)
-  return list(outs), (), rem
+  return list(outs), list(fwd_consts), rem
 
 
 def _passthrough(call, fwd, out_avals):
