@@ -1,7 +1,8 @@
 """Kernel executions and what works, per transformation, side by side.
 
 Columns: ``jax.custom_vjp``, ``jax.custom_vjp(optimize_remat=True)``, JAX's
-experimental ``jax_custom_vjp3`` + ``jax_remat3`` flags, and smartvjp. Rows
+experimental ``jax_custom_vjp3`` + ``jax_remat3`` flags, smartvjp, and
+smartvjp under those same flags (its remat3 rules, ``smartvjp/_remat3.py``). Rows
 that count use Pallas ``interpret=True`` kernels that count their launches
 (never removed by DCE, like real kernels; see ``examples/seed_remat.py``);
 rows that need differentiable rules use the same rules written in JAX and
@@ -27,7 +28,11 @@ import seed_remat as S  # noqa: E402
 
 from smartvjp import smart_custom_vjp  # noqa: E402
 
-IMPLS = ["jax.custom_vjp", "optimize_remat", "vjp3+remat3", "smartvjp"]
+REMAT3_SMART = "smartvjp (remat3 flags)"
+IMPLS = ["jax.custom_vjp", "optimize_remat", "vjp3+remat3", "smartvjp",
+         REMAT3_SMART]
+# the columns that run with jax_custom_vjp3 + jax_remat3 on
+WITH_FLAGS = ("vjp3+remat3", REMAT3_SMART)
 X = jnp.linspace(-1.0, 2.0, 8, dtype=jnp.float32)
 
 
@@ -45,7 +50,7 @@ def flags(impl):
     return
   old = {n: getattr(jax.config, n) for n in EXPERIMENTAL}
   for n in EXPERIMENTAL:
-    jax.config.update(n, impl == "vjp3+remat3")
+    jax.config.update(n, impl in WITH_FLAGS)
   try:
     yield
   finally:
@@ -54,7 +59,7 @@ def flags(impl):
 
 
 def make(impl, f, fwd, bwd, fwd_bwd=None, symbolic_zeros=False):
-  if impl == "smartvjp":
+  if impl in ("smartvjp", REMAT3_SMART):
     F = smart_custom_vjp(f)
     F.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros, fwd_bwd=fwd_bwd)
     return F
@@ -172,7 +177,7 @@ def measure():
   for row, rules, kw, program, counted in ROWS:
     table[row] = {}
     for impl in IMPLS:
-      if impl == "vjp3+remat3" and not has_experimental_flags():
+      if impl in WITH_FLAGS and not has_experimental_flags():
         table[row][impl] = (None, False, "flags not in this JAX")
         continue
       r = rules()

@@ -58,6 +58,8 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.core", ("ShapedArray",)),
     ("jax._src.traceback_util", ("register_exclusion",)),
     ("jax._src.source_info_util", ("register_exclusion",)),
+    ("jax._src.interpreters.remat", ("rules", "RematTrace")),
+    ("jax._src.ad_checkpoint", ("RematTraced", "CheckpointName")),
 )
 
 
@@ -694,3 +696,84 @@ from jax._src import custom_derivatives as _custom_derivatives  # noqa: E402
 ALIASED_REFS_CHECKED_AT_CALL = (
     "_check_for_aliased_refs"
     in inspect.unwrap(_custom_derivatives.custom_vjp.__call__).__code__.co_names)
+
+
+# -- remat3 (jax_remat3 + jax_custom_vjp3; smartvjp/_remat3.py) ---------------
+
+from jax._src import ad_checkpoint as _ad_checkpoint  # noqa: E402
+from jax._src.interpreters import remat as _remat  # noqa: E402
+
+# jax 0.11.0: remat3 rules receive the RematTrace (policy in trace.policy,
+# trace.custom_vjp_rules) where 0.10.x passed the policy itself.
+_REMAT3_RULE_GETS_TRACE = (
+    "custom_vjp_rules" in inspect.signature(_remat.RematTrace.__init__).parameters)
+
+# jax 0.12.0: remat3 rules return (primal_out, residuals, rem) and rem is
+# called as rem(residuals, *rem_inputs); before, (primal_out, rem) and
+# rem(*rem_inputs).
+_REMAT3_RULE_RETURNS_RES = (
+    "res" in _remat.RematTrace.process_primitive.__code__.co_varnames)
+
+# jax 0.11.0: remat3 differentiates the rematerialized code only with respect
+# to the checkpoint's perturbed inputs; jax 0.10.x perturbs every input
+# (values the body closes over included), so a nonzero tangent there says
+# nothing.
+REMAT3_PERTURBS_EVERY_INPUT = (
+    "in_nzs" not in _ad_checkpoint.RematTraced.vjp_fwd.__code__.co_varnames)
+
+
+class Remat3Context:
+  """What a remat3 rule may consult: ``policy`` (``None`` saves nothing) and
+  ``custom_vjp_rules`` (``False`` inside a ``jax.custom_vjp`` ``fwd`` that
+  JAX's own remat rule is replaying: rematerialize whole)."""
+
+  def __init__(self, policy, custom_vjp_rules=True):
+    self.policy = policy
+    self.custom_vjp_rules = custom_vjp_rules
+
+
+def register_remat3(prim: Primitive, rule: Callable) -> None:
+  """``rule(ctx, *in_vals, **params) -> (outs, res, rem)`` with
+  ``rem(res, *rem_inputs) -> rem_outs`` (``ctx`` a :class:`Remat3Context`):
+  under ``jax_remat3``, ``jax.checkpoint`` calls it with the current trace
+  being the forward pass's; it then calls ``rem`` on the rematerialized
+  region's trace. The adapter converts to the installed JAX's convention."""
+  def context(first):
+    if _REMAT3_RULE_GETS_TRACE:
+      return Remat3Context(first.policy, first.custom_vjp_rules)
+    return Remat3Context(first)
+
+  if _REMAT3_RULE_RETURNS_RES:
+    def adapted(first, *in_vals, **params):
+      return rule(context(first), *in_vals, **params)
+  else:
+    def adapted(first, *in_vals, **params):
+      outs, res, rem = rule(context(first), *in_vals, **params)
+      return outs, (lambda *rem_in: rem(res, *rem_in))
+  _remat.rules[prim] = adapted
+
+
+def register_to_lojax(prim: Primitive, rule: Callable) -> None:
+  """``rule(*args, **params) -> outs``: how ``prim`` is evaluated where JAX
+  needs low-level primitives only (lowering under jit) and ``prim`` carries a
+  jaxpr with high-level ones (``checkpoint_name`` under ``jax_remat3``)."""
+  prim.to_lojax = rule
+
+
+def checkpoint_name_of(eqn):
+  """The name of a ``checkpoint_name`` equation (``name_p``, or under
+  ``jax_remat3`` the high-level primitive JAX binds instead), else ``None``."""
+  return name_of(eqn.primitive, eqn.params)
+
+
+def name_of(prim, params):
+  """As :func:`checkpoint_name_of`, from a primitive and its params."""
+  if prim is name_p:
+    return params["name"]
+  hi = params.get("_prim")
+  kinds = tuple(getattr(_ad_checkpoint, k) for k in
+                ("CheckpointName", "CheckpointNameFwd")
+                if hasattr(_ad_checkpoint, k))
+  if hi is not None and isinstance(hi, kinds):
+    return hi.params["name"]
+  return None

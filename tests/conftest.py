@@ -9,8 +9,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kernels  # noqa: E402
 
 REMAT3_FLAGS = ("jax_remat3", "jax_custom_vjp3")
-REMAT3_PENDING = ("smartvjp registers no rules in JAX's remat3 rule table yet "
-                  "(the remat3 work of the remat3 and architecture issue)")
+REMAT3_PENDING = ("differs from the default path under jax_remat3 + "
+                  "jax_custom_vjp3 (give the reason with reason=...)")
 
 
 _has_flag = kernels.has_flag
@@ -19,7 +19,7 @@ _has_flag = kernels.has_flag
 def pytest_configure(config):
   config.addinivalue_line(
       "markers", "remat3_pending: fails under jax_remat3 + jax_custom_vjp3 "
-      "until smartvjp has remat3 rules (strict xfail in that mode only)")
+      "for the reason given (strict xfail in that mode only)")
 
 
 def _jax_version():
@@ -31,18 +31,19 @@ def _mark_remat3_pending(request):
   ``@pytest.mark.remat3_pending(jax_min=(0, 12), remat=True)`` matches when
   the installed JAX is at least ``jax_min`` (and below ``jax_below``, when
   given) and the test's parameters have the given values (every
-  parametrization when none are given)."""
+  parametrization when none are given); ``reason=`` says why it fails."""
   for mark in request.node.iter_markers("remat3_pending"):
     wanted = dict(mark.kwargs)
     jax_min = wanted.pop("jax_min", None)
     jax_below = wanted.pop("jax_below", None)
+    reason = wanted.pop("reason", REMAT3_PENDING)
     if jax_min is not None and _jax_version() < tuple(jax_min):
       continue
     if jax_below is not None and _jax_version() >= tuple(jax_below):
       continue
     params = getattr(getattr(request.node, "callspec", None), "params", {})
     if all(params.get(k) == v for k, v in wanted.items()):
-      request.applymarker(pytest.mark.xfail(strict=True, reason=REMAT3_PENDING))
+      request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
       return
 
 

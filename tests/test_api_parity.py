@@ -337,12 +337,6 @@ def _run_remat(cv, with_defvjp, program, jax_flags):
 
 
 @needs("defremat")
-@pytest.mark.remat3_pending(jax_min=(0, 12), program="checkpoint")
-@pytest.mark.remat3_pending(jax_min=(0, 12), program="nothing_saveable")
-@pytest.mark.remat3_pending(jax_min=(0, 12), program="scan4")
-@pytest.mark.remat3_pending(jax_min=(0, 12), program="eager")
-@pytest.mark.remat3_pending(jax_min=(0, 12), program="vmap_checkpoint")
-@pytest.mark.remat3_pending(jax_min=(0, 12), program="checkpoint_vmap")
 @pytest.mark.parametrize("program", ["grad", "checkpoint", "everything_saveable",
                                      "nothing_saveable", "scan4", "eager",
                                      "vmap_checkpoint", "checkpoint_vmap"])

@@ -113,7 +113,6 @@ def test_two_calls_in_one_checkpoint(never_dce, ad_mode):
         {"f": 2, "fwd": 2, "bwd": 2}, X)
 
 
-@pytest.mark.remat3_pending(jax_below=(0, 11))
 def test_everything_saveable(never_dce, ad_mode):
   F, R = build(never_dce)
   p = jax.checkpoint_policies.everything_saveable
@@ -121,7 +120,6 @@ def test_everything_saveable(never_dce, ad_mode):
         {"fwd": 1, "bwd": 1}, X)
 
 
-@pytest.mark.remat3_pending
 def test_named_residual_saved_by_policy(never_dce, ad_mode):
   F, R = build(never_dce, named="gelu_res")
   p = jax.checkpoint_policies.save_only_these_names("gelu_res")
@@ -136,7 +134,6 @@ def test_named_residual_not_listed_is_recomputed(never_dce, ad_mode):
         {"f": 1, "fwd": 1, "bwd": 1}, X)
 
 
-@pytest.mark.remat3_pending
 def test_checkpoint_with_fwd_bwd(never_dce, ad_mode):
   F, R = build(never_dce, fwd_bwd="also")
   check(jax.jit(jax.grad(loss(F, True))), jax.jit(jax.grad(loss(R, True))),
@@ -156,7 +153,6 @@ def test_only_fwd_bwd(never_dce, ad_mode, remat):
         {"f": 1, "fwd_bwd": 1}, X)
 
 
-@pytest.mark.remat3_pending
 def test_offloaded_named_residual(never_dce, ad_mode):
   F, R = build(never_dce, named="gelu_res")
   p = jax.checkpoint_policies.save_and_offload_only_these_names(

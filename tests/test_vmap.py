@@ -105,7 +105,6 @@ def test_vmap_of_scan_of_checkpointed_layer(ad_mode):
   assert counts == {"f": 2 * B, "fwd": 2 * B, "bwd": 2 * B}
 
 
-@pytest.mark.remat3_pending(fused="also")
 @pytest.mark.parametrize("fused", ["also", "only"])
 def test_vmap_fused_rule(ad_mode, fused):
   s, r = build(fused)
