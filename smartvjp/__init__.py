@@ -19,7 +19,6 @@ Public names:
 from smartvjp._api import smart_custom_vjp
 from smartvjp._check import PrimalMismatchError, check_primals
 from smartvjp._equinox import filter_custom_vjp
-from smartvjp import _remat3  # noqa: F401  (registers the remat3 rules)
 
 __version__ = "0.1.0"
 

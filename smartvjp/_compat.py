@@ -218,8 +218,8 @@ def register_rules(prim: Primitive, **rules: Callable) -> None:
   returns ``(out_avals, effects)``), ``lowering`` (an impl that evaluates
   the primitive's jaxprs, traced to lower it), ``jvp``, ``linearization``,
   ``transpose``, ``partial_eval``, ``partial_eval_custom``, ``dce``,
-  ``batching``, ``pp``, ``checkify``, ``discharge``; see each adapter for the
-  rule's signature. Raises ``TypeError`` for an unknown keyword and
+  ``batching``, ``pp``, ``checkify``, ``discharge``, ``remat3``,
+  ``to_lojax``; see each adapter for the rule's signature. Raises ``TypeError`` for an unknown keyword and
   ``ValueError`` if ``prim`` already has rules registered here.
   """
   adapters = {
@@ -236,6 +236,8 @@ def register_rules(prim: Primitive, **rules: Callable) -> None:
       "pp": lambda r: register_pp(prim, r),
       "checkify": lambda r: register_checkify(prim, r),
       "discharge": lambda r: register_discharge(prim, r),
+      "remat3": lambda r: register_remat3(prim, r),
+      "to_lojax": lambda r: register_to_lojax(prim, r),
   }
   unknown = sorted(set(rules) - set(adapters))
   if unknown:

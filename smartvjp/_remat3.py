@@ -37,10 +37,11 @@ import jax
 
 from smartvjp import _compat as C
 from smartvjp._ad import _call_jvp, closure_error, expand_tangents
+from smartvjp._batching import _to_front_or_none, _unbatched, batched_call
 from smartvjp._jax_api import remat_call
 from smartvjp._policy import plan_split
 from smartvjp._primitives import (
-    bind_primal, call_p, eval_scoped, fwd_p, jvp_p, rule_eval, rule_p)
+    bind_primal, call_p, eval_scoped, fwd_p, jvp_p, bwd_eval, bwd_p)
 from smartvjp._spec import check_fwd_output_types, select_outputs
 
 rem_p = C.new_primitive("smartvjp_rem")
@@ -235,9 +236,6 @@ def _split(call, split, f_consts, fwd_consts, primals):
   return list(outs[:n_out]), saved, rem
 
 
-C.register_remat3(call_p, _call_remat3)
-
-
 # -- smartvjp_rem -----------------------------------------------------------------
 
 def _split_rem_args(args, call, fwd):
@@ -316,21 +314,44 @@ def _rem_remat3(ctx, *in_vals, call, fwd, remat):
   return list(outs), (), lambda _res, *rem_in: rem_p.bind(*rem_in, **params)
 
 
-rem_p.def_effectful_abstract_eval(_rem_abstract_eval)
-rem_p.def_impl(_rem_eval)
-C.register_lowering_from_impl(rem_p, _rem_eval)
-C.register_jvp(rem_p, _rem_jvp)
-C.register_dce(rem_p, _rem_dce)
-C.register_pp(rem_p, _rem_pp)
-C.register_remat3(rem_p, _rem_remat3)
-
-
 # -- high-level primitives in a traced rule (checkpoint_name under remat3) ----
 
-def _rule_to_lojax(*args, call, which, jaxpr):
+def _bwd_to_lojax(*args, call, which, jaxpr):
   """Evaluates the traced ``bwd``/``fwd_bwd`` inline, where its
   ``checkpoint_name`` equations become low-level ones."""
-  return rule_eval(*args, call=call, which=which, jaxpr=jaxpr)
+  return bwd_eval(*args, call=call, which=which, jaxpr=jaxpr)
 
 
-C.register_to_lojax(rule_p, _rule_to_lojax)
+# -- smartvjp_rem under vmap ------------------------------------------------------
+
+def _rem_batch(axis_data, args, dims, *, call, fwd, remat):
+  """A rem side that is still undifferentiated when a vmap batches it (a
+  ``jax.grad`` inside ``jax.vmap`` that does not differentiate the call's
+  inputs): the batched call with its batched rules, and the rem side's
+  ``fwd`` batched with every input and output mapped at axis 0, so that its
+  residuals are laid out as the batched ``bwd`` expects them."""
+  params = dict(call=call, fwd=fwd, remat=remat)
+  if _unbatched(axis_data, dims, _rem_abstract_eval(**params)[1]):
+    return rem_p.bind(*args, **params), [None] * call.num_outs
+  args, _ = _to_front_or_none(
+      axis_data, args, ["broadcast" if d is None else d for d in dims])
+  f_consts, fwd_in, primals = _split_rem_args(args, call, fwd)
+  bcall, bconsts = batched_call(call, f_consts, [0] * len(f_consts),
+                                [0] * len(primals), axis_data)
+  n_in, n_out = len(fwd.jaxpr.in_avals), len(fwd.jaxpr.out_avals)
+  batched, _ = C.batch_jaxpr_axes(fwd.jaxpr, axis_data, [0] * n_in,
+                                  [0] * n_out)
+  extra = list(batched.consts)
+  jaxpr = C.convert_constvars_jaxpr(batched.jaxpr)
+  bfwd = fwd.shifted(C.ClosedJaxpr(jaxpr, ()), len(extra))
+  in_avals = [v.aval for v in jaxpr.invars]
+  new_res = iter(v.aval for v in jaxpr.outvars[call.num_outs:])
+  res_avals = tuple(in_avals[s] if type(s) is int else next(new_res)
+                    for s in bfwd.res_src if s is None or type(s) is int)
+  bfwd = dataclasses.replace(
+      bfwd, res_avals=res_avals,
+      out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
+      if fwd.out_avals else ())
+  outs = rem_p.bind(*bconsts, *extra, *fwd_in, *primals, call=bcall,
+                    fwd=bfwd, remat=remat)
+  return outs, [0] * len(outs)

@@ -10,7 +10,7 @@ function, and ``tests/test_architecture.py`` keeps the two equal.
 
 from __future__ import annotations
 
-from smartvjp import _ad, _batching, _checkify, _partial_eval
+from smartvjp import _ad, _batching, _checkify, _partial_eval, _remat3
 from smartvjp import _primitives as P
 from smartvjp._compat import register_rules
 
@@ -22,7 +22,8 @@ register_rules(
     jvp=_ad._call_jvp, linearization=_ad._call_linearize,
     transpose=_ad._call_transpose,
     dce=P._dce_call, batching=_batching._call_batch, pp=P._pp_rule,
-    checkify=_checkify._call_checkify, discharge=P._call_discharge)
+    checkify=_checkify._call_checkify, discharge=P._call_discharge,
+    remat3=_remat3._call_remat3)
 
 # smartvjp_primal: f where a differentiated call needs only its primal
 # outputs; differentiated as fwd's code.
@@ -87,4 +88,15 @@ register_rules(
     lowering=P.bwd_eval,
     jvp=_ad._bwd_jvp, transpose=_ad._bwd_transpose,
     dce=P._dce_whole, batching=_batching._bwd_batch, pp=P._pp_rule,
-    checkify=_checkify._bwd_checkify, discharge=P._bwd_discharge)
+    checkify=_checkify._bwd_checkify, discharge=P._bwd_discharge,
+    to_lojax=_remat3._bwd_to_lojax)
+
+# smartvjp_rem: the rematerialized side of a call under jax_remat3 (what the
+# backward region differentiates); its derivative is smartvjp_jvp's.
+register_rules(
+    _remat3.rem_p,
+    impl=_remat3._rem_eval, abstract_eval=_remat3._rem_abstract_eval,
+    lowering=_remat3._rem_eval,
+    jvp=_remat3._rem_jvp, dce=_remat3._rem_dce, pp=_remat3._rem_pp,
+    batching=_remat3._rem_batch,
+    remat3=_remat3._rem_remat3)

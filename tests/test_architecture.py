@@ -75,3 +75,12 @@ def test_every_primitive_has_core_rules():
   for prim, rules in _compat.RULES.items():
     for kind in ("impl", "abstract_eval", "lowering", "jvp", "dce", "batching"):
       assert kind in rules, (prim, kind)
+
+
+if __name__ == "__main__":
+  # python tests/test_architecture.py: rewrite the table from the registry
+  text = DOC.read_text()
+  head, rest = text.split("<!-- rules:begin -->\n")
+  _, tail = rest.split("<!-- rules:end -->")
+  DOC.write_text(f"{head}<!-- rules:begin -->\n{expected_table()}\n"
+                 f"<!-- rules:end -->{tail}")
