@@ -141,10 +141,11 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   unks_out = [False] * n_out + [True] * n_tan
 
   kept = residual_policy(saveable, eqn)
-  if (kept is None and call.rules.remat is None and not call.rules.always_save
+  if ((kept is None or not any(s is not None for s in kept))
+      and call.rules.remat is None and not call.rules.always_save
       and not uses_references(call)):
-    # some residual is not saveable: save what the policy saves and recompute
-    # the rest (when all are saveable, fwd runs whole in the forward pass)
+    # save what the policy saves and recompute the rest, primal outputs
+    # included (when nothing is recomputed, fwd runs whole forward)
     split = plan_split(saveable, call, fwd)
     if split is not None:
       return _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals,

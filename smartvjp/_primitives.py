@@ -322,10 +322,28 @@ def _pure(call, fwd) -> bool:
               or any(C.is_ref_aval(a) for a in call.in_avals))
 
 
+def _passed_through(fwd):
+  """For a ``fwd`` each of whose computed residuals is one of its inputs
+  (through ``checkpoint_name`` at most: the backward side of a split whose
+  residuals were all saved), the input position of each; else ``None``."""
+  jaxpr = fwd.jaxpr.jaxpr
+  named = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
+           if e.primitive is C.name_p}
+  pos = {v: i for i, v in enumerate(jaxpr.invars)}
+  passed = []
+  for v in jaxpr.outvars[len(jaxpr.outvars) - fwd.num_new_res:]:
+    while type(v) is C.Var and v in named:
+      v = named[v]
+    if type(v) is not C.Var or v not in pos:
+      return None
+    passed.append(pos[v])
+  return passed
+
+
 def _linear_part(eqn):
   """A jvp equation whose primal outputs are unused, when its tangents need
-  no rule to run first (``fwd``'s residuals are all inputs, or ``fwd_bwd``
-  stands in under remat): only its linear primitive, so that neither ``f``
+  no rule to run first (``fwd``'s residuals are all inputs or saved values,
+  or ``fwd_bwd`` stands in under remat): only its linear primitive, so that neither ``f``
   nor ``fwd`` runs for outputs nobody reads (eagerly, where nothing else
   removes them: the backward region of ``jax.checkpoint``)."""
   call, fwd, in_nz = (eqn.params[k] for k in ("call", "fwd", "in_nz"))
@@ -335,11 +353,12 @@ def _linear_part(eqn):
   fwd_inputs = [*fwd_consts, *primals]
   if fwd is None or (eqn.params["remat"] and call.rules.fwd_bwd is not None):
     ins, prim, params = primals, fused_lin_p, dict(call=call, in_nz=in_nz)
-  elif fwd.num_new_res == 0:
-    ins = fwd.assemble_residuals(fwd_inputs, [])
-    prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
   else:
-    return None
+    passed = _passed_through(fwd)
+    if passed is None:
+      return None
+    ins = fwd.assemble_residuals(fwd_inputs, [fwd_inputs[i] for i in passed])
+    prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
   new_eqn = C.new_jaxpr_eqn([*ins, *tangents], eqn.outvars[call.num_outs:],
                             prim, params, set(), eqn.source_info, eqn.ctx)
   read = {id(v) for v in new_eqn.invars}

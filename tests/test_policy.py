@@ -60,21 +60,8 @@ def _saved(fn):
   return sorted(str(aval.str_short()) for aval, _ in saved_residuals(fn, X, W))
 
 
-# Primal outputs follow the policy only where fwd is split (some residual not
-# saveable); where every residual is saveable fwd runs whole in the forward
-# pass and its primal outputs that the backward pass needs are kept (issue 12
-# item 4, left open: splitting there too broke print_saved_residuals parity
-# and recomputed unneeded primal outputs).
-PRIMAL_OUTPUTS_PENDING = pytest.mark.xfail(
-    strict=True, reason="primal outputs of an all-saveable call are kept "
-    "beyond the policy (issue 12 item 4, open)")
-PENDING = {("dots", False), ("dots_no_batch", False), ("name_y", False),
-           ("name_d", True)}
-
-
 @pytest.mark.parametrize("policy,mixed", [
-    pytest.param(p, m, marks=[PRIMAL_OUTPUTS_PENDING] if (p, m) in PENDING
-                 else [], id=f"{p}-{m}")
+    pytest.param(p, m, id=f"{p}-{m}")
     for m in (False, True) for p in POLICIES])
 def test_values_saved_as_with_jax_custom_vjp(policy, mixed):
   p = POLICIES[policy]
@@ -85,7 +72,6 @@ def test_values_saved_as_with_jax_custom_vjp(policy, mixed):
                              jax.grad(ref, (0, 1))(X, W)[1], rtol=1e-5)
 
 
-@PRIMAL_OUTPUTS_PENDING
 def test_unsaveable_primal_output_is_recomputed():
   # under dots_saveable, y = x @ w is saved and tanh(y) (the primal output
   # the backward pass needs) is recomputed from it, as with jax.custom_vjp
