@@ -56,7 +56,11 @@ def residual_policy(saveable, eqn):
     as ``jax.checkpoint`` splits ``fwd`` inlined (``_policy.plan_split``):
     the forward pass runs the part of ``fwd`` producing the primal outputs
     and the saved values, the backward region rebuilds the rest from them and
-    the inputs, then runs ``bwd``. Primal outputs follow the policy too.
+    the inputs, then runs ``bwd``. Primal outputs follow the policy too, also
+    when every residual is saveable: an unsaveable primal output that the
+    backward region reads is recomputed there, and where nothing reads it
+    the backward side is only the linear primitive on the saved values
+    (``_primitives._linear_part``, at dead-code elimination).
   * The call is recomputed whole instead (``f`` forward, ``fwd`` + ``bwd`` or
     ``fwd_bwd`` backward) when the split saves nothing ``fwd`` computes, when
     an opaque kernel (one equation producing several values: a Pallas call,
