@@ -9,6 +9,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 from jax._src.ad_checkpoint import saved_residuals
 
+import kernels as K
 from smartvjp import smart_custom_vjp
 
 P = jax.checkpoint_policies
@@ -105,3 +106,49 @@ def test_split_fwd_under_vmap_jit_scan_and_forward_over_reverse(policy, mixed):
   for a, b in zip(programs(smart_custom_vjp), programs(jax.custom_vjp)):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
                                                          atol=1e-5), a, b)
+
+
+def _counted_tanh_layer(cls):
+  """tanh(x @ w) whose fwd computes the primal output with a counted
+  single-output callback (a transparent equation, unlike a kernel with
+  several outputs) from the named, saveable matrix product."""
+  def tanh(y):
+    (z,) = K.kernel("tanh", lambda y: (np.tanh(y),), [y], y)
+    return z
+
+  def fwd(x, w):
+    y = checkpoint_name(x @ w, "y")
+    return tanh(y), (x, w, y)
+
+  def bwd(res, g):
+    x, w, y = res
+    d = g * (1 - jnp.tanh(y) ** 2)
+    return d @ w.T, x.T @ d
+
+  F = cls(lambda x, w: jnp.tanh(x @ w))
+  F.defvjp(fwd, bwd)
+  return F
+
+
+@pytest.mark.parametrize("reads", [False, True], ids=["unread", "read"])
+@pytest.mark.parametrize("policy", ["dots", "name_y"])
+def test_primal_output_recomputed_only_where_read(policy, reads):
+  # eagerly (nothing removes unused work after the fact): the backward region
+  # recomputes the unsaveable primal output tanh(y) from the saved y only when
+  # it reads it (sin's derivative), as jax.custom_vjp does
+  p = POLICIES[policy]
+  outer = jnp.sin if reads else (lambda z: z)
+
+  def program(cls):
+    G = jax.checkpoint(lambda x, w: outer(_counted_tanh_layer(cls)(x, w)),
+                       policy=p)
+    return jax.grad(lambda x, w: jnp.sum(G(x, w)), (0, 1))
+
+  results, counts = [], []
+  for cls in (smart_custom_vjp, jax.custom_vjp):
+    K.reset()
+    results.append(jax.block_until_ready(program(cls)(X, W)))
+    counts.append(K.COUNTS["tanh"])
+  assert counts[0] == counts[1] == (2 if reads else 1)
+  for a, b in zip(*results):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
