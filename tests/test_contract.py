@@ -368,3 +368,12 @@ def test_zero_cotangent_path_still_runs_bwd(never_dce, ad_mode):
   F, R = build(never_dce)
   prog = lambda F: jax.jit(jax.grad(lambda x: jnp.sum(F(x) * 0.0)))
   check_no_more(prog(F), prog(R), {"fwd": 1, "bwd": 1}, X)
+
+
+def test_dead_linear_part_of_a_vmapped_call():
+  # callback kernels only: the never-DCE'd test kernel has no batching rule
+  F, R = build(False)
+  prog = lambda F: jax.jit(jax.value_and_grad(
+      lambda x: jnp.sum(jax.lax.stop_gradient(jax.vmap(F)(x)))
+      + jnp.sum(x ** 2)))
+  check_no_more(prog(F), prog(R), {"f": 2}, jnp.stack([X, 2 * X]))
