@@ -285,7 +285,8 @@ def _dce_whole(used_outputs, eqn):
 def _dce_jvp(used_outputs, eqn):
   """A jvp equation whose tangents are unused is just ``f``; or ``fwd``,
   without its residuals, when ``fwd`` has effects (``jax.custom_vjp`` would
-  run them)."""
+  run them). One whose primal outputs are unused may be just its linear
+  primitive (:func:`_linear_part`)."""
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
   if any(used_outputs[n:]):
@@ -343,9 +344,10 @@ def _passed_through(fwd):
 def _linear_part(eqn):
   """A jvp equation whose primal outputs are unused, when its tangents need
   no rule to run first (``fwd``'s residuals are all inputs or saved values,
-  or ``fwd_bwd`` stands in under remat): only its linear primitive, so that neither ``f``
-  nor ``fwd`` runs for outputs nobody reads (eagerly, where nothing else
-  removes them: the backward region of ``jax.checkpoint``)."""
+  or ``fwd_bwd`` stands in under remat): only its linear primitive, so that
+  neither ``f`` nor ``fwd`` runs for outputs nobody reads (this matters
+  eagerly, where nothing else removes them: the backward region of
+  ``jax.checkpoint``, evaluated equation by equation)."""
   call, fwd, in_nz = (eqn.params[k] for k in ("call", "fwd", "in_nz"))
   if not _pure(call, fwd):
     return None
