@@ -292,7 +292,7 @@ def test_eager(never_dce, program):
 @pytest.mark.parametrize("program", list(EAGER))
 def test_eager_seed_fwd_residual_is_input(never_dce, program):
   # issue 12 item 3: f ran again in the backward region for nothing; fwd
-  # computes nothing f does not, so f stands in for it where it is differentiated
+  # computes nothing that f does not, so f stands in for it under remat
   F, R = build(never_dce, seed_fwd=True)
   make, _ = EAGER[program]
   expected = ({"fwd": 1, "bwd": 1} if program in ("grad", "vjp")
