@@ -56,7 +56,11 @@ def residual_policy(saveable, eqn):
     as ``jax.checkpoint`` splits ``fwd`` inlined (``_policy.plan_split``):
     the forward pass runs the part of ``fwd`` producing the primal outputs
     and the saved values, the backward region rebuilds the rest from them and
-    the inputs, then runs ``bwd``. Primal outputs follow the policy too.
+    the inputs, then runs ``bwd``. Primal outputs follow the policy too, also
+    when every residual is saveable: an unsaveable primal output that the
+    backward region reads is recomputed there, and where nothing reads it
+    the backward side is only the linear primitive on the saved values
+    (``_primitives._linear_part``, at dead-code elimination).
   * The call is recomputed whole instead (``f`` forward, ``fwd`` + ``bwd`` or
     ``fwd_bwd`` backward) when the split saves nothing ``fwd`` computes, when
     an opaque kernel (one equation producing several values: a Pallas call,
@@ -141,10 +145,11 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   unks_out = [False] * n_out + [True] * n_tan
 
   kept = residual_policy(saveable, eqn)
-  if (kept is None and call.rules.remat is None and not call.rules.always_save
+  if ((kept is None or not any(s is not None for s in kept))
+      and call.rules.remat is None and not call.rules.always_save
       and not uses_references(call)):
-    # some residual is not saveable: save what the policy saves and recompute
-    # the rest (when all are saveable, fwd runs whole in the forward pass)
+    # save what the policy saves and recompute the rest, primal outputs
+    # included (when nothing is recomputed, fwd runs whole forward)
     split = plan_split(saveable, call, fwd)
     if split is not None:
       return _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals,

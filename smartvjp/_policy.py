@@ -69,9 +69,11 @@ def plan_split(saveable, call, fwd) -> Split | None:
                          [True] * (n_out + len(extra)), True)
   if not _worth_it(known, staged, call):
     return None
+  names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
+           if e.primitive is C.name_p}
   known_spec = dataclasses.replace(
       fwd, jaxpr=C.ClosedJaxpr(known, ()),
-      new_res_names=(None,) * len(extra), new_res_eqns=())
+      new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=())
   staged_spec = fwd.shifted(C.ClosedJaxpr(staged, ()), len(saved))
   return Split(known_spec, staged_spec, tuple(v.aval for v in saved),
                saved_outputs)

@@ -259,10 +259,15 @@ def _dce_whole(used_outputs, eqn):
 def _dce_jvp(used_outputs, eqn):
   """A jvp equation whose tangents are unused is just ``f``; or ``fwd``,
   without its residuals, when ``fwd`` has effects (``jax.custom_vjp`` would
-  run them)."""
+  run them). One whose primal outputs are unused may be just its linear
+  primitive (:func:`_linear_part`)."""
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
   if any(used_outputs[n:]):
+    if not any(used_outputs[:n]):
+      linear = _linear_part(eqn)
+      if linear is not None:
+        return linear
     return [True] * len(eqn.invars), eqn
   f_consts, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
   if fwd is not None and C.effects_keep_alive(fwd.jaxpr.effects):
@@ -282,6 +287,74 @@ def _dce_jvp(used_outputs, eqn):
                        eqn.outvars[:n], eqn)
   used = ([True] * len(f_consts) + [uses_fwd_consts(new_eqn)] * len(fwd_consts)
           + [True] * len(primals) + [False] * len(tangents))
+  return used, new_eqn
+
+
+def _pure(call, fwd) -> bool:
+  """Neither rule has effects nor touches references: which of them runs
+  (or whether one runs at all) changes nothing but the work done."""
+  return not (has_effects(call, fwd) or C.has_input_effects(call.jaxpr)
+              or any(C.is_ref_aval(a) for a in call.in_avals))
+
+
+def _passed_through(fwd):
+  """For a ``fwd`` each of whose computed residuals is one of its inputs
+  (through ``checkpoint_name`` at most: the backward side of a split whose
+  residuals were all saved), the input position of each; else ``None``."""
+  jaxpr = fwd.jaxpr.jaxpr
+  named = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
+           if e.primitive is C.name_p}
+  pos = {v: i for i, v in enumerate(jaxpr.invars)}
+  passed = []
+  for v in jaxpr.outvars[len(jaxpr.outvars) - fwd.num_new_res:]:
+    while type(v) is C.Var and v in named:
+      v = named[v]
+    if type(v) is not C.Var or v not in pos:
+      return None
+    passed.append(pos[v])
+  return passed
+
+
+def _linear_part(eqn):
+  """A jvp equation whose primal outputs are unused, when its tangents need
+  no rule to run first (``fwd``'s residuals are all inputs or saved values,
+  or ``fwd_bwd`` stands in under remat): only its linear primitive, so that
+  neither ``f`` nor ``fwd`` runs for outputs nobody reads (this matters
+  eagerly, where nothing else removes them: the backward region of
+  ``jax.checkpoint``, evaluated equation by equation)."""
+  call, fwd, in_nz = (eqn.params[k] for k in ("call", "fwd", "in_nz"))
+  if not _pure(call, fwd):
+    return None
+  _, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
+  fwd_inputs = [*fwd_consts, *primals]
+  if fwd is None or (eqn.params["remat"] and call.rules.fwd_bwd is not None):
+    ins, prim, params = primals, fused_lin_p, dict(call=call, in_nz=in_nz)
+  else:
+    passed = _passed_through(fwd)
+    if passed is None:
+      return None
+    ins = fwd.assemble_residuals(fwd_inputs, [fwd_inputs[i] for i in passed])
+    prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
+  new_eqn = C.new_jaxpr_eqn([*ins, *tangents], eqn.outvars[call.num_outs:],
+                            prim, params, set(), eqn.source_info, eqn.ctx)
+  read = {id(v) for v in new_eqn.invars}
+  return [id(v) in read for v in eqn.invars], new_eqn
+
+
+def _dce_fwd(used_outputs, eqn):
+  """``fwd`` none of whose residuals is used (no cotangent reaches the call:
+  a ``stop_gradient`` of its output) is just ``f``, as ``optimize_remat``'s
+  rule makes it; kept when ``f`` closes over values ``fwd``'s equation
+  does not carry, or when either rule has effects."""
+  call, fwd = eqn.params["call"], eqn.params["fwd"]
+  n = call.num_outs
+  if (any(used_outputs[n:]) or not any(used_outputs[:n]) or call.num_consts
+      or fwd.jaxpr is None or not _pure(call, fwd)
+      or not _f_types_match(call, fwd)):
+    return _dce_whole(used_outputs, eqn)
+  fwd_consts, primals = eqn.invars[:fwd.num_consts], eqn.invars[fwd.num_consts:]
+  new_eqn = primal_eqn(call, fwd, [], fwd_consts, primals, eqn.outvars[:n], eqn)
+  used = [uses_fwd_consts(new_eqn)] * len(fwd_consts) + [True] * len(primals)
   return used, new_eqn
 
 

@@ -42,7 +42,7 @@ register_rules(
     impl=P.fwd_eval, abstract_eval=P._fwd_abstract_eval,
     lowering=P.fwd_eval,
     jvp=_ad._fwd_jvp,
-    dce=P._dce_whole, batching=_batching._fwd_batch, pp=P._pp_rule,
+    dce=P._dce_fwd, batching=_batching._fwd_batch, pp=P._pp_rule,
     checkify=_checkify._fwd_checkify, discharge=P._fwd_discharge)
 
 # smartvjp_jvp: primal and tangent outputs together (what jax.checkpoint

@@ -236,3 +236,140 @@ def test_literal_argument_with_saved_residuals(ad_mode):
       lambda x: build(cls)(x, 2.0), policy=p)(x)))(X)
       for cls in (smart_custom_vjp, jax.custom_vjp)]
   np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6)
+
+
+# -- eager programs (no jit): never more launches than jax.custom_vjp ---------
+#
+# Eagerly nothing removes unused work after the fact (JAX evaluates the
+# backward region of jax.checkpoint equation by equation), so jax.custom_vjp's
+# counts depend on the kind of kernel: a fwd whose only residual is the input
+# runs once with callback kernels, twice with never-DCE'd ones.
+
+
+def check_no_more(smart_prog, ref_prog, expected, *args):
+  """``check``, plus: no more launches in all than ``jax.custom_vjp``."""
+  out, got = run(smart_prog, *args)
+  ref, ref_counts = run(ref_prog, *args)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               out, ref)
+  assert got == expected
+  assert sum(got.values()) <= sum(ref_counts.values()), (got, ref_counts)
+
+
+P = jax.checkpoint_policies
+EAGER = {
+    "grad": (lambda F: jax.grad(loss(F)), {"fwd": 1, "bwd": 1}),
+    "vjp": (lambda F: lambda x: jax.vjp(loss(F), x)[1](1.0),
+            {"fwd": 1, "bwd": 1}),
+    "grad_checkpoint": (lambda F: jax.grad(loss(F, True)),
+                        {"f": 1, "fwd": 1, "bwd": 1}),
+    "value_and_grad_checkpoint": (
+        lambda F: jax.value_and_grad(loss(F, True)),
+        {"f": 1, "fwd": 1, "bwd": 1}),
+    "vjp_checkpoint": (lambda F: lambda x: jax.vjp(loss(F, True), x)[1](1.0),
+                       {"f": 1, "fwd": 1, "bwd": 1}),
+    "nothing_saveable": (lambda F: jax.grad(loss(F, True, P.nothing_saveable)),
+                         {"f": 1, "fwd": 1, "bwd": 1}),
+    "dots_saveable": (lambda F: jax.grad(loss(F, True, P.dots_saveable)),
+                      {"f": 1, "fwd": 1, "bwd": 1}),
+    "everything_saveable": (
+        lambda F: jax.grad(loss(F, True, P.everything_saveable)),
+        {"fwd": 1, "bwd": 1}),
+}
+
+
+@pytest.mark.parametrize("program", list(EAGER))
+def test_eager(never_dce, program):
+  F, R = build(never_dce)
+  make, expected = EAGER[program]
+  check_no_more(make(F), make(R), expected, X)
+
+
+@pytest.mark.parametrize("program", list(EAGER))
+def test_eager_seed_fwd_residual_is_input(never_dce, program):
+  # issue 12 item 3: f ran again in the backward region for nothing; fwd
+  # computes nothing that f does not, so f stands in for it under remat
+  F, R = build(never_dce, seed_fwd=True)
+  make, _ = EAGER[program]
+  expected = ({"fwd": 1, "bwd": 1} if program in ("grad", "vjp")
+              else {"f": 1, "bwd": 1})
+  check_no_more(make(F), make(R), expected, X)
+
+
+@pytest.mark.parametrize("outer", ["sum", "square_inside"])
+def test_eager_checkpoint_seed_fwd_loss_shapes(never_dce, outer):
+  # the primal output is used in the backward region (square_inside) or not
+  F, R = build(never_dce, seed_fwd=True)
+  progs = {
+      "sum": lambda F: jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x))),
+      "square_inside": lambda F: jax.grad(lambda x: jnp.sum(
+          jax.checkpoint(lambda x: F(x) ** 2)(x))),
+  }
+  expected = {"f": 1, "bwd": 1} if outer == "sum" else {"f": 2, "bwd": 1}
+  check_no_more(progs[outer](F), progs[outer](R), expected, X)
+
+
+def test_eager_checkpoint_with_fwd_bwd(never_dce):
+  F, R = build(never_dce, fwd_bwd="also")
+  check_no_more(jax.grad(loss(F, True)), jax.grad(loss(R, True)),
+                {"f": 1, "fwd_bwd": 1}, X)
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
+def test_eager_linearize_of_opaque_rules_raises(never_dce, remat):
+  # forward mode needs a transposable bwd; both raise a TypeError, after no
+  # more launches than jax.custom_vjp
+  F, R = build(never_dce)
+  counts = []
+  for G in (F, R):
+    G = jax.checkpoint(G) if remat else G
+    K.reset()
+    with pytest.raises(TypeError):
+      jax.linearize(G, X)[1](X)
+    counts.append(dict(K.COUNTS))
+  assert sum(counts[0].values()) <= sum(counts[1].values()), counts
+
+
+# -- no data path carries a cotangent to the call (issue 12 item 2) -----------
+
+def _stopped(F, remat=False, scan=False):
+  G = jax.checkpoint(F) if remat else F
+  if scan:
+    def H(x):
+      return jax.lax.scan(lambda c, _: (G(c), None), x, None, length=3)[0]
+  else:
+    H = G
+  return jax.value_and_grad(lambda x: jnp.sum(jax.lax.stop_gradient(H(x)))
+                            + jnp.sum(x ** 2))
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
+@pytest.mark.parametrize("seed_fwd", [False, True], ids=["fwd", "seed_fwd"])
+def test_dead_linear_part_runs_only_f(never_dce, ad_mode, remat, seed_fwd):
+  # as optimize_remat=True under jit; jax.custom_vjp runs fwd
+  F, R = build(never_dce, seed_fwd=seed_fwd)
+  check_no_more(jax.jit(_stopped(F, remat)), jax.jit(_stopped(R, remat)),
+                {"f": 1}, X)
+
+
+def test_dead_linear_part_in_scan(never_dce, ad_mode):
+  F, R = build(never_dce)
+  check_no_more(jax.jit(_stopped(F, scan=True)),
+                jax.jit(_stopped(R, scan=True)), {"f": 3}, X)
+
+
+def test_zero_cotangent_path_still_runs_bwd(never_dce, ad_mode):
+  # a cotangent path exists even if it carries zeros: bwd must run, as with
+  # jax.custom_vjp (its result need not be zero)
+  F, R = build(never_dce)
+  prog = lambda F: jax.jit(jax.grad(lambda x: jnp.sum(F(x) * 0.0)))
+  check_no_more(prog(F), prog(R), {"fwd": 1, "bwd": 1}, X)
+
+
+def test_dead_linear_part_of_a_vmapped_call():
+  # callback kernels only: the never-DCE'd test kernel has no batching rule
+  F, R = build(False)
+  prog = lambda F: jax.jit(jax.value_and_grad(
+      lambda x: jnp.sum(jax.lax.stop_gradient(jax.vmap(F)(x)))
+      + jnp.sum(x ** 2)))
+  check_no_more(prog(F), prog(R), {"f": 2}, jnp.stack([X, 2 * X]))

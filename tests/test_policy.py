@@ -9,6 +9,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 from jax._src.ad_checkpoint import saved_residuals
 
+import kernels as K
 from smartvjp import smart_custom_vjp
 
 P = jax.checkpoint_policies
@@ -60,21 +61,8 @@ def _saved(fn):
   return sorted(str(aval.str_short()) for aval, _ in saved_residuals(fn, X, W))
 
 
-# Primal outputs follow the policy only where fwd is split (some residual not
-# saveable); where every residual is saveable fwd runs whole in the forward
-# pass and its primal outputs that the backward pass needs are kept (issue 12
-# item 4, left open: splitting there too broke print_saved_residuals parity
-# and recomputed unneeded primal outputs).
-PRIMAL_OUTPUTS_PENDING = pytest.mark.xfail(
-    strict=True, reason="primal outputs of an all-saveable call are kept "
-    "beyond the policy (issue 12 item 4, open)")
-PENDING = {("dots", False), ("dots_no_batch", False), ("name_y", False),
-           ("name_d", True)}
-
-
 @pytest.mark.parametrize("policy,mixed", [
-    pytest.param(p, m, marks=[PRIMAL_OUTPUTS_PENDING] if (p, m) in PENDING
-                 else [], id=f"{p}-{m}")
+    pytest.param(p, m, id=f"{p}-{m}")
     for m in (False, True) for p in POLICIES])
 def test_values_saved_as_with_jax_custom_vjp(policy, mixed):
   p = POLICIES[policy]
@@ -85,7 +73,6 @@ def test_values_saved_as_with_jax_custom_vjp(policy, mixed):
                              jax.grad(ref, (0, 1))(X, W)[1], rtol=1e-5)
 
 
-@PRIMAL_OUTPUTS_PENDING
 def test_unsaveable_primal_output_is_recomputed():
   # under dots_saveable, y = x @ w is saved and tanh(y) (the primal output
   # the backward pass needs) is recomputed from it, as with jax.custom_vjp
@@ -119,3 +106,49 @@ def test_split_fwd_under_vmap_jit_scan_and_forward_over_reverse(policy, mixed):
   for a, b in zip(programs(smart_custom_vjp), programs(jax.custom_vjp)):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
                                                          atol=1e-5), a, b)
+
+
+def _counted_tanh_layer(cls):
+  """tanh(x @ w) whose fwd computes the primal output with a counted
+  single-output callback (a transparent equation, unlike a kernel with
+  several outputs) from the named, saveable matrix product."""
+  def tanh(y):
+    (z,) = K.kernel("tanh", lambda y: (np.tanh(y),), [y], y)
+    return z
+
+  def fwd(x, w):
+    y = checkpoint_name(x @ w, "y")
+    return tanh(y), (x, w, y)
+
+  def bwd(res, g):
+    x, w, y = res
+    d = g * (1 - jnp.tanh(y) ** 2)
+    return d @ w.T, x.T @ d
+
+  F = cls(lambda x, w: jnp.tanh(x @ w))
+  F.defvjp(fwd, bwd)
+  return F
+
+
+@pytest.mark.parametrize("reads", [False, True], ids=["unread", "read"])
+@pytest.mark.parametrize("policy", ["dots", "name_y"])
+def test_primal_output_recomputed_only_where_read(policy, reads):
+  # eagerly (nothing removes unused work after the fact): the backward region
+  # recomputes the unsaveable primal output tanh(y) from the saved y only when
+  # it reads it (sin's derivative), as jax.custom_vjp does
+  p = POLICIES[policy]
+  outer = jnp.sin if reads else (lambda z: z)
+
+  def program(cls):
+    G = jax.checkpoint(lambda x, w: outer(_counted_tanh_layer(cls)(x, w)),
+                       policy=p)
+    return jax.grad(lambda x, w: jnp.sum(G(x, w)), (0, 1))
+
+  results, counts = [], []
+  for cls in (smart_custom_vjp, jax.custom_vjp):
+    K.reset()
+    results.append(jax.block_until_ready(program(cls)(X, W)))
+    counts.append(K.COUNTS["tanh"])
+  assert counts[0] == counts[1] == (2 if reads else 1)
+  for a, b in zip(*results):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
