@@ -36,10 +36,12 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.interpreters.ad", (
         "is_undefined_primal", "instantiate_zeros", "primitive_jvps",
         "primitive_transposes", "primitive_linearizations",
-        "fallback_linearize_rule", "LinearizeTrace", "LinearizeTracer")),
+        "fallback_linearize_rule", "LinearizeTrace", "LinearizeTracer",
+        "JVPTracer")),
     ("jax._src.interpreters.batching", (
         "fancy_primitive_batchers", "batch_jaxpr", "batch_jaxpr_axes",
-        "bdim_at_front", "zero_if_mapped", "BatchTrace", "_batch_inner")),
+        "bdim_at_front", "zero_if_mapped", "BatchTrace", "_batch_inner",
+        "BatchTracer")),
     ("jax._src.interpreters.mlir", ("register_lowering", "lower_fun")),
     ("jax._src.api_util", ("debug_info", "resolve_kwargs")),
     ("jax._src.linear_util", ("wrap_init",)),
@@ -638,3 +640,22 @@ from jax._src import custom_derivatives as _custom_derivatives  # noqa: E402
 ALIASED_REFS_CHECKED_AT_CALL = (
     "_check_for_aliased_refs"
     in inspect.unwrap(_custom_derivatives.custom_vjp.__call__).__code__.co_names)
+
+
+# -- drop-in conformance (issue 11: smartvjp/_batching.py, _jax_api.py) -------
+
+def carries_tangent(x) -> bool:
+  """Whether ``x`` is a tracer of the current trace, a JVP or a
+  linearization, with a tangent that is not a symbolic zero: the primitive
+  that produced it was differentiated."""
+  trace = _core.trace_ctx.trace
+  if not isinstance(x, (_ad.JVPTracer, _ad.LinearizeTracer)):
+    return False
+  return x._trace is trace and type(x.tangent) is not Zero
+
+
+def is_mapped_here(x) -> bool:
+  """Whether ``x`` is a value of the vmap now tracing with a mapped axis."""
+  trace = _core.trace_ctx.trace
+  return (isinstance(x, _batching.BatchTracer) and x._trace is trace
+          and x.batch_dim is not None)
