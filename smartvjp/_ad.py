@@ -24,6 +24,7 @@ from functools import partial
 import jax
 
 from smartvjp import _compat as C
+from smartvjp import _jax_api
 from smartvjp._bwd import run_bwd, run_fwd_bwd
 from smartvjp._errors import expect_used_up
 from smartvjp._spec import (check_aliased_refs, check_fwd_output_types,
@@ -198,6 +199,10 @@ def _fused_lin_transpose(cts, *args, call, in_nz):
 
 C.register_transpose(lin_p, _lin_transpose)
 C.register_transpose(fused_lin_p, _fused_lin_transpose)
+# the same, returning the logs of defvjp_with_logs' bwd (VJP.with_logs)
+for _p, _rule in ((lin_p, _lin_transpose), (fused_lin_p, _fused_lin_transpose)):
+  C.register_transpose_with_logs(_p, _rule, _jax_api.collecting_logs,
+                                 _jax_api.merged_logs)
 
 
 # -- forward mode: the tangent map is the transpose of the cotangent map ------

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _compat as C
+from smartvjp import _jax_api
 from smartvjp._jax_api import remat_call
 from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
@@ -146,10 +147,12 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
     arrays, rebuild = _split_symbolic(list(g))
 
     def one(res, arrays):
-      cts = flatten_cotangents(call, _call_bwd(rules, call, res, rebuild(arrays)),
-                               "bwd")
-      return _none_for_zeros(cts)
-    out = _vmap(one, (0, 0), axis_data)(res, arrays)
+      with _jax_api.collecting_logs() as sink:   # per example, batched out
+        cts = flatten_cotangents(
+            call, _call_bwd(rules, call, res, rebuild(arrays)), "bwd")
+      return _none_for_zeros(cts), _jax_api.merged_logs(sink)
+    out, logs = _vmap(one, (0, 0), axis_data)(res, arrays)
+    _jax_api.deposit_logs(logs)
     return _sum_unbatched(out, in_dims)
 
   def fwd_bwd(*args):

@@ -659,3 +659,31 @@ def is_mapped_here(x) -> bool:
   trace = _core.trace_ctx.trace
   return (isinstance(x, _batching.BatchTracer) and x._trace is trace
           and x.batch_dim is not None)
+
+
+# jax 0.11.2: JAX's backward pass collects backward-pass logs (VJP.with_logs)
+# from transpose rules in ad.fancy_transposes, which receive gradient
+# accumulators and return None or a dict; before, there are no logs.
+TRANSPOSE_RETURNS_LOGS = (hasattr(_ad, "_merge_rule_logs")
+                          and hasattr(_ad, "fancy_transposes"))
+
+
+def register_transpose_with_logs(prim: Primitive, rule: Callable,
+                                 collecting: Callable, merge: Callable) -> None:
+  """Where JAX collects logs, also registers ``rule`` (a transpose rule as
+  for :func:`register_transpose`) in the form that returns them: ``rule``
+  runs inside ``collecting()``, a context manager giving a list of log
+  dicts, and ``merge`` of that list (a dict or ``None``) is returned."""
+  if not TRANSPOSE_RETURNS_LOGS:
+    return
+
+  def with_logs(cts, *args, **params):
+    undefined = [_ad.UndefinedPrimal(x.aval)
+                 if isinstance(x, _ad.GradAccum) else x for x in args]
+    with collecting() as sink:
+      cts_in = rule(cts, *undefined, **params)
+    for x, ct in zip(args, cts_in):
+      if isinstance(x, _ad.GradAccum):
+        x.accum(ct)
+    return merge(sink)
+  _ad.fancy_transposes[prim] = with_logs

@@ -178,12 +178,70 @@ def test_with_logs_bad_returns_are_type_errors():
         jax.grad(lambda x: jnp.sum(F(x, W)))(X)
 
 
+def _log_programs(F):
+  """``(cotangents, logs)`` of ``F(x, w)`` through every transformation that
+  carries backward-pass logs (JAX's test_defvjp_with_logs, on arrays)."""
+  ct = jnp.ones(3)
+  xs, ws = jnp.stack([X, 2 * X]), jnp.stack([W, W])
+
+  def scanned(x):
+    return jax.lax.scan(lambda c, xw: (c + F(*xw), None), jnp.zeros(3),
+                        (jnp.stack([x, 2 * x]), ws))[0]
+  return {
+      "eager": lambda: jax.vjp(F, X, W)[1].with_logs(ct),
+      "vjp_of_jit": lambda: jax.vjp(jax.jit(F), X, W)[1].with_logs(ct),
+      "jit_of_vjp": lambda: jax.jit(
+          lambda x, w, c: jax.vjp(F, x, w)[1].with_logs(c))(X, W, ct),
+      "scan": lambda: jax.vjp(scanned, X)[1].with_logs(ct),
+      "vmap_outside": lambda: jax.vmap(
+          lambda x, w, c: jax.vjp(F, x, w)[1].with_logs(c))(xs, ws, 2 * xs),
+      "vmap_inside": lambda: jax.vjp(
+          lambda x: jax.vmap(F, in_axes=(0, None))(x, W), xs)[1].with_logs(
+              2 * xs),
+      "checkpoint": lambda: jax.vjp(
+          jax.checkpoint(lambda x, w: F(x, w) * 3.), X, W)[1].with_logs(ct),
+      "checkpoint_jit": lambda: jax.jit(lambda x, w: jax.vjp(
+          jax.checkpoint(lambda x, w: F(x, w) * 3.), x, w)[1].with_logs(ct))(
+              X, W),
+  }
+
+
+def _assert_same_logs(got, want):
+  assert jax.tree_util.tree_structure(got) == \
+      jax.tree_util.tree_structure(want)
+  _assert_same(got, want)
+
+
 @needs("defvjp_with_logs")
-def test_with_logs_entries_not_supported_yet():
-  F = smart_custom_vjp(_sin_rules()[0])
-  F.defvjp_with_logs(*_logs_rules({"g": 1.0}))
-  with pytest.raises(NotImplementedError, match="logs"):
-    jax.grad(lambda x: jnp.sum(F(x, W)))(X)
+@pytest.mark.parametrize("program", list(_log_programs(None)))
+def test_with_logs_entries_match_jax(program):
+  def bwd(res, g):
+    c, s, w = res
+    return (c * w * g, s * g), {"f": {"ct_out": g, "w": w}}
+  smart, ref = _both(lambda F: F.defvjp_with_logs(_sin_rules()[1], bwd))
+  got, want = _log_programs(smart)[program](), _log_programs(ref)[program]()
+  assert want[1], "JAX returned no logs"
+  _assert_same_logs(got, want)
+  _assert_same(jax.vjp(smart, X, W)[1](jnp.ones(3)),   # plain call drops them
+               jax.vjp(ref, X, W)[1](jnp.ones(3)))
+
+
+@needs("defvjp_with_logs")
+def test_with_logs_nondiff_argnums_and_two_calls():
+  """Logs of two calls in one backward pass merge; a repeated key is a
+  ValueError, as in JAX."""
+  got = []
+  for cv in (smart_custom_vjp, jax.custom_vjp):
+    G = cv(lambda n, x: x * n, nondiff_argnums=(0,))
+    G.defvjp_with_logs(lambda n, x: (G(n, x), None),
+                       lambda n, _, g: ((g * n,), {f"g{n}": g * n}))
+    two = lambda x: G(2., G(3., x))
+    got.append(jax.vjp(two, X)[1].with_logs(jnp.ones(3)))
+    got.append(jax.jit(lambda x: jax.vjp(two, x)[1].with_logs(
+        jnp.ones(3)))(X))
+    with pytest.raises(ValueError):
+      jax.vjp(lambda x: G(2., G(2., x)), X)[1].with_logs(jnp.ones(3))
+  _assert_same_logs(got[:2], got[2:])
 
 
 # -- defvjp_with_accums -------------------------------------------------------------
