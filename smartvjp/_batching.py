@@ -179,7 +179,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
       fwd_bwd=(_named(fwd_bwd, rules.fwd_bwd)
                if rules.fwd_bwd is not None else None),
       symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=(),
-      always_save=rules.always_save,
+      always_save=rules.always_save, generic_batching=rules.generic_batching,
       remat=(batched_rules(remat_call(call), consts, const_dims, in_dims,
                            axis_data) if rules.remat is not None else None))
 
@@ -279,8 +279,12 @@ def _output_batching(bcall, outs, f_batched):
   the call was just differentiated (its outputs carry tangents), where
   ``fwd`` ran and its mapped outputs decide, as for ``jax.custom_vjp``. (A
   ``fwd`` whose output is mapped where ``f``'s is not then gets per-example
-  cotangents, not one cotangent for the whole batch.)"""
-  if all(f_batched) or not any(C.carries_tangent(o) for o in outs):
+  cotangents, not one cotangent for the whole batch.) With
+  ``generic_batching=True`` ``f`` always decides, as in JAX: such an output
+  takes the first example's value and its whole cotangent goes to the first
+  example."""
+  if (all(f_batched) or bcall.rules.generic_batching
+      or not any(C.carries_tangent(o) for o in outs)):
     return f_batched
   fwd = bcall.rules.fwd
   mapped = getattr(fwd, "mapped_outputs", {}).get("fwd")

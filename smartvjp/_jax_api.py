@@ -20,8 +20,9 @@ raises ``NotImplementedError`` naming the JAX release that introduced it.
   their leaves outputs of its ``smartvjp_bwd`` equation, and the transposes
   of ``smartvjp_lin``/``smartvjp_fused_lin``, registered where JAX's
   backward pass collects logs, return them as a dict.
-* ``generic_batching=False`` (the default) is accepted where JAX accepts it;
-  ``True`` raises ``NotImplementedError``.
+* ``generic_batching`` where JAX accepts it, with JAX's meaning: under
+  ``vmap`` ``f`` alone decides which outputs are mapped (see
+  ``_batching._output_batching``).
 """
 
 from __future__ import annotations
@@ -64,10 +65,8 @@ def require_method(fun, method: str) -> None:
 
 
 def check_generic_batching(fun, method: str, value) -> None:
-  """``generic_batching``: ``None`` (not given) or ``False`` where JAX has it.
-
-  ``False`` is JAX's default and smartvjp's behaviour under ``vmap``.
-  """
+  """``generic_batching``: ``None`` (not given) or a bool where JAX has it
+  (its meaning: ``_batching._output_batching``)."""
   if value is None:
     return
   if not isinstance(value, (bool, int)) or callable(value):
@@ -82,11 +81,6 @@ def check_generic_batching(fun, method: str, value) -> None:
         "generic_batching parameter mirrors jax.custom_vjp's, which JAX added "
         f"in jax {INTRODUCED['generic_batching']}; the installed jax "
         f"{jax.__version__} does not have it.")
-  if value:
-    raise NotImplementedError(
-        f"smart_custom_vjp function {_fname(fun)}: {method}(..., "
-        "generic_batching=True) is not implemented by smartvjp yet; leave it "
-        "False (the default), or use jax.custom_vjp for this function.")
 
 
 # -- logs ----------------------------------------------------------------------

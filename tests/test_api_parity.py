@@ -139,12 +139,55 @@ def test_generic_batching_false_is_the_default(positional):
     _assert_same(prog(X, W), _programs(ref)[name](X, W))
 
 
+def _shared_output_calls(cv, generic_batching):
+  """Calls with an output ``f`` computes from unmapped inputs only, under
+  ``vmap(in_axes=(0, None))``: ``fwd`` maps it (``over``), or not (``shared``,
+  where ``bwd`` sends its cotangent to the mapped input too)."""
+  over = cv(lambda x, w: (x * w, w * 2))
+  over.defvjp(lambda x, w: ((x * w, w * 2 + 0 * x), (x, w)),
+              lambda r, g: (g[0] * r[1], g[0] * r[0] + 2 * g[1]),
+              generic_batching=generic_batching)
+  shared = cv(lambda x, w: (x * w, w * 2))
+  shared.defvjp(lambda x, w: ((x * w, w * 2), (x, w)),
+                lambda r, g: (g[0] * r[1] + g[1], g[0] * r[0] + 2 * g[1]),
+                generic_batching=generic_batching)
+  const = cv(lambda x, w: (np.zeros(x.shape, x.dtype), x * w))
+  const.defvjp(lambda x, w: ((x * 0., x * w), w),
+               lambda w, g: (g[0] + g[1] * w, None),
+               generic_batching=generic_batching)
+  return {"over": over, "shared": shared, "const": const}
+
+
+def _vmapped_grads(F):
+  xs, scale = jnp.arange(1., 4.), jnp.arange(2., 5.)
+  loss = lambda x, w: sum(jnp.sum(o * scale) for o in jax.vmap(
+      F, in_axes=(0, None))(x, w))
+  return {"grad": lambda: jax.grad(loss, (0, 1))(xs, 1.5),
+          "jit_grad": lambda: jax.jit(jax.grad(loss, (0, 1)))(xs, 1.5),
+          "value": lambda: jax.jit(jax.vmap(F, in_axes=(0, None)))(xs, 1.5)}
+
+
 @pytest.mark.skipif(not HAS_GB, reason="no generic_batching in this jax")
-def test_generic_batching_true_not_implemented():
-  F = smart_custom_vjp(_sin_rules()[0])
-  f, fwd, bwd = _sin_rules()
-  with pytest.raises(NotImplementedError, match="generic_batching=True"):
-    F.defvjp(fwd, bwd, generic_batching=True)
+@pytest.mark.parametrize("call", ["over", "shared", "const"])
+@pytest.mark.parametrize("program", ["grad", "jit_grad", "value"])
+def test_generic_batching_true_as_jax(call, program):
+  """The shared output keeps the first example's value and sends its whole
+  cotangent to the first example, as JAX's generic batching does."""
+  got, want = (_vmapped_grads(_shared_output_calls(cv, True)[call])[program]()
+               for cv in (smart_custom_vjp, jax.custom_vjp))
+  _assert_same(got, want)
+
+
+@pytest.mark.skipif(not HAS_GB, reason="no generic_batching in this jax")
+@pytest.mark.parametrize("call", ["over", "const"])
+def test_generic_batching_false_follows_fwd_as_jax(call):
+  """Without it (JAX's default, classic path), fwd's mapping decides."""
+  got, want = (_vmapped_grads(_shared_output_calls(cv, False)[call])["grad"]()
+               for cv in (smart_custom_vjp, jax.custom_vjp))
+  _assert_same(got, want)
+  if call == "const":   # bwd disagrees with f there, so the flag matters
+    other = _vmapped_grads(_shared_output_calls(smart_custom_vjp, True)[call])
+    assert not np.allclose(other["grad"]()[0], got[0])
 
 
 # -- defvjp_with_logs ----------------------------------------------------------------
