@@ -264,10 +264,30 @@ def _jvp_forward(*args, call, fwd, in_nz, remat):
                                       in_nz=in_nz, reload=None)]
 
 
+def _discharge_by_tracing(impl, name):
+  """A state discharge rule for a forward-mode primitive whose inputs hold
+  mutable array references (``jax.jvp`` under ``jit``): ``impl`` traced with
+  those inputs as references, then discharged, as JAX discharges a plain
+  function reading or writing them."""
+  def rule(should, *args, **params):
+    avals = [C.ref_aval(C.get_aval(a)) if d else C.get_aval(a)
+             for a, d in zip(args, should)]
+    jaxpr, consts = C.trace_to_closed_jaxpr(
+        lambda *xs: impl(*xs, **params), avals, f"smartvjp {name}", impl,
+        avals)
+    outs = C.eval_discharged(jaxpr, [False] * len(consts) + list(should),
+                             *consts, *args)
+    n = len(outs) - sum(should)
+    finals = iter(outs[n:])
+    return [next(finals) if d else None for d in should], list(outs[:n])
+  return rule
+
+
 for _p, _impl in ((jvp_p, _jvp_forward), (lin_p, _lin_forward),
                   (fused_lin_p, _fused_lin_forward)):
   _p.def_impl(_impl)
   C.register_lowering_from_impl(_p, _impl)
+  C.register_discharge(_p, _discharge_by_tracing(_impl, _p.name))
 
 
 # -- higher order: JVPs of the rules' own primitives --------------------------

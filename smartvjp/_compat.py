@@ -687,3 +687,8 @@ def register_transpose_with_logs(prim: Primitive, rule: Callable,
         x.accum(ct)
     return merge(sink)
   _ad.fancy_transposes[prim] = with_logs
+
+
+def ref_aval(value_aval):
+  """The type of a mutable array reference holding values of ``value_aval``."""
+  return _AbstractRef(value_aval)
