@@ -507,3 +507,32 @@ def test_defremat_with_logs_values(logs):
     with jax_remat_path() if cv is jax.custom_vjp else contextlib.nullcontext():
       got.append([p(X, W) for n, p in _programs(F).items()])
   _assert_same(*got)
+
+
+@needs("defremat_with_logs")
+def test_defremat_and_accums_log_entries_match_jax():
+  """Log entries of defremat_with_logs' and defvjp_with_accums' bwd reach
+  VJP.with_logs as JAX's (JAX's defremat needs its remat3 flags)."""
+  f, fwd, bwd = _sin_rules()
+
+  def acc_bwd(res, g, x_acc, w_acc):
+    c, s, w = res
+    x_acc.accum(c * w * g)
+    w_acc.accum(s * g)
+    return {"a": 2 * g}
+  got = []
+  for cv in (smart_custom_vjp, jax.custom_vjp):
+    R, A = cv(f), cv(f)
+    R.defremat_with_logs(lambda x, w: (f(x, w), None),
+                         lambda _, x, w: fwd(x, w),
+                         lambda res, g: (bwd(res, g), {"r": g}))
+    A.defvjp_with_accums(fwd, acc_bwd)
+    ct = jnp.ones(3)
+    with jax_remat_path() if cv is jax.custom_vjp else contextlib.nullcontext():
+      got.append([jax.vjp(jax.checkpoint(R), X, W)[1].with_logs(ct),
+                  jax.vjp(R, X, W)[1].with_logs(ct)])
+    got[-1] += [jax.vjp(A, X, W)[1].with_logs(ct),
+                jax.jit(lambda x, w: jax.vjp(jax.checkpoint(A), x, w)[1]
+                        .with_logs(ct))(X, W)]
+  assert all(logs for _, logs in got[1])
+  _assert_same_logs(*got)
