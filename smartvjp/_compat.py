@@ -664,8 +664,9 @@ def is_mapped_here(x) -> bool:
 # jax 0.11.2: JAX's backward pass collects backward-pass logs (VJP.with_logs)
 # from transpose rules in ad.fancy_transposes, which receive gradient
 # accumulators and return None or a dict; before, there are no logs.
-TRANSPOSE_RETURNS_LOGS = (hasattr(_ad, "_merge_rule_logs")
-                          and hasattr(_ad, "fancy_transposes"))
+TRANSPOSE_RETURNS_LOGS = all(
+    hasattr(_ad, n) for n in ("_merge_rule_logs", "fancy_transposes",
+                              "GradAccum", "UndefinedPrimal"))
 
 
 def register_transpose_with_logs(prim: Primitive, rule: Callable,
