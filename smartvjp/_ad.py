@@ -24,6 +24,7 @@ from functools import partial
 import jax
 
 from smartvjp import _compat as C
+from smartvjp import _jax_api
 from smartvjp._bwd import run_bwd, run_fwd_bwd
 from smartvjp._errors import expect_used_up
 from smartvjp._spec import (check_aliased_refs, check_fwd_output_types,
@@ -247,6 +248,26 @@ def _jvp_forward(*args, call, fwd, in_nz, remat):
   res = fwd.assemble_residuals(fwd_inputs, outs[call.num_outs:])
   return [*primal_outs, *_lin_forward(*res, *nz_t, call=call, fwd=fwd,
                                       in_nz=in_nz, reload=None)]
+
+
+def _discharge_by_tracing(impl, name):
+  """A state discharge rule for a forward-mode primitive whose inputs hold
+  mutable array references (``jax.jvp`` under ``jit``): ``impl`` traced with
+  those inputs as references, then discharged, as JAX discharges a plain
+  function reading or writing them."""
+  def rule(should, *args, **params):
+    avals = [C.ref_aval(C.get_aval(a)) if d else C.get_aval(a)
+             for a, d in zip(args, should)]
+    jaxpr, consts = C.trace_to_closed_jaxpr(
+        lambda *xs: impl(*xs, **params), avals, f"smartvjp {name}", impl,
+        avals)
+    outs = C.eval_discharged(jaxpr, [False] * len(consts) + list(should),
+                             *consts, *args)
+    n = len(outs) - sum(should)
+    finals = iter(outs[n:])
+    return [next(finals) if d else None for d in should], list(outs[:n])
+  return rule
+
 
 
 # -- higher order: JVPs of the rules' own primitives --------------------------

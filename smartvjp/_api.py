@@ -147,6 +147,7 @@ class smart_custom_vjp:
     self.fwd_bwd: Callable | None = None
     self.symbolic_zeros = False
     self.optimize_remat = False
+    self.generic_batching = False
     self._rules: Rules | None = None
     self._cache = TraceLocalCache(_CACHE_SIZE)
 
@@ -175,8 +176,13 @@ class smart_custom_vjp:
         ``.value``/``.perturbed``, and cotangents may be ``SymbolicZero``.
       optimize_remat: accepted for drop-in compatibility; it changes nothing
         because smartvjp's remat behaviour is always on.
-      generic_batching: where ``jax.custom_vjp.defvjp`` has it (jax 0.12):
-        ``False``, its default, is accepted; ``True`` is not implemented.
+      generic_batching: where ``jax.custom_vjp.defvjp`` has it (jax 0.12),
+        with its meaning: under ``vmap``, an output that ``f`` computes from
+        unmapped inputs only stays unmapped even when ``fwd`` maps it (it
+        takes the first example's value, and its whole cotangent goes to
+        the first example's ``bwd``). ``False`` (the default): when the call
+        is differentiated, ``fwd``'s mapping decides, as for the classic
+        ``jax.custom_vjp``.
       fwd_bwd: optional fused rule ``fwd_bwd(*args, g) -> tuple`` returning
         what ``bwd`` returns; it recomputes what it needs from the primal
         arguments. Used in the rematerialized backward region instead of
@@ -211,10 +217,14 @@ class smart_custom_vjp:
             f"must be callable, got {type(r).__name__}.")
     self.fwd, self.bwd, self.fwd_bwd = fwd, bwd, fwd_bwd
     self.symbolic_zeros = bool(symbolic_zeros)
+    self.generic_batching = bool(generic_batching)
+    remat = self.__dict__.get("_remat")
     self._rules = Rules(fun=self.fun, fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd,
                         symbolic_zeros=self.symbolic_zeros,
                         nondiff_argnums=self.nondiff_argnums,
-                        remat=self.__dict__.get("_remat"))
+                        remat=remat and dataclasses.replace(
+                            remat, generic_batching=self.generic_batching),
+                        generic_batching=self.generic_batching)
     self._cache = TraceLocalCache(_CACHE_SIZE)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -297,9 +307,11 @@ class smart_custom_vjp:
     """``jax.custom_vjp.defvjp_with_logs`` (jax 0.11.2): ``bwd`` returns
     ``(cotangents, logs)`` with ``logs`` ``None`` or a dict.
 
-    smartvjp does not carry logs out of the backward pass yet: logs that are
-    ``None`` or ``{}`` work exactly as in JAX; a ``bwd`` that returns log
-    entries raises ``NotImplementedError`` when it runs.
+    As in JAX, ``f_vjp.with_logs(ct)`` returns ``(cotangents, logs)``
+    with the logs of every such rule in the backward pass (through ``jit``,
+    ``scan``, ``vmap``, ``checkpoint``), and a plain ``f_vjp(ct)`` drops
+    them. A ``bwd`` that returns no pair, or logs that are neither ``None``
+    nor a dict, is a ``TypeError`` when it runs.
 
     Raises:
       NotImplementedError: when the installed JAX has no such method.
@@ -308,7 +320,7 @@ class smart_custom_vjp:
     _jax_api.check_generic_batching(self.fun, "defvjp_with_logs",
                                     generic_batching)
     self.defvjp(fwd, _jax_api.without_logs(self.fun, bwd, "defvjp_with_logs"),
-                symbolic_zeros, optimize_remat)
+                symbolic_zeros, optimize_remat, generic_batching)
     self.fwd, self.bwd = fwd, bwd
 
   def defvjp_with_accums(self, fwd: Callable, bwd: Callable,
@@ -330,7 +342,7 @@ class smart_custom_vjp:
                                     generic_batching)
     self.defvjp(_jax_api.with_arguments(fwd, self.nondiff_argnums),
                 _jax_api.accums_bwd(self.fun, bwd, len(self.nondiff_argnums)),
-                symbolic_zeros, optimize_remat)
+                symbolic_zeros, optimize_remat, generic_batching)
     self.fwd, self.bwd = fwd, bwd
 
   def defremat(self, fwd: Callable, rem: Callable, bwd: Callable,
@@ -351,7 +363,7 @@ class smart_custom_vjp:
     """
     _jax_api.require_method(self.fun, "defremat")
     _jax_api.check_generic_batching(self.fun, "defremat", generic_batching)
-    self._define_remat(fwd, rem, bwd, with_logs=False)
+    self._define_remat(fwd, rem, bwd, False, generic_batching)
 
   def defremat_with_logs(self, fwd: Callable, rem: Callable, bwd: Callable,
                          generic_batching: bool | None = None) -> None:
@@ -365,9 +377,9 @@ class smart_custom_vjp:
     _jax_api.require_method(self.fun, "defremat_with_logs")
     _jax_api.check_generic_batching(self.fun, "defremat_with_logs",
                                     generic_batching)
-    self._define_remat(fwd, rem, bwd, with_logs=True)
+    self._define_remat(fwd, rem, bwd, True, generic_batching)
 
-  def _define_remat(self, fwd, rem, bwd, with_logs):
+  def _define_remat(self, fwd, rem, bwd, with_logs, generic_batching):
     for n, r in (("fwd", fwd), ("rem", rem), ("bwd", bwd)):
       if not callable(r):
         raise TypeError(
@@ -378,10 +390,13 @@ class smart_custom_vjp:
         bwd=_jax_api.remat_bwd(self.fun, rem, bwd, self.nondiff_argnums,
                                with_logs),
         fwd_bwd=None, symbolic_zeros=False,
-        nondiff_argnums=self.nondiff_argnums, always_save=True)
+        nondiff_argnums=self.nondiff_argnums, always_save=True,
+        generic_batching=bool(generic_batching))
+    self.generic_batching = bool(generic_batching)   # the last one, as JAX
     self._remat = remat
     if self._rules is not None and self._rules.fwd is not None:
-      self._rules = dataclasses.replace(self._rules, remat=remat)
+      self._rules = dataclasses.replace(
+          self._rules, remat=remat, generic_batching=remat.generic_batching)
     else:
       self._rules = remat
     self._cache = TraceLocalCache(_CACHE_SIZE)

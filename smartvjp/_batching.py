@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _compat as C
+from smartvjp import _jax_api
 from smartvjp._jax_api import remat_call
 from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
@@ -30,10 +31,13 @@ from smartvjp._primitives import (
 from smartvjp._spec import CallSpec, Rules, select_outputs, trace_call
 
 
-def _vmap_rule(fn, in_axes, axis_data, tag=None):
+def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None):
   """``jax.vmap(fn, in_axes)`` over ``axis_data`` (every output at axis 0);
   with the trace ``tag`` of the vmap being batched, as part of that vmap, so
-  that values the user's rules close over from it are batched too."""
+  that values the user's rules close over from it are batched too.
+  ``report``, if given, receives which output leaves ``fn`` mapped."""
+  if report is not None:
+    fn = _reporting(fn, report)
   if tag is None:
     return jax.vmap(fn, in_axes=in_axes, out_axes=0,
                     axis_size=axis_data.size, axis_name=axis_data.name,
@@ -53,6 +57,15 @@ def _vmap_rule(fn, in_axes, axis_data, tag=None):
     outs = C.vmap_in_trace(flat, tag, axis_data, flat_dims)(*leaves)
     return tree_util.tree_unflatten(store["tree"], outs)
   return batched
+
+
+def _reporting(fn, report):
+  """``fn`` that passes ``report`` which of its output leaves are mapped."""
+  def run(*args):
+    out = fn(*args)
+    report([C.is_mapped_here(x) for x in tree_util.tree_leaves(out)])
+    return out
+  return run
 
 
 def _flat_axes(in_axes, args):
@@ -103,8 +116,13 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
   n = call.num_primals
   tag = C.current_batch_tag(axis_data)
 
-  def _vmap(fn, in_axes, axis_data):
-    return _vmap_rule(fn, in_axes, axis_data, tag)
+  def _vmap(fn, in_axes, axis_data, report=None):
+    return _vmap_rule(fn, in_axes, axis_data, tag, report)
+
+  seen = {}   # which primal outputs fwd maps, noted when it is traced
+
+  def note(mapped):
+    seen["fwd"] = tuple(mapped[:call.num_outs])
 
   def fun(*leaves):
     def one(consts, leaves):
@@ -122,16 +140,19 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
     def one(*vals):
       out, res = rules.fwd(*call.full_args(call.fwd_inputs(vals, perturbed)))
       return tuple(tree_util.tree_leaves(out)), res
-    return _vmap(one, list(in_dims), axis_data)(*vals)
+    return _vmap(one, list(in_dims), axis_data, note)(*vals)
+  fwd.mapped_outputs = seen
 
   def bwd(res, g):
     arrays, rebuild = _split_symbolic(list(g))
 
     def one(res, arrays):
-      cts = flatten_cotangents(call, _call_bwd(rules, call, res, rebuild(arrays)),
-                               "bwd")
-      return _none_for_zeros(cts)
-    out = _vmap(one, (0, 0), axis_data)(res, arrays)
+      with _jax_api.collecting_logs() as sink:   # per example, batched out
+        cts = flatten_cotangents(
+            call, _call_bwd(rules, call, res, rebuild(arrays)), "bwd")
+      return _none_for_zeros(cts), _jax_api.merged_logs(sink)
+    out, logs = _vmap(one, (0, 0), axis_data)(res, arrays)
+    _jax_api.deposit_logs(logs)
     return _sum_unbatched(out, in_dims)
 
   def fwd_bwd(*args):
@@ -158,7 +179,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
       fwd_bwd=(_named(fwd_bwd, rules.fwd_bwd)
                if rules.fwd_bwd is not None else None),
       symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=(),
-      always_save=rules.always_save,
+      always_save=rules.always_save, generic_batching=rules.generic_batching,
       remat=(batched_rules(remat_call(call), consts, const_dims, in_dims,
                            axis_data) if rules.remat is not None else None))
 
@@ -244,12 +265,32 @@ def _call_batch(axis_data, args, dims, *, call):
   bcall, bconsts = batched_call(call, consts, cdims, pdims, axis_data)
   outs = call_p.bind(*bconsts, *primals, call=bcall)
   # an output f computes from unbatched inputs only is the same for every
-  # example: return one copy, unbatched, as JAX does (its cotangent then
-  # reaches one example's rules, as with jax.custom_vjp)
+  # example: return one copy, unbatched, as JAX does; differentiated, fwd
+  # ran and its outputs decide (see _output_batching)
   _, out_batched = C.batch_jaxpr(
       call.jaxpr, axis_data, [d is not None for d in (*cdims, *pdims)], False)
+  out_batched = _output_batching(bcall, outs, out_batched)
   outs = [o if b else o[0] for o, b in zip(outs, out_batched)]
   return outs, [0 if b else None for b in out_batched]
+
+
+def _output_batching(bcall, outs, f_batched):
+  """Which outputs of a batched call are mapped: ``f``'s answer, except when
+  the call was just differentiated (its outputs carry tangents), where
+  ``fwd`` ran and its mapped outputs decide, as for ``jax.custom_vjp``. (A
+  ``fwd`` whose output is mapped where ``f``'s is not then gets per-example
+  cotangents, not one cotangent for the whole batch.) With
+  ``generic_batching=True`` ``f`` always decides, as in JAX: such an output
+  takes the first example's value and its whole cotangent goes to the first
+  example."""
+  if (all(f_batched) or bcall.rules.generic_batching
+      or not any(C.carries_tangent(o) for o in outs)):
+    return f_batched
+  fwd = bcall.rules.fwd
+  mapped = getattr(fwd, "mapped_outputs", {}).get("fwd")
+  if mapped is None or len(mapped) != len(f_batched):
+    return f_batched
+  return list(mapped)
 
 
 # -- smartvjp_primal: batched as the f call it evaluates ----------------------

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _compat as C
+from smartvjp import _jax_api
 from smartvjp._errors import describe_tree, rule_error
 from smartvjp._primitives import bwd_p
 
@@ -71,17 +72,25 @@ def _bind_rule(call, which, key, user, inputs, cts):
     def flat(*args):
       ins, nz_cts = args[:len(inputs)], iter(args[len(inputs):])
       full = [c if z else next(nz_cts) for c, z in zip(cts, zero_in)]
-      outs = user(ins, full)
+      with _jax_api.collecting_logs() as sink:
+        outs = user(ins, full)
+      log_leaves, store["logs"] = tree_util.tree_flatten(
+          _jax_api.merged_logs(sink))
       store["zero_out"] = tuple(type(o) is C.Zero for o in outs)
-      return [o for o in outs if type(o) is not C.Zero]
+      return [o for o in outs if type(o) is not C.Zero] + log_leaves
 
     jaxpr, consts = C.trace_to_closed_jaxpr(
         flat, avals, f"smart_custom_vjp {which}", getattr(call.rules, which),
         avals)
-    hit = (jaxpr, consts, store["zero_out"])
+    hit = (jaxpr, consts, store["zero_out"], store["logs"])
     call.rule_cache.put(cache_key, hit, consts)
-  jaxpr, consts, zero_out = hit
-  outs = iter(bwd_p.bind(*consts, *args, call=call, which=which, jaxpr=jaxpr))
+  jaxpr, consts, zero_out, logs_tree = hit
+  outs = bwd_p.bind(*consts, *args, call=call, which=which, jaxpr=jaxpr)
+  n_logs = logs_tree.num_leaves
+  if n_logs:   # the logs bwd returned, as outputs of the equation
+    outs, log_leaves = outs[:-n_logs], outs[-n_logs:]
+    _jax_api.deposit_logs(tree_util.tree_unflatten(logs_tree, log_leaves))
+  outs = iter(outs)
   return [C.Zero(_ct_aval(a)) if z else next(outs)
           for a, z in zip(call.in_avals, zero_out)]
 

@@ -180,6 +180,7 @@ def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
   return Rules(fun=fun, fwd=fwd if user.fwd is not None else None,
                bwd=bwd if user.bwd is not None else None,
                fwd_bwd=fwd_bwd if user.fwd_bwd is not None else None,
-               symbolic_zeros=user.symbolic_zeros, nondiff_argnums=())
+               symbolic_zeros=user.symbolic_zeros, nondiff_argnums=(),
+               generic_batching=user.generic_batching)
 
 

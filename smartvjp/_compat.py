@@ -36,10 +36,12 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.interpreters.ad", (
         "is_undefined_primal", "instantiate_zeros", "primitive_jvps",
         "primitive_transposes", "primitive_linearizations",
-        "fallback_linearize_rule", "LinearizeTrace", "LinearizeTracer")),
+        "fallback_linearize_rule", "LinearizeTrace", "LinearizeTracer",
+        "JVPTracer")),
     ("jax._src.interpreters.batching", (
         "fancy_primitive_batchers", "batch_jaxpr", "batch_jaxpr_axes",
-        "bdim_at_front", "zero_if_mapped", "BatchTrace", "_batch_inner")),
+        "bdim_at_front", "zero_if_mapped", "BatchTrace", "_batch_inner",
+        "BatchTracer")),
     ("jax._src.interpreters.mlir", ("register_lowering", "lower_fun")),
     ("jax._src.api_util", ("debug_info", "resolve_kwargs")),
     ("jax._src.linear_util", ("wrap_init",)),
@@ -219,7 +221,9 @@ def register_rules(prim: Primitive, **rules: Callable) -> None:
   the primitive's jaxprs, traced to lower it), ``jvp``, ``linearization``,
   ``transpose``, ``partial_eval``, ``partial_eval_custom``, ``dce``,
   ``batching``, ``pp``, ``checkify``, ``discharge``, ``remat3``,
-  ``to_lojax``; see each adapter for the rule's signature. Raises ``TypeError`` for an unknown keyword and
+  ``to_lojax``, ``transpose_with_logs`` (a triple, see
+  :func:`register_transpose_with_logs`); see each adapter for the rule's
+  signature. Raises ``TypeError`` for an unknown keyword and
   ``ValueError`` if ``prim`` already has rules registered here.
   """
   adapters = {
@@ -236,6 +240,7 @@ def register_rules(prim: Primitive, **rules: Callable) -> None:
       "pp": lambda r: register_pp(prim, r),
       "checkify": lambda r: register_checkify(prim, r),
       "discharge": lambda r: register_discharge(prim, r),
+      "transpose_with_logs": lambda r: register_transpose_with_logs(prim, *r),
       "remat3": lambda r: register_remat3(prim, r),
       "to_lojax": lambda r: register_to_lojax(prim, r),
   }
@@ -245,7 +250,10 @@ def register_rules(prim: Primitive, **rules: Callable) -> None:
                     f"{unknown}; known: {sorted(adapters)}")
   if prim.name in RULES:
     raise ValueError(f"register_rules({prim.name}): already registered")
-  RULES[prim.name] = dict(rules)
+  # (a transpose_with_logs entry is (rule, collecting, merge): the rule is
+  # what is listed)
+  RULES[prim.name] = {k: (r[0] if k == "transpose_with_logs" else r)
+                      for k, r in rules.items()}
   for kind, rule in rules.items():
     adapters[kind](rule)
 
@@ -779,3 +787,56 @@ def name_of(prim, params):
   if hi is not None and isinstance(hi, kinds):
     return hi.params["name"]
   return None
+
+
+# -- drop-in conformance (issue 11: smartvjp/_batching.py, _jax_api.py) -------
+
+def carries_tangent(x) -> bool:
+  """Whether ``x`` is a tracer of the current trace, a JVP or a
+  linearization, with a tangent that is not a symbolic zero: the primitive
+  that produced it was differentiated."""
+  trace = _core.trace_ctx.trace
+  if not isinstance(x, (_ad.JVPTracer, _ad.LinearizeTracer)):
+    return False
+  return x._trace is trace and type(x.tangent) is not Zero
+
+
+def is_mapped_here(x) -> bool:
+  """Whether ``x`` is a value of the vmap now tracing with a mapped axis."""
+  trace = _core.trace_ctx.trace
+  return (isinstance(x, _batching.BatchTracer) and x._trace is trace
+          and x.batch_dim is not None)
+
+
+# jax 0.11.2: JAX's backward pass collects backward-pass logs (VJP.with_logs)
+# from transpose rules in ad.fancy_transposes, which receive gradient
+# accumulators and return None or a dict; before, there are no logs.
+TRANSPOSE_RETURNS_LOGS = all(
+    hasattr(_ad, n) for n in ("_merge_rule_logs", "fancy_transposes",
+                              "GradAccum", "UndefinedPrimal"))
+
+
+def register_transpose_with_logs(prim: Primitive, rule: Callable,
+                                 collecting: Callable, merge: Callable) -> None:
+  """Where JAX collects logs, also registers ``rule`` (a transpose rule as
+  for :func:`register_transpose`) in the form that returns them: ``rule``
+  runs inside ``collecting()``, a context manager giving a list of log
+  dicts, and ``merge`` of that list (a dict or ``None``) is returned."""
+  if not TRANSPOSE_RETURNS_LOGS:
+    return
+
+  def with_logs(cts, *args, **params):
+    undefined = [_ad.UndefinedPrimal(x.aval)
+                 if isinstance(x, _ad.GradAccum) else x for x in args]
+    with collecting() as sink:
+      cts_in = rule(cts, *undefined, **params)
+    for x, ct in zip(args, cts_in):
+      if isinstance(x, _ad.GradAccum):
+        x.accum(ct)
+    return merge(sink)
+  _ad.fancy_transposes[prim] = with_logs
+
+
+def ref_aval(value_aval):
+  """The type of a mutable array reference holding values of ``value_aval``."""
+  return _AbstractRef(value_aval)

@@ -14,15 +14,21 @@ raises ``NotImplementedError`` naming the JAX release that introduced it.
   ``defvjp``'s rules are also given, they are used wherever the policy keeps
   their residuals (and without remat), the ``defremat`` rules elsewhere.
 * ``defvjp_with_logs`` / ``defremat_with_logs``: ``bwd`` returns
-  ``(cotangents, logs)``. smartvjp does not carry backward-pass logs out of
-  the backward pass yet: ``None`` (or an empty dict) works, a dict with
-  entries raises ``NotImplementedError`` when ``bwd`` runs.
-* ``generic_batching=False`` (the default) is accepted where JAX accepts it;
-  ``True`` raises ``NotImplementedError``.
+  ``(cotangents, logs)``. The logs leave the backward pass as JAX's do
+  (``VJP.with_logs``): the wrapped ``bwd`` drops them into the innermost
+  :func:`collecting_logs` sink, the traced rule (``_bwd._bind_rule``) makes
+  their leaves outputs of its ``smartvjp_bwd`` equation, and the transposes
+  of ``smartvjp_lin``/``smartvjp_fused_lin``, registered where JAX's
+  backward pass collects logs, return them as a dict.
+* ``generic_batching`` where JAX accepts it, with JAX's meaning: under
+  ``vmap`` ``f`` alone decides which outputs are mapped (see
+  ``_batching._output_batching``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Callable
@@ -59,10 +65,8 @@ def require_method(fun, method: str) -> None:
 
 
 def check_generic_batching(fun, method: str, value) -> None:
-  """``generic_batching``: ``None`` (not given) or ``False`` where JAX has it.
-
-  ``False`` is JAX's default and smartvjp's behaviour under ``vmap``.
-  """
+  """``generic_batching``: ``None`` (not given) or a bool where JAX has it
+  (its meaning: ``_batching._output_batching``)."""
   if value is None:
     return
   if not isinstance(value, (bool, int)) or callable(value):
@@ -77,29 +81,57 @@ def check_generic_batching(fun, method: str, value) -> None:
         "generic_batching parameter mirrors jax.custom_vjp's, which JAX added "
         f"in jax {INTRODUCED['generic_batching']}; the installed jax "
         f"{jax.__version__} does not have it.")
-  if value:
-    raise NotImplementedError(
-        f"smart_custom_vjp function {_fname(fun)}: {method}(..., "
-        "generic_batching=True) is not implemented by smartvjp yet; leave it "
-        "False (the default), or use jax.custom_vjp for this function.")
 
 
 # -- logs ----------------------------------------------------------------------
 
+_SINK: contextvars.ContextVar = contextvars.ContextVar(
+    "smartvjp_logs", default=None)
+
+
+@contextlib.contextmanager
+def collecting_logs():
+  """A list that receives the logs of every ``bwd`` run inside the block
+  (the innermost block only); outside any block logs are dropped, as a plain
+  ``f_vjp(ct)`` drops them in JAX."""
+  sink: list = []
+  token = _SINK.set(sink)
+  try:
+    yield sink
+  finally:
+    _SINK.reset(token)
+
+
+def deposit_logs(logs) -> None:
+  """Hands a ``bwd``'s logs (a dict) to the innermost sink, if any."""
+  sink = _SINK.get()
+  if sink is not None and logs:
+    sink.append(logs)
+
+
+def merged_logs(sink) -> dict | None:
+  """The logs in ``sink`` as one dict (``None`` when there are none); a key
+  given twice is a ``ValueError``, as in JAX's backward pass."""
+  if not sink:
+    return None
+  out: dict = {}
+  for logs in sink:
+    for key in logs:
+      if key in out:
+        raise ValueError(
+            f"two backward-pass logs of smart_custom_vjp rules use the key "
+            f"{key!r}; each key may appear once per backward pass.")
+    out.update(logs)
+  return out
+
+
 def _check_logs(fun, rule, method, logs):
-  """``None`` or a dict, as JAX requires; entries are not supported yet."""
+  """``None`` or a dict, as JAX requires."""
   if logs is not None and type(logs) is not dict:
     raise TypeError(
         f"smart_custom_vjp function {_fname(fun)}: bwd rule {_fname(rule)} "
         f"was defined with {method}, so its logs must be None or a dict, "
         f"but it returned logs of type {type(logs).__name__}.")
-  if logs:
-    raise NotImplementedError(
-        f"smart_custom_vjp function {_fname(fun)}: bwd rule {_fname(rule)} "
-        f"(defined with {method}) returned backward-pass logs with keys "
-        f"{sorted(map(str, logs))}; smartvjp cannot carry logs out of the "
-        "backward pass yet. Return None as the logs, or use jax.custom_vjp "
-        "for this function.")
 
 
 def without_logs(fun, bwd: Callable, method: str) -> Callable:
@@ -110,11 +142,12 @@ def without_logs(fun, bwd: Callable, method: str) -> Callable:
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise TypeError(
           f"smart_custom_vjp function {_fname(fun)}: bwd rule {_fname(bwd)} "
-          f"was defined with {method}, so it must return a pair (cotangents, "
-          f"logs), but it returned a {type(out).__name__}"
+          f"was defined with {method}, so each call must produce a pair "
+          f"(cotangents, logs); it returned a {type(out).__name__}"
           f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}.")
     cts, logs = out
     _check_logs(fun, bwd, method, logs)
+    deposit_logs(logs)
     return cts
   return plain_bwd
 
@@ -161,6 +194,7 @@ def accums_bwd(fun, bwd: Callable, num_nondiff: int) -> Callable:
         lambda x: C.gradient_accumulator(C.get_aval(x)), dyn)
     logs = bwd(*nondiff, res, g, *accums)
     _check_logs(fun, bwd, "defvjp_with_accums", logs)
+    deposit_logs(logs)
     is_accum = lambda x: not isinstance(x, (tuple, list, dict)) and \
         hasattr(x, "freeze")
     return tuple(tree_util.tree_map(C.accumulated, a, is_leaf=is_accum)

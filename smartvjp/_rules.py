@@ -10,7 +10,7 @@ function, and ``tests/test_architecture.py`` keeps the two equal.
 
 from __future__ import annotations
 
-from smartvjp import _ad, _batching, _checkify, _partial_eval, _remat3
+from smartvjp import _ad, _batching, _checkify, _jax_api, _partial_eval, _remat3
 from smartvjp import _primitives as P
 from smartvjp._compat import register_rules
 
@@ -52,6 +52,7 @@ register_rules(
     impl=_ad._jvp_forward, abstract_eval=P._jvp_abstract_eval,
     lowering=_ad._jvp_forward,
     jvp=_ad._jvp_of_smartvjp_jvp,
+    discharge=_ad._discharge_by_tracing(_ad._jvp_forward, "smartvjp_jvp"),
     partial_eval=_partial_eval._jvp_partial_eval,
     partial_eval_custom=_partial_eval._jvp_partial_eval_custom,
     dce=P._dce_jvp, batching=_batching._jvp_batch, pp=P._pp_rule,
@@ -65,6 +66,9 @@ register_rules(
     impl=_ad._lin_forward, abstract_eval=P._lin_abstract_eval,
     lowering=_ad._lin_forward,
     jvp=_ad._lin_jvp, transpose=_ad._lin_transpose,
+    transpose_with_logs=(_ad._lin_transpose, _jax_api.collecting_logs,
+                         _jax_api.merged_logs),
+    discharge=_ad._discharge_by_tracing(_ad._lin_forward, "smartvjp_lin"),
     dce=P._dce_whole, batching=_batching._lin_batch, pp=P._pp_rule,
     checkify=_checkify._forward_mode_checkify(_ad._lin_forward,
                                               _checkify._lin_which))
@@ -76,6 +80,10 @@ register_rules(
     impl=_ad._fused_lin_forward, abstract_eval=P._lin_abstract_eval,
     lowering=_ad._fused_lin_forward,
     jvp=_ad._fused_lin_jvp, transpose=_ad._fused_lin_transpose,
+    transpose_with_logs=(_ad._fused_lin_transpose, _jax_api.collecting_logs,
+                         _jax_api.merged_logs),
+    discharge=_ad._discharge_by_tracing(_ad._fused_lin_forward,
+                                        "smartvjp_fused_lin"),
     dce=P._dce_whole, batching=_batching._fused_lin_batch, pp=P._pp_rule,
     checkify=_checkify._forward_mode_checkify(_ad._fused_lin_forward,
                                               _checkify._fused_lin_which))

@@ -34,6 +34,9 @@ class Rules:
   # says; ``remat``: the defremat rules to use where the policy recomputes
   always_save: bool = False
   remat: "Rules | None" = None
+  # defvjp(..., generic_batching=True): under vmap an output f maps nowhere
+  # stays unmapped even when fwd maps it (see _batching._output_batching)
+  generic_batching: bool = False
 
   @property
   def name(self) -> str:

@@ -139,12 +139,55 @@ def test_generic_batching_false_is_the_default(positional):
     _assert_same(prog(X, W), _programs(ref)[name](X, W))
 
 
+def _shared_output_calls(cv, generic_batching):
+  """Calls with an output ``f`` computes from unmapped inputs only, under
+  ``vmap(in_axes=(0, None))``: ``fwd`` maps it (``over``), or not (``shared``,
+  where ``bwd`` sends its cotangent to the mapped input too)."""
+  over = cv(lambda x, w: (x * w, w * 2))
+  over.defvjp(lambda x, w: ((x * w, w * 2 + 0 * x), (x, w)),
+              lambda r, g: (g[0] * r[1], g[0] * r[0] + 2 * g[1]),
+              generic_batching=generic_batching)
+  shared = cv(lambda x, w: (x * w, w * 2))
+  shared.defvjp(lambda x, w: ((x * w, w * 2), (x, w)),
+                lambda r, g: (g[0] * r[1] + g[1], g[0] * r[0] + 2 * g[1]),
+                generic_batching=generic_batching)
+  const = cv(lambda x, w: (np.zeros(x.shape, x.dtype), x * w))
+  const.defvjp(lambda x, w: ((x * 0., x * w), w),
+               lambda w, g: (g[0] + g[1] * w, None),
+               generic_batching=generic_batching)
+  return {"over": over, "shared": shared, "const": const}
+
+
+def _vmapped_grads(F):
+  xs, scale = jnp.arange(1., 4.), jnp.arange(2., 5.)
+  loss = lambda x, w: sum(jnp.sum(o * scale) for o in jax.vmap(
+      F, in_axes=(0, None))(x, w))
+  return {"grad": lambda: jax.grad(loss, (0, 1))(xs, 1.5),
+          "jit_grad": lambda: jax.jit(jax.grad(loss, (0, 1)))(xs, 1.5),
+          "value": lambda: jax.jit(jax.vmap(F, in_axes=(0, None)))(xs, 1.5)}
+
+
 @pytest.mark.skipif(not HAS_GB, reason="no generic_batching in this jax")
-def test_generic_batching_true_not_implemented():
-  F = smart_custom_vjp(_sin_rules()[0])
-  f, fwd, bwd = _sin_rules()
-  with pytest.raises(NotImplementedError, match="generic_batching=True"):
-    F.defvjp(fwd, bwd, generic_batching=True)
+@pytest.mark.parametrize("call", ["over", "shared", "const"])
+@pytest.mark.parametrize("program", ["grad", "jit_grad", "value"])
+def test_generic_batching_true_as_jax(call, program):
+  """The shared output keeps the first example's value and sends its whole
+  cotangent to the first example, as JAX's generic batching does."""
+  got, want = (_vmapped_grads(_shared_output_calls(cv, True)[call])[program]()
+               for cv in (smart_custom_vjp, jax.custom_vjp))
+  _assert_same(got, want)
+
+
+@pytest.mark.skipif(not HAS_GB, reason="no generic_batching in this jax")
+@pytest.mark.parametrize("call", ["over", "const"])
+def test_generic_batching_false_follows_fwd_as_jax(call):
+  """Without it (JAX's default, classic path), fwd's mapping decides."""
+  got, want = (_vmapped_grads(_shared_output_calls(cv, False)[call])["grad"]()
+               for cv in (smart_custom_vjp, jax.custom_vjp))
+  _assert_same(got, want)
+  if call == "const":   # bwd disagrees with f there, so the flag matters
+    other = _vmapped_grads(_shared_output_calls(smart_custom_vjp, True)[call])
+    assert not np.allclose(other["grad"]()[0], got[0])
 
 
 # -- defvjp_with_logs ----------------------------------------------------------------
@@ -178,12 +221,70 @@ def test_with_logs_bad_returns_are_type_errors():
         jax.grad(lambda x: jnp.sum(F(x, W)))(X)
 
 
+def _log_programs(F):
+  """``(cotangents, logs)`` of ``F(x, w)`` through every transformation that
+  carries backward-pass logs (JAX's test_defvjp_with_logs, on arrays)."""
+  ct = jnp.ones(3)
+  xs, ws = jnp.stack([X, 2 * X]), jnp.stack([W, W])
+
+  def scanned(x):
+    return jax.lax.scan(lambda c, xw: (c + F(*xw), None), jnp.zeros(3),
+                        (jnp.stack([x, 2 * x]), ws))[0]
+  return {
+      "eager": lambda: jax.vjp(F, X, W)[1].with_logs(ct),
+      "vjp_of_jit": lambda: jax.vjp(jax.jit(F), X, W)[1].with_logs(ct),
+      "jit_of_vjp": lambda: jax.jit(
+          lambda x, w, c: jax.vjp(F, x, w)[1].with_logs(c))(X, W, ct),
+      "scan": lambda: jax.vjp(scanned, X)[1].with_logs(ct),
+      "vmap_outside": lambda: jax.vmap(
+          lambda x, w, c: jax.vjp(F, x, w)[1].with_logs(c))(xs, ws, 2 * xs),
+      "vmap_inside": lambda: jax.vjp(
+          lambda x: jax.vmap(F, in_axes=(0, None))(x, W), xs)[1].with_logs(
+              2 * xs),
+      "checkpoint": lambda: jax.vjp(
+          jax.checkpoint(lambda x, w: F(x, w) * 3.), X, W)[1].with_logs(ct),
+      "checkpoint_jit": lambda: jax.jit(lambda x, w: jax.vjp(
+          jax.checkpoint(lambda x, w: F(x, w) * 3.), x, w)[1].with_logs(ct))(
+              X, W),
+  }
+
+
+def _assert_same_logs(got, want):
+  assert jax.tree_util.tree_structure(got) == \
+      jax.tree_util.tree_structure(want)
+  _assert_same(got, want)
+
+
 @needs("defvjp_with_logs")
-def test_with_logs_entries_not_supported_yet():
-  F = smart_custom_vjp(_sin_rules()[0])
-  F.defvjp_with_logs(*_logs_rules({"g": 1.0}))
-  with pytest.raises(NotImplementedError, match="logs"):
-    jax.grad(lambda x: jnp.sum(F(x, W)))(X)
+@pytest.mark.parametrize("program", list(_log_programs(None)))
+def test_with_logs_entries_match_jax(program):
+  def bwd(res, g):
+    c, s, w = res
+    return (c * w * g, s * g), {"f": {"ct_out": g, "w": w}}
+  smart, ref = _both(lambda F: F.defvjp_with_logs(_sin_rules()[1], bwd))
+  got, want = _log_programs(smart)[program](), _log_programs(ref)[program]()
+  assert want[1], "JAX returned no logs"
+  _assert_same_logs(got, want)
+  _assert_same(jax.vjp(smart, X, W)[1](jnp.ones(3)),   # plain call drops them
+               jax.vjp(ref, X, W)[1](jnp.ones(3)))
+
+
+@needs("defvjp_with_logs")
+def test_with_logs_nondiff_argnums_and_two_calls():
+  """Logs of two calls in one backward pass merge; a repeated key is a
+  ValueError, as in JAX."""
+  got = []
+  for cv in (smart_custom_vjp, jax.custom_vjp):
+    G = cv(lambda n, x: x * n, nondiff_argnums=(0,))
+    G.defvjp_with_logs(lambda n, x: (G(n, x), None),
+                       lambda n, _, g: ((g * n,), {f"g{n}": g * n}))
+    two = lambda x: G(2., G(3., x))
+    got.append(jax.vjp(two, X)[1].with_logs(jnp.ones(3)))
+    got.append(jax.jit(lambda x: jax.vjp(two, x)[1].with_logs(
+        jnp.ones(3)))(X))
+    with pytest.raises(ValueError):
+      jax.vjp(lambda x: G(2., G(2., x)), X)[1].with_logs(jnp.ones(3))
+  _assert_same_logs(got[:2], got[2:])
 
 
 # -- defvjp_with_accums -------------------------------------------------------------
@@ -400,3 +501,32 @@ def test_defremat_with_logs_values(logs):
     with jax_remat_path() if cv is jax.custom_vjp else contextlib.nullcontext():
       got.append([p(X, W) for n, p in _programs(F).items()])
   _assert_same(*got)
+
+
+@needs("defremat_with_logs")
+def test_defremat_and_accums_log_entries_match_jax():
+  """Log entries of defremat_with_logs' and defvjp_with_accums' bwd reach
+  VJP.with_logs as JAX's (JAX's defremat needs its remat3 flags)."""
+  f, fwd, bwd = _sin_rules()
+
+  def acc_bwd(res, g, x_acc, w_acc):
+    c, s, w = res
+    x_acc.accum(c * w * g)
+    w_acc.accum(s * g)
+    return {"a": 2 * g}
+  got = []
+  for cv in (smart_custom_vjp, jax.custom_vjp):
+    R, A = cv(f), cv(f)
+    R.defremat_with_logs(lambda x, w: (f(x, w), None),
+                         lambda _, x, w: fwd(x, w),
+                         lambda res, g: (bwd(res, g), {"r": g}))
+    A.defvjp_with_accums(fwd, acc_bwd)
+    ct = jnp.ones(3)
+    with jax_remat_path() if cv is jax.custom_vjp else contextlib.nullcontext():
+      got.append([jax.vjp(jax.checkpoint(R), X, W)[1].with_logs(ct),
+                  jax.vjp(R, X, W)[1].with_logs(ct)])
+    got[-1] += [jax.vjp(A, X, W)[1].with_logs(ct),
+                jax.jit(lambda x, w: jax.vjp(jax.checkpoint(A), x, w)[1]
+                        .with_logs(ct))(X, W)]
+  assert all(logs for _, logs in got[1])
+  _assert_same_logs(*got)

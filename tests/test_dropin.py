@@ -229,3 +229,42 @@ def test_per_output_dce_keeps_only_the_used_work_and_the_custom_rule(used):
     grads.append(jax.grad(one, argnums=(0, 1))(0.1, -1.3))
     grads.append(jax.jit(jax.vmap(jax.grad(one)))(jnp.ones(2), jnp.ones(2)))
   jax.tree_util.tree_map(_same_leaf, grads[2:], grads[:2])
+
+
+# -- lowering keeps f's jaxpr as one equation (JAX's expand-stages test) ------
+
+@pytest.mark.parametrize("vjp3", [False, True])
+def test_lowering_keeps_one_call_carrying_f_uninlined(vjp3):
+  """JAX's test_expand_stages_call_without_inlining checks that lowering a
+  jitted custom VJP stages ``f`` as one ``eval_jaxpr`` equation; smartvjp's
+  own ``smartvjp_call`` equation carries ``f``'s ten equations the same way
+  (the category-a entry in tools/jax_suite_expected.toml)."""
+  from jax._src.interpreters import partial_eval as pe
+  if not hasattr(pe, "lower_jaxpr2"):
+    pytest.skip("this JAX has no hi-to-lo jaxpr lowering (lower_jaxpr2)")
+  if vjp3 and not hasattr(jax.config, "jax_custom_vjp3"):
+    pytest.skip("this JAX has no jax_custom_vjp3 flag")
+
+  @smart_custom_vjp
+  def f(x):
+    for _ in range(10):
+      x = jnp.sin(x)
+    return x
+  f.defvjp(lambda x: (f(x), x), lambda x, g: (g,))
+
+  old = getattr(jax.config, "jax_custom_vjp3", None)
+  if vjp3:
+    jax.config.update("jax_custom_vjp3", True)
+  try:
+    hi = jax.jit(f).trace(1.).jaxpr
+    try:   # jax 0.11 on: an open jaxpr; jax 0.10: a closed one
+      lo = pe.lower_jaxpr2(hi.jaxpr)
+    except AttributeError:
+      lo = pe.lower_jaxpr2(hi).jaxpr
+  finally:
+    if vjp3:
+      jax.config.update("jax_custom_vjp3", old)
+  eqn, = lo.eqns
+  assert eqn.primitive.name == "smartvjp_call"
+  carried = eqn.params["call"].jaxpr.jaxpr
+  assert [e.primitive.name for e in carried.eqns] == ["sin"] * 10

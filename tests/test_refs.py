@@ -183,3 +183,40 @@ def test_the_same_reference_twice_is_an_error_when_differentiated():
   with pytest.raises(ValueError, match=r"same mutable array reference at "
                      r"arguments\[1\] and arguments\[2\]"):
     jax.jit(lambda: grad("smart"))()
+
+
+# -- forward mode (jax.custom_vjp refuses it: compared with the plain f) ------
+
+def _forward(F, how, jit, init):
+  def step(x):
+    r = new_ref(jnp.full((3,), init, jnp.float32))
+    G = lambda x: F(x, r)
+    if how == "jvp":
+      out = jax.jvp(G, (x,), (jnp.ones(3),))
+    elif how == "linearize":
+      y, lin = jax.linearize(G, x)
+      out = (y, lin(jnp.ones(3)))
+    else:
+      out = jax.jacfwd(G)(x)
+    return out, r[...]
+  return jax.tree.map(np.asarray, (jax.jit(step) if jit else step)(X))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("how", ["jvp", "linearize", "jacfwd"])
+def test_forward_mode_reading_a_reference_as_the_plain_function(how, jit):
+  """Under jit the forward-mode primitives are discharged like the rest."""
+  plain = lambda x, r: jnp.sin(x) * r[...]
+  want = _forward(plain, how, jit, 2.0)
+  assert_close(_forward(reads_argument("smart"), how, jit, 2.0), want)
+
+
+@pytest.mark.parametrize("how", ["jvp", "linearize"])
+def test_forward_mode_fwd_writing_a_reference_under_jit_as_eagerly(how):
+  """fwd runs once under jax.jvp: its write to the reference shows once,
+  with jit as without."""
+  got = _forward(counts_in_fwd("smart"), how, True, 0.0)
+  want = _forward(counts_in_fwd("smart"), how, False, 0.0)
+  assert_close(got, want)
+  assert_close(got[1], np.ones(3))
+  assert_close(got[0][1], np.cos(X))

@@ -206,6 +206,35 @@ def test_fwd_may_touch_batched_inputs_for_an_unbatched_output():
                              jax.grad(loss(ref), 1)(X, W), rtol=1e-6)
 
 
+def _constant_f_batched_fwd(dec):
+  """JAX's test_overbatched_fwd_rule_error: ``f`` an unbatched constant,
+  ``fwd`` a mapped value."""
+  F = dec(lambda x: np.zeros(x.shape, x.dtype))
+  F.defvjp(lambda x: (x * 0., None), lambda _, g: (g,))
+  return F
+
+
+@pytest.mark.parametrize("how", ["grad", "jit_grad", "vjp", "grad_pair"])
+def test_fwd_mapped_output_where_f_is_not_follows_fwd_like_custom_vjp(how):
+  """Differentiated, the output is mapped as ``fwd``'s is (each example's
+  ``bwd`` gets its own cotangent), as with the classic ``jax.custom_vjp``;
+  it used to follow ``f`` and send the whole cotangent to one example."""
+  def prog(F):
+    if how == "vjp":
+      return lambda x: jax.vjp(jax.vmap(F), x)[1](jnp.arange(1., 4.))[0]
+    if how == "grad_pair":
+      G = lambda x, w: (F(x), x * w)
+      return jax.grad(lambda x: sum(jnp.sum(o) for o in jax.vmap(
+          G, in_axes=(0, None))(x, 2.)))
+    g = jax.grad(lambda x: jax.vmap(F)(x).sum())
+    return jax.jit(g) if how == "jit_grad" else g
+  x = jnp.arange(3.)
+  want = prog(_constant_f_batched_fwd(jax.custom_vjp))(x)  # classic path
+  got = prog(_constant_f_batched_fwd(smart_custom_vjp))(x)
+  np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(want, [3., 0., 0.])
+
+
 def test_nonlinear_bwd_sees_an_unbatched_cotangent_once_like_custom_vjp():
   def both(x, w):
     return x, w
