@@ -23,7 +23,7 @@ from functools import partial
 
 import jax
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp import _jax_api
 from smartvjp._bwd import run_bwd, run_fwd_bwd
 from smartvjp._errors import expect_used_up
@@ -69,7 +69,7 @@ def _closure_jvp(call, primals, tangents):
 
 def _split_tangents(call, tangents):
   prim_t = tangents[call.num_consts:]
-  in_nz = tuple(type(t) is not C.Zero and possible
+  in_nz = tuple(type(t) is not _compat.Zero and possible
                 for t, possible in zip(prim_t, call.in_nz_possible))
   nz_tangents = [t for t, nz in zip(prim_t, in_nz) if nz]
   return in_nz, nz_tangents
@@ -78,7 +78,7 @@ def _split_tangents(call, tangents):
 def expand_tangents(call, nz_outs):
   """Per-output tangents: the nonzero ones given, ``Zero`` for the rest."""
   it = iter(nz_outs)
-  outs = [next(it) if nz else C.Zero(a.to_tangent_aval())
+  outs = [next(it) if nz else _compat.Zero(a.to_tangent_aval())
           for a, nz in zip(call.out_avals, call.out_nz)]
   expect_used_up(it, "tangents")
   return outs
@@ -90,7 +90,7 @@ def _call_jvp(primals, tangents, *, call):
   if call.full is not None:   # pruned by DCE: the whole call's rule, selected
     outs, out_tangents = _call_jvp(primals, tangents, call=call.full)
     return select_outputs(call, outs), select_outputs(call, out_tangents)
-  if _classify(call, [type(t) is not C.Zero for t in tangents]) == "closure":
+  if _classify(call, [type(t) is not _compat.Zero for t in tangents]) == "closure":
     return _closure_jvp(call, primals, tangents)
   in_nz, nz_tangents = _split_tangents(call, tangents)
   f_consts, primals = primals[:call.num_consts], primals[call.num_consts:]
@@ -122,7 +122,7 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
       prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
     return _linearized(call, in_nz, primal_outs, residuals, prim, params)
   if _classify(call, nonzeros) == "closure":
-    return C.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
+    return _compat.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
                                         call=call)
   f_consts, primals = primals_in[:call.num_consts], primals_in[call.num_consts:]
   in_nz = tuple(nz and possible for nz, possible in
@@ -132,8 +132,8 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
     return (outs, [False] * call.num_outs, [],
             lambda _res, *_t: expand_tangents(call, []))
   check_aliased_refs(call, primals)
-  eager = C.is_eval_trace() and not any(
-      isinstance(p, C.Tracer) for p in primals_in)
+  eager = _compat.is_eval_trace() and not any(
+      isinstance(p, _compat.Tracer) for p in primals_in)
   if call.rules.fwd is None:  # only fwd_bwd: f now, fwd_bwd in the backward pass
     primal_outs = (eager_f(call, primals) if eager else
                    call_p.bind(*f_consts, *primals, call=call))
@@ -171,7 +171,7 @@ def _reloaded(res, reload):
   where ``bwd`` expects them, as ``fwd`` returned them."""
   if reload is None:
     return list(res)
-  return [jax.device_put(r, C.device_memory_space()) if back else r
+  return [jax.device_put(r, _compat.device_memory_space()) if back else r
           for r, back in zip(res, reload)]
 
 
@@ -202,7 +202,7 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
   ct_avals = tangent_avals(out_avals, call.out_nz)
 
   def nz_map(*nz_cts):
-    return [C.instantiate_zeros(c) for c in
+    return [_compat.instantiate_zeros(c) for c in
             _nz_inputs(cotangent_map(expand_tangents(call, nz_cts)), in_nz)]
 
   try:
@@ -256,12 +256,12 @@ def _discharge_by_tracing(impl, name):
   those inputs as references, then discharged, as JAX discharges a plain
   function reading or writing them."""
   def rule(should, *args, **params):
-    avals = [C.ref_aval(C.get_aval(a)) if d else C.get_aval(a)
+    avals = [_compat.ref_aval(_compat.get_aval(a)) if d else _compat.get_aval(a)
              for a, d in zip(args, should)]
-    jaxpr, consts = C.trace_to_closed_jaxpr(
+    jaxpr, consts = _compat.trace_to_closed_jaxpr(
         lambda *xs: impl(*xs, **params), avals, f"smartvjp {name}", impl,
         avals)
-    outs = C.eval_discharged(jaxpr, [False] * len(consts) + list(should),
+    outs = _compat.eval_discharged(jaxpr, [False] * len(consts) + list(should),
                              *consts, *args)
     n = len(outs) - sum(should)
     finals = iter(outs[n:])
@@ -282,7 +282,7 @@ def _rule_jvp(prim, impl, role, primals, tangents, /, **params):
   (as ``jax.custom_vjp`` differentiates its rules): a nested call inside the
   rule then sees its closed-over constants held fixed."""
   call = params["call"]
-  moving = [type(t) is not C.Zero for t in tangents]
+  moving = [type(t) is not _compat.Zero for t in tangents]
 
   def on_moving(*moved):
     it = iter(moved)
@@ -309,8 +309,8 @@ def _rule_jvp(prim, impl, role, primals, tangents, /, **params):
 def _linear_in_tangents_jvp(prim, impl, role, n_nonlinear, primals,
                             tangents, /, **params):
   """Linear primitives: when only the tangent inputs move, the JVP is itself."""
-  if all(type(t) is C.Zero for t in tangents[:n_nonlinear]):
-    lin_tangents = [C.instantiate_zeros(t) for t in tangents[n_nonlinear:]]
+  if all(type(t) is _compat.Zero for t in tangents[:n_nonlinear]):
+    lin_tangents = [_compat.instantiate_zeros(t) for t in tangents[n_nonlinear:]]
     outs = prim.bind(*primals, **params)
     return outs, prim.bind(*primals[:n_nonlinear], *lin_tangents, **params)
   return _rule_jvp(prim, impl, role, primals, tangents, **params)
@@ -359,7 +359,7 @@ def _bwd_jvp(primals, tangents, **params):
 def _bwd_transpose(cts, *args, call, which, jaxpr):
   """``bwd``/``fwd_bwd`` are linear in the cotangent; forward mode transposes
   them (this fails, and forward mode reports it, when they are opaque)."""
-  undefined = [C.is_undefined_primal(a) for a in args]
+  undefined = [_compat.is_undefined_primal(a) for a in args]
   lin_avals = [a.aval for a, u in zip(args, undefined) if u]
 
   def linear_part(*lin):
@@ -368,7 +368,7 @@ def _bwd_transpose(cts, *args, call, which, jaxpr):
     return bwd_eval(*full, call=call, which=which, jaxpr=jaxpr)
 
   transposed = jax.linear_transpose(linear_part, *lin_avals)  # full types
-  out_cts = transposed([C.instantiate_zeros(c) for c in cts])
+  out_cts = transposed([_compat.instantiate_zeros(c) for c in cts])
   it = iter(out_cts)
   return [next(it) if u else None for u in undefined]
 
@@ -383,11 +383,11 @@ def _call_transpose(cts, *args, call):
   the others held fixed. JAX checks that ``f`` is linear in them; an ``f``
   that is not (or is opaque) gets JAX's error, as a plain function does."""
   if call.full is not None:   # pruned by DCE: zero cotangents for the rest
-    full_cts = [C.Zero(a.to_tangent_aval()) for a in call.full.out_avals]
+    full_cts = [_compat.Zero(a.to_tangent_aval()) for a in call.full.out_avals]
     for i, ct in zip(call.kept, cts):
       full_cts[i] = ct
     return _call_transpose(full_cts, *args, call=call.full)
-  undefined = [C.is_undefined_primal(a) for a in args]
+  undefined = [_compat.is_undefined_primal(a) for a in args]
   lin_avals = [a.aval for a, u in zip(args, undefined) if u]  # full types
 
   def f(*lin):
@@ -402,7 +402,7 @@ def _call_transpose(cts, *args, call):
         f"Transpose rule for smart_custom_vjp function {call.name} used in a "
         f"linear position: its f is not linear JAX code in the inputs being "
         f"transposed ({type(e).__name__}: {e})") from e
-  it = iter(transposed([C.instantiate_zeros(c) for c in cts]))
+  it = iter(transposed([_compat.instantiate_zeros(c) for c in cts]))
   return [next(it) if u else None for u in undefined]
 
 

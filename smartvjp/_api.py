@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 from jax import tree_util
 from jax.errors import UnexpectedTracerError
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp import _rules  # noqa: F401  (registers the primitives' rules)
 from smartvjp import _jax_api
 from smartvjp._errors import rule_error
@@ -262,15 +262,15 @@ class smart_custom_vjp:
     dyn = tuple(a for i, a in enumerate(args) if i not in self.nondiff_argnums)
     leaves, in_tree = tree_util.tree_flatten(dyn)
     avals = tuple(_aval(rules, dyn, i, x) for i, x in enumerate(leaves))
-    if C.ALIASED_REFS_CHECKED_AT_CALL:  # references: as jax.custom_vjp
+    if _compat.ALIASED_REFS_CHECKED_AT_CALL:  # references: as jax.custom_vjp
       check_aliased_arguments(rules, "fun", in_tree, leaves)
-    if C.is_eval_trace() and not any(isinstance(x, C.Tracer) for x in leaves):
+    if _compat.is_eval_trace() and not any(isinstance(x, _compat.Tracer) for x in leaves):
       return self.fun(*args)  # plain eager evaluation, as jax.custom_vjp
-    eager = C.eager_linearize_inputs(leaves)
+    eager = _compat.eager_linearize_inputs(leaves)
     if eager is not None:   # eager grad/vjp: fwd on concrete values, f untraced
       parent, primals, nonzero = eager
       try:
-        with C.set_current_trace(parent):
+        with _compat.set_current_trace(parent):
           call = eager_call(rules, nondiff, len(args), in_tree, avals, primals,
                             nonzero)
       except (EagerClosureError, UnexpectedTracerError):
@@ -290,7 +290,7 @@ class smart_custom_vjp:
     static = tuple(static_key(v) for v in nondiff)
     if any(k is None for k in static):   # unhashable: it may be mutated
       return trace_call(rules, nondiff, num_args, in_tree, avals)
-    key = (in_tree, avals, static, num_args, C.config_key())
+    key = (in_tree, avals, static, num_args, _compat.config_key())
     hit = self._cache.get(key)
     if hit is not None:
       return hit
@@ -408,7 +408,7 @@ def _fname(fun) -> str:
 
 def _aval(rules, dyn, i, x):
   try:
-    return C.get_aval(x)
+    return _compat.get_aval(x)
   except TypeError:
     path = tree_util.keystr(tree_util.tree_flatten_with_path(dyn)[0][i][0])
     raise rule_error(
@@ -420,7 +420,7 @@ def _aval(rules, dyn, i, x):
 
 def _resolve_kwargs(fun, args, kwargs):
   try:
-    return C.resolve_kwargs(fun, args, kwargs)
+    return _compat.resolve_kwargs(fun, args, kwargs)
   except TypeError as e:
     raise TypeError(
         f"The input arguments to the smart_custom_vjp function {_fname(fun)} "
@@ -429,7 +429,7 @@ def _resolve_kwargs(fun, args, kwargs):
 
 def _check_no_tracers(fun, args, i):
   for leaf in tree_util.tree_leaves(args[i]):
-    if isinstance(leaf, C.Tracer):
+    if isinstance(leaf, _compat.Tracer):
       from jax.errors import UnexpectedTracerError
       raise UnexpectedTracerError(
           f"Found a JAX Tracer passed to smart_custom_vjp function "

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp import _jax_api
 from smartvjp._jax_api import remat_call
 from smartvjp._bwd import flatten_cotangents
@@ -54,7 +54,7 @@ def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None):
       out = fn(*tree_util.tree_unflatten(in_tree, list(xs)))
       out_leaves, store["tree"] = tree_util.tree_flatten(out)
       return out_leaves
-    outs = C.vmap_in_trace(flat, tag, axis_data, flat_dims)(*leaves)
+    outs = _compat.vmap_in_trace(flat, tag, axis_data, flat_dims)(*leaves)
     return tree_util.tree_unflatten(store["tree"], outs)
   return batched
 
@@ -63,7 +63,7 @@ def _reporting(fn, report):
   """``fn`` that passes ``report`` which of its output leaves are mapped."""
   def run(*args):
     out = fn(*args)
-    report([C.is_mapped_here(x) for x in tree_util.tree_leaves(out)])
+    report([_compat.is_mapped_here(x) for x in tree_util.tree_leaves(out)])
     return out
   return run
 
@@ -83,7 +83,7 @@ def _named(fn, like):
 
 
 def _none_for_zeros(cts):
-  return [None if type(c) is C.Zero else c for c in cts]
+  return [None if type(c) is _compat.Zero else c for c in cts]
 
 
 def _sum_unbatched(cts, in_dims):
@@ -93,9 +93,9 @@ def _sum_unbatched(cts, in_dims):
 
 def _split_symbolic(g_leaves):
   """Array leaves to map over, and a function rebuilding the full leaves."""
-  zeros = [type(g) is C.SymbolicZero for g in g_leaves]
+  zeros = [type(g) is _compat.SymbolicZero for g in g_leaves]
   arrays = [g for g, z in zip(g_leaves, zeros) if not z]
-  unbatched = [C.SymbolicZero(_unbatched_aval(g.aval)) if z else None
+  unbatched = [_compat.SymbolicZero(_unbatched_aval(g.aval)) if z else None
                for g, z in zip(g_leaves, zeros)]
 
   def rebuild(arrays_in):
@@ -106,7 +106,7 @@ def _split_symbolic(g_leaves):
 
 def _unbatched_aval(aval):
   """One example's type (the sharding spec loses the mapped axis too)."""
-  return C.mapped_aval(aval.shape[0], 0, aval)
+  return _compat.mapped_aval(aval.shape[0], 0, aval)
 
 
 def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
@@ -114,7 +114,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
   every output is batched (per-example values and cotangents)."""
   rules = call.rules
   n = call.num_primals
-  tag = C.current_batch_tag(axis_data)
+  tag = _compat.current_batch_tag(axis_data)
 
   def _vmap(fn, in_axes, axis_data, report=None):
     return _vmap_rule(fn, in_axes, axis_data, tag, report)
@@ -126,7 +126,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
 
   def fun(*leaves):
     def one(consts, leaves):
-      return tuple(C.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
+      return tuple(_compat.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
     return _vmap(one, (list(const_dims), list(in_dims)), axis_data)(
         list(consts), list(leaves))
 
@@ -190,7 +190,7 @@ def _call_bwd(rules, call, res, g_leaves):
 
 
 def _batched_avals(call, in_dims, axis_data):
-  return tuple(C.unmapped_aval(axis_data.size, 0, a,
+  return tuple(_compat.unmapped_aval(axis_data.size, 0, a,
                                     axis_data.explicit_mesh_axis)
                if d is not None else a for a, d in zip(call.in_avals, in_dims))
 
@@ -217,7 +217,7 @@ def linear_only_call(call, in_dims, axis_data):
     return hit
   rules = batched_rules(call, (), (), in_dims, axis_data)
   in_avals = _batched_avals(call, in_dims, axis_data)
-  out_avals = tuple(C.unmapped_aval(axis_data.size, 0, a,
+  out_avals = tuple(_compat.unmapped_aval(axis_data.size, 0, a,
                                          axis_data.explicit_mesh_axis)
                     for a in call.out_avals)
   spec = CallSpec(
@@ -231,7 +231,7 @@ def linear_only_call(call, in_dims, axis_data):
 
 
 def _front(axis_data, x, d):
-  return C.bdim_at_front(x, d, axis_data.size,
+  return _compat.bdim_at_front(x, d, axis_data.size,
                                   axis_data.explicit_mesh_axis)
 
 
@@ -250,7 +250,7 @@ def _unbatched(axis_data, dims, effects):
   axis: the primitive can run once, outside the vmap. (A ``psum`` over the
   axis must see the axis even when its operand is not mapped.)"""
   return (all(d is None for d in dims)
-          and not C.uses_axis_name(effects, axis_data.name))
+          and not _compat.uses_axis_name(effects, axis_data.name))
 
 
 def _call_batch(axis_data, args, dims, *, call):
@@ -267,7 +267,7 @@ def _call_batch(axis_data, args, dims, *, call):
   # an output f computes from unbatched inputs only is the same for every
   # example: return one copy, unbatched, as JAX does; differentiated, fwd
   # ran and its outputs decide (see _output_batching)
-  _, out_batched = C.batch_jaxpr(
+  _, out_batched = _compat.batch_jaxpr(
       call.jaxpr, axis_data, [d is not None for d in (*cdims, *pdims)], False)
   out_batched = _output_batching(bcall, outs, out_batched)
   outs = [o if b else o[0] for o, b in zip(outs, out_batched)]
@@ -284,7 +284,7 @@ def _output_batching(bcall, outs, f_batched):
   takes the first example's value and its whole cotangent goes to the first
   example."""
   if (all(f_batched) or bcall.rules.generic_batching
-      or not any(C.carries_tangent(o) for o in outs)):
+      or not any(_compat.carries_tangent(o) for o in outs)):
     return f_batched
   fwd = bcall.rules.fwd
   mapped = getattr(fwd, "mapped_outputs", {}).get("fwd")
@@ -313,11 +313,11 @@ def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
     return fwd_p.bind(*args, call=call, fwd=fwd, offload=offload), \
         [None] * len(fwd.jaxpr.out_avals)
   n_out = len(fwd.jaxpr.out_avals)
-  batched, out_batched = C.batch_jaxpr_axes(
-      fwd.jaxpr, axis_data, dims, [C.zero_if_mapped] * n_out)
+  batched, out_batched = _compat.batch_jaxpr_axes(
+      fwd.jaxpr, axis_data, dims, [_compat.zero_if_mapped] * n_out)
   extra = list(batched.consts)
-  jaxpr = C.convert_constvars_jaxpr(batched.jaxpr)
-  bfwd = fwd.shifted(C.ClosedJaxpr(jaxpr, ()), len(extra))
+  jaxpr = _compat.convert_constvars_jaxpr(batched.jaxpr)
+  bfwd = fwd.shifted(_compat.ClosedJaxpr(jaxpr, ()), len(extra))
   bfwd = dataclasses.replace(  # primal output types as batched
       bfwd, out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
       if fwd.out_avals else ())
@@ -382,8 +382,8 @@ def _lin_batch(axis_data, args, dims, *, call, fwd, in_nz, reload):
   bcall = linear_only_call(call, [0] * call.num_primals, axis_data)
   n_res = len(fwd.res_avals)
   bfwd = dataclasses.replace(
-      fwd, res_avals=tuple(C.get_aval(r) for r in args[:n_res]),
-      out_avals=tuple(C.unmapped_aval(axis_data.size, 0, a,
+      fwd, res_avals=tuple(_compat.get_aval(r) for r in args[:n_res]),
+      out_avals=tuple(_compat.unmapped_aval(axis_data.size, 0, a,
                                       axis_data.explicit_mesh_axis)
                       for a in fwd.out_avals))
   outs = lin_p.bind(*args, call=bcall, fwd=bfwd, in_nz=in_nz, reload=reload)
@@ -407,9 +407,9 @@ def _bwd_batch(axis_data, args, dims, *, call, which, jaxpr):
   if _unbatched(axis_data, dims, jaxpr.effects):
     return bwd_p.bind(*args, call=call, which=which, jaxpr=jaxpr), \
         [None] * n_out
-  batched, out_batched = C.batch_jaxpr_axes(
-      jaxpr, axis_data, dims, [C.zero_if_mapped] * n_out)
-  new = C.ClosedJaxpr(C.convert_constvars_jaxpr(batched.jaxpr), ())
+  batched, out_batched = _compat.batch_jaxpr_axes(
+      jaxpr, axis_data, dims, [_compat.zero_if_mapped] * n_out)
+  new = _compat.ClosedJaxpr(_compat.convert_constvars_jaxpr(batched.jaxpr), ())
   outs = bwd_p.bind(*batched.consts, *args, call=call, which=which, jaxpr=new)
   return outs, [0 if b else None for b in out_batched]
 

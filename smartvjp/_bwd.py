@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp import _jax_api
 from smartvjp._errors import describe_tree, rule_error
 from smartvjp._primitives import bwd_p
@@ -22,9 +22,9 @@ from smartvjp._primitives import bwd_p
 
 def _prepare_cts(call, cts_out):
   if call.rules.symbolic_zeros:
-    return [C.SymbolicZero(ct.aval) if type(ct) is C.Zero else ct
+    return [_compat.SymbolicZero(ct.aval) if type(ct) is _compat.Zero else ct
             for ct in cts_out]
-  return [C.instantiate_zeros(ct) for ct in cts_out]
+  return [_compat.instantiate_zeros(ct) for ct in cts_out]
 
 
 def run_bwd(call, fwd, residuals, cts_out) -> list:
@@ -58,12 +58,12 @@ def _bind_rule(call, which, key, user, inputs, cts):
   Only nonzero cotangents are inputs of the traced rule; ``SymbolicZero``
   ones (``symbolic_zeros=True``) are part of the signature.
   """
-  zero_in = tuple(type(c) is C.SymbolicZero for c in cts)
+  zero_in = tuple(type(c) is _compat.SymbolicZero for c in cts)
   args = [*inputs, *(c for c, z in zip(cts, zero_in) if not z)]
-  if C.is_eval_trace() and not any(isinstance(a, C.Tracer) for a in args):
+  if _compat.is_eval_trace() and not any(isinstance(a, _compat.Tracer) for a in args):
     return user(inputs, cts)  # concrete values: run the rule itself, eagerly
-  avals = tuple(C.get_aval(a) for a in args)
-  cache_key = (which, key, avals, zero_in, C.config_key(),
+  avals = tuple(_compat.get_aval(a) for a in args)
+  cache_key = (which, key, avals, zero_in, _compat.config_key(),
                bwd_checks_disabled())
   hit = call.rule_cache.get(cache_key)
   if hit is None:
@@ -76,10 +76,10 @@ def _bind_rule(call, which, key, user, inputs, cts):
         outs = user(ins, full)
       log_leaves, store["logs"] = tree_util.tree_flatten(
           _jax_api.merged_logs(sink))
-      store["zero_out"] = tuple(type(o) is C.Zero for o in outs)
-      return [o for o in outs if type(o) is not C.Zero] + log_leaves
+      store["zero_out"] = tuple(type(o) is _compat.Zero for o in outs)
+      return [o for o in outs if type(o) is not _compat.Zero] + log_leaves
 
-    jaxpr, consts = C.trace_to_closed_jaxpr(
+    jaxpr, consts = _compat.trace_to_closed_jaxpr(
         flat, avals, f"smart_custom_vjp {which}", getattr(call.rules, which),
         avals)
     hit = (jaxpr, consts, store["zero_out"], store["logs"])
@@ -91,7 +91,7 @@ def _bind_rule(call, which, key, user, inputs, cts):
     outs, log_leaves = outs[:-n_logs], outs[-n_logs:]
     _jax_api.deposit_logs(tree_util.tree_unflatten(logs_tree, log_leaves))
   outs = iter(outs)
-  return [C.Zero(_ct_aval(a)) if z else next(outs)
+  return [_compat.Zero(_ct_aval(a)) if z else next(outs)
           for a, z in zip(call.in_avals, zero_out)]
 
 
@@ -154,11 +154,11 @@ def _same_but_dtype(want, got) -> bool:
   (and sharding), and either the input's cotangent is inexact (a float or
   complex of any precision, even an integer array, passes through as
   returned) or the cotangent has an extended dtype."""
-  if not (isinstance(want, C.ShapedArray) and isinstance(got, C.ShapedArray)):
+  if not (isinstance(want, _compat.ShapedArray) and isinstance(got, _compat.ShapedArray)):
     return False
   if want.shape != got.shape:
     return False
-  if not C.typecompat(want, got.update(dtype=want.dtype,
+  if not _compat.typecompat(want, got.update(dtype=want.dtype,
                                        weak_type=want.weak_type)):
     return False
   return (jax.dtypes.issubdtype(got.dtype, jax.dtypes.extended)
@@ -166,10 +166,10 @@ def _same_but_dtype(want, got) -> bool:
 
 
 def _accepts(want, got) -> bool:
-  if C.typecompat(want, got):
+  if _compat.typecompat(want, got):
     return True
   inner = getattr(want, "inner_aval", None)   # a mutable array reference
-  if inner is not None and C.typecompat(_ct_aval(inner), got):
+  if inner is not None and _compat.typecompat(_ct_aval(inner), got):
     return True
   return _same_but_dtype(want, got)
 
@@ -191,21 +191,21 @@ def flatten_cotangents(call, out, which: str) -> list:
   results = []
   for path, aval, ct in zip(paths, call.in_avals, flat):
     ct_aval = _ct_aval(aval)
-    if ct is _NO_CT or ct_aval.dtype == C.float0:
-      results.append(C.Zero(ct_aval))
+    if ct is _NO_CT or ct_aval.dtype == _compat.float0:
+      results.append(_compat.Zero(ct_aval))
       continue
-    if type(ct) is C.SymbolicZero:
-      if not C.typecompat(ct_aval, ct.aval):
+    if type(ct) is _compat.SymbolicZero:
+      if not _compat.typecompat(ct_aval, ct.aval):
         raise rule_error(
             ValueError, rules, which,
             f"returned a SymbolicZero of type {ct.aval.str_short()} at "
             f"output{path}, but the corresponding input's cotangent type is "
             f"{ct_aval.str_short()} (input {aval.str_short()}); return None "
             "there for a zero cotangent.")
-      results.append(C.Zero(ct.aval))
+      results.append(_compat.Zero(ct.aval))
       continue
     try:
-      got = C.get_aval(ct)
+      got = _compat.get_aval(ct)
     except TypeError:
       raise rule_error(
           TypeError, rules, which,

@@ -15,7 +15,7 @@ import collections
 import weakref
 from typing import Any, Hashable
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 
 
 class TraceLocalCache:
@@ -35,7 +35,7 @@ class TraceLocalCache:
     if hit is None:
       return None
     owner, value = hit
-    outer = C.outermost_trace()
+    outer = _compat.outermost_trace()
     if outer is None or owner() is not outer:
       del self._entries[key]   # made by an earlier program: trace again
       return None
@@ -46,8 +46,8 @@ class TraceLocalCache:
     """Stores ``value`` unless ``consts`` (the values it closes over) hold a
     tracer: one of a nested trace (a scan body) must not leak into the
     enclosing program."""
-    outer = C.outermost_trace()
-    if outer is None or any(isinstance(c, C.Tracer) for c in consts):
+    outer = _compat.outermost_trace()
+    if outer is None or any(isinstance(c, _compat.Tracer) for c in consts):
       return
     self._entries[key] = (weakref.ref(outer), value)
     self._entries.move_to_end(key)

@@ -31,7 +31,7 @@ from functools import partial
 import jax
 from jax import tree_util
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp._ad import _fused_lin_forward, _jvp_forward, _lin_forward
 from smartvjp._bwd import flatten_cotangents
 from smartvjp._primitives import (
@@ -45,20 +45,20 @@ def _checked_rule(ctx, error, enabled, fn, args, call, which, what):
   (``which`` names the rule); returns ``(error, outs)``."""
   err_vals, err_tree = tree_util.tree_flatten(error)
   n_err = len(err_vals)
-  avals = [C.get_aval(a) for a in args]
+  avals = [_compat.get_aval(a) for a in args]
   name_fun = getattr(call.rules, which) or call.rules.fun
-  inner, inner_consts = C.trace_to_closed_jaxpr(
+  inner, inner_consts = _compat.trace_to_closed_jaxpr(
       lambda *xs: list(fn(*xs)), avals, what, name_fun, avals)
   store = {}
 
   def checked(*xs):
-    err, outs = C.checkify_jaxpr(ctx, inner.jaxpr, enabled, err_tree,
+    err, outs = _compat.checkify_jaxpr(ctx, inner.jaxpr, enabled, err_tree,
                                  *xs[:n_err], *inner_consts, *xs[n_err:])
     leaves, store["tree"] = tree_util.tree_flatten(err)
     return [*leaves, *outs]
 
-  all_avals = [*(C.get_aval(e) for e in err_vals), *avals]
-  jaxpr, consts = C.trace_to_closed_jaxpr(checked, all_avals, what, name_fun,
+  all_avals = [*(_compat.get_aval(e) for e in err_vals), *avals]
+  jaxpr, consts = _compat.trace_to_closed_jaxpr(checked, all_avals, what, name_fun,
                                           all_avals)
   outs = bwd_p.bind(*consts, *err_vals, *args, call=call, which=which,
                      jaxpr=jaxpr)
@@ -70,7 +70,7 @@ def _checked_rule(ctx, error, enabled, fn, args, call, which, what):
 def _fwd_checkify(ctx, error, enabled, *args, call, fwd, offload):
   error, outs = _checked_rule(
       ctx, error, enabled,
-      lambda *xs: C.eval_jaxpr(fwd.jaxpr.jaxpr, (), *xs), args, call, "fwd",
+      lambda *xs: _compat.eval_jaxpr(fwd.jaxpr.jaxpr, (), *xs), args, call, "fwd",
       "smart_custom_vjp fwd")
   if offload is not None:  # residuals a policy offloads, as in fwd_eval
     n = call.num_outs
@@ -123,7 +123,7 @@ def _call_checkify(ctx, error, enabled, *args, call):
   store = {}
   rules = _checked_rules(ctx, call, enabled, err_tree, len(err_vals),
                          list(f_consts), store)
-  avals = tuple(C.get_aval(x) for x in leaves)
+  avals = tuple(_compat.get_aval(x) for x in leaves)
   in_tree = tree_util.tree_structure(tuple(leaves))
   new_call, consts = trace_call(rules, (), len(leaves), in_tree, avals)
   outs = call_p.bind(*consts, *leaves, call=new_call)
@@ -133,7 +133,7 @@ def _call_checkify(ctx, error, enabled, *args, call):
 
 
 def _value(x):
-  return x.value if isinstance(x, C.CustomVJPPrimal) else x
+  return x.value if isinstance(x, _compat.CustomVJPPrimal) else x
 
 
 def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
@@ -142,10 +142,10 @@ def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
   user = call.rules
 
   def fun(*leaves):
-    err, outs = C.checkify_jaxpr(ctx, call.jaxpr.jaxpr, enabled, err_tree,
+    err, outs = _compat.checkify_jaxpr(ctx, call.jaxpr.jaxpr, enabled, err_tree,
                                  *leaves[:n_err], *f_consts, *leaves[n_err:])
     err_leaves, store["tree"] = tree_util.tree_flatten(err)
-    store["effects"] = C.error_effects(err)
+    store["effects"] = _compat.error_effects(err)
     return [*err_leaves, *outs]
 
   def fwd(*leaves):
@@ -153,12 +153,12 @@ def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
                                       [_value(e) for e in leaves[:n_err]])
     out, res = user.fwd(*call.full_args(leaves[n_err:]))
     _check_primal_out(call, out)
-    widened = C.widen_error(in_err, store["effects"])
+    widened = _compat.widen_error(in_err, store["effects"])
     return [*tree_util.tree_leaves(widened), *tree_util.tree_leaves(out)], res
 
   def user_cts(out, which):
     cts = flatten_cotangents(call, out, which)
-    return tuple([None] * n_err + [None if type(c) is C.Zero else c
+    return tuple([None] * n_err + [None if type(c) is _compat.Zero else c
                                    for c in cts])
 
   def bwd(res, g):

@@ -35,7 +35,7 @@ from typing import Callable
 
 from jax import tree_util
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp._cache import TraceLocalCache
 
 # The JAX release that added each method (or defvjp's parameter).
@@ -55,7 +55,7 @@ def _fname(fun) -> str:
 def require_method(fun, method: str) -> None:
   """Raises ``NotImplementedError`` unless the installed ``jax.custom_vjp``
   has ``method``."""
-  if not C.custom_vjp_has(method):
+  if not _compat.custom_vjp_has(method):
     import jax
     raise NotImplementedError(
         f"smart_custom_vjp function {_fname(fun)}: {method} mirrors "
@@ -74,7 +74,7 @@ def check_generic_batching(fun, method: str, value) -> None:
         f"smart_custom_vjp function {_fname(fun)}: {method}'s fifth "
         f"argument is generic_batching (a bool), got {type(value).__name__}"
         "; the fused rule is keyword-only: defvjp(fwd, bwd, fwd_bwd=...).")
-  if not C.custom_vjp_defvjp_takes("generic_batching"):
+  if not _compat.custom_vjp_defvjp_takes("generic_batching"):
     import jax
     raise NotImplementedError(
         f"smart_custom_vjp function {_fname(fun)}: {method}'s "
@@ -168,8 +168,8 @@ def _merge(nondiff_argnums, nondiff, dyn):
 def _values(args):
   """``fwd``'s arguments without ``CustomVJPPrimal`` wrappers."""
   return tree_util.tree_map(
-      lambda x: x.value if isinstance(x, C.CustomVJPPrimal) else x, args,
-      is_leaf=lambda x: isinstance(x, C.CustomVJPPrimal))
+      lambda x: x.value if isinstance(x, _compat.CustomVJPPrimal) else x, args,
+      is_leaf=lambda x: isinstance(x, _compat.CustomVJPPrimal))
 
 
 def with_arguments(fwd: Callable, nondiff_argnums) -> Callable:
@@ -191,13 +191,13 @@ def accums_bwd(fun, bwd: Callable, num_nondiff: int) -> Callable:
   def plain_bwd(*args):
     nondiff, (res, dyn), g = args[:num_nondiff], args[num_nondiff], args[-1]
     accums = tree_util.tree_map(
-        lambda x: C.gradient_accumulator(C.get_aval(x)), dyn)
+        lambda x: _compat.gradient_accumulator(_compat.get_aval(x)), dyn)
     logs = bwd(*nondiff, res, g, *accums)
     _check_logs(fun, bwd, "defvjp_with_accums", logs)
     deposit_logs(logs)
     is_accum = lambda x: not isinstance(x, (tuple, list, dict)) and \
         hasattr(x, "freeze")
-    return tuple(tree_util.tree_map(C.accumulated, a, is_leaf=is_accum)
+    return tuple(tree_util.tree_map(_compat.accumulated, a, is_leaf=is_accum)
                  for a in accums)
   return plain_bwd
 

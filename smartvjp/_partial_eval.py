@@ -19,7 +19,7 @@ elimination of kernels is relied upon.
 
 from __future__ import annotations
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp._check import maybe_check
 from smartvjp._jax_api import remat_variant
 from smartvjp._policy import plan_split
@@ -78,9 +78,9 @@ def residual_policy(saveable, eqn):
     return None
   if eqn.params["call"].rules.always_save:  # defremat: the user decides
     return (None,) * fwd.num_new_res
-  call_answer = C.policy_answer(
+  call_answer = _compat.policy_answer(
       saveable, jvp_p, [v.aval for v in eqn.invars], eqn.params)
-  recompute = type(C.Recompute)
+  recompute = type(_compat.Recompute)
   if fwd.num_new_res == 0:
     # residuals are all inputs: f runs in the forward pass either way; a
     # policy that saves the call keeps its outputs there too (as jax.custom_vjp
@@ -93,13 +93,13 @@ def residual_policy(saveable, eqn):
     for producer in chain:   # checkpoint_name's equation, then the named value's
       if not isinstance(answer, recompute):
         break
-      answer = C.policy_answer(saveable, producer.primitive,
+      answer = _compat.policy_answer(saveable, producer.primitive,
                                [v.aval for v in producer.invars],
                                producer.params)
     answers.append(answer)
   if any(isinstance(a, recompute) for a in answers):
     return None
-  return tuple(C.memory_space(a.dst) if isinstance(a, C.Offloadable) else None
+  return tuple(_compat.memory_space(a.dst) if isinstance(a, _compat.Offloadable) else None
                for a in answers)
 
 
@@ -108,8 +108,8 @@ def residual_policy(saveable, eqn):
 def uses_references(call) -> bool:
   """References (inputs, or effects on them) keep the call whole: their
   effects' positions follow the rules' own inputs."""
-  return (C.has_input_effects(call.jaxpr)
-          or any(C.is_ref_aval(a) for a in call.in_avals))
+  return (_compat.has_input_effects(call.jaxpr)
+          or any(_compat.is_ref_aval(a) for a in call.in_avals))
 
 
 def _residuals(eqn, inst_in, staged, new_vars=()):
@@ -118,9 +118,9 @@ def _residuals(eqn, inst_in, staged, new_vars=()):
   reads and that is not already instantiated there (known primals and known
   tangents alike), once."""
   out, seen = list(new_vars), set(new_vars)
-  reads = {v for v in staged.invars if type(v) is C.Var}
+  reads = {v for v in staged.invars if type(v) is _compat.Var}
   for v, inst in zip(eqn.invars, inst_in):
-    if type(v) is C.Var and not inst and v in reads and v not in seen:
+    if type(v) is _compat.Var and not inst and v in reads and v not in seen:
       out.append(v)
       seen.add(v)
   return out
@@ -165,13 +165,13 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   if kept is not None:
     fwd_inputs = [*fwd_consts, *primals]
     offload = kept if any(s is not None for s in kept) else None
-    new_res = [C.Var(a if s is None else a.update(memory_space=s))
+    new_res = [_compat.Var(a if s is None else a.update(memory_space=s))
                for a, s in zip(fwd.jaxpr.out_avals[n_out:], kept)]
     if fwd.num_new_res:
-      known = C.new_jaxpr_eqn(
+      known = _compat.new_jaxpr_eqn(
           fwd_inputs, [*eqn.outvars[:n_out], *new_res], fwd_p,
           dict(call=call, fwd=fwd, offload=offload),
-          C.eqn_effects(fwd.jaxpr, fwd_inputs), eqn.source_info, eqn.ctx)
+          _compat.eqn_effects(fwd.jaxpr, fwd_inputs), eqn.source_info, eqn.ctx)
     else:   # fwd computes nothing that f does not
       known = primal_eqn(call, fwd, f_consts, fwd_consts, primals,
                          eqn.outvars[:n_out], eqn)
@@ -180,7 +180,7 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     if offload is not None:
       reload = tuple(fwd.assemble_residuals(
           [False] * len(fwd_inputs), [s is not None for s in kept]))
-    staged = C.new_jaxpr_eqn(
+    staged = _compat.new_jaxpr_eqn(
         [*residuals, *tangents], eqn.outvars[n_out:], lin_p,
         dict(call=call, fwd=fwd, in_nz=eqn.params["in_nz"], reload=reload),
         set(), eqn.source_info, eqn.ctx)
@@ -204,19 +204,19 @@ def _split_call(eqn, inst_in, split, f_consts, fwd_consts, primals, tangents,
   takes the saved values as leading constants) and runs ``bwd``."""
   call = eqn.params["call"]
   n_out = call.num_outs
-  saved = [C.Var(a) if o is None else eqn.outvars[o]
+  saved = [_compat.Var(a) if o is None else eqn.outvars[o]
            for a, o in zip(split.saved_avals, split.saved_outputs)]
   extra = [v for v, o in zip(saved, split.saved_outputs) if o is None]
-  known = C.new_jaxpr_eqn(
+  known = _compat.new_jaxpr_eqn(
       [*fwd_consts, *primals], [*eqn.outvars[:n_out], *extra], fwd_p,
       dict(call=call, fwd=split.known, offload=None),
       split.known.jaxpr.effects, eqn.source_info, eqn.ctx)
   # a primal output the policy saves is read from the forward pass, not
   # recomputed: the staged equation's copy of it goes unused
   kept_outs = set(o for o in split.saved_outputs if o is not None)
-  outvars = [C.Var(v.aval) if i in kept_outs else v
+  outvars = [_compat.Var(v.aval) if i in kept_outs else v
              for i, v in enumerate(eqn.outvars)]
-  staged = C.new_jaxpr_eqn(
+  staged = _compat.new_jaxpr_eqn(
       [*f_consts, *saved, *fwd_consts, *primals, *tangents], outvars,
       jvp_p, dict(eqn.params, fwd=split.staged, remat=False),
       call.jaxpr.effects | split.staged.jaxpr.effects, eqn.source_info,
@@ -238,7 +238,7 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, remat):
   vals = [t.pval.get_known() for t in known_tracers]
   f_consts, fwd_consts, primals, _ = split_jvp_args(vals, call, fwd)
   use_fused = fwd is None or (remat and call.rules.fwd_bwd is not None)
-  with C.set_current_trace(trace.parent_trace):
+  with _compat.set_current_trace(trace.parent_trace):
     if use_fused:
       primal_outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
       lin_inputs, prim = primals, fused_lin_p

@@ -26,7 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,33 +48,33 @@ def plan_split(saveable, call, fwd) -> Split | None:
     return None
   jaxpr = fwd.jaxpr.jaxpr
   n_out = call.num_outs
-  known, staged, num_res = C.split_by_policy(
+  known, staged, num_res = _compat.split_by_policy(
       jaxpr, [False] * n_out + [True] * fwd.num_new_res, True, saveable)
   inputs = set(jaxpr.invars)
   computed = [r for r in staged.invars[:num_res] if r not in inputs]
   staged, fillers = _without_saved_outputs(
       staged.replace(invars=[*computed, *jaxpr.invars]), n_out, set(computed))
-  _, used = C.dce_jaxpr(staged, [True] * len(staged.outvars))
+  _, used = _compat.dce_jaxpr(staged, [True] * len(staged.outvars))
   saved = [r for r, u in zip(computed, used) if u]
   if not saved:
     return None   # nothing fwd computes is kept: f forward is never dearer
-  staged, _ = C.dce_jaxpr(staged.replace(invars=[*saved, *jaxpr.invars]),
+  staged, _ = _compat.dce_jaxpr(staged.replace(invars=[*saved, *jaxpr.invars]),
                           [True] * len(staged.outvars), True)
   if len(staged.eqns) == fillers:
     return None   # nothing to recompute: the residuals are simply kept
   outs = list(known.outvars[:n_out])
   saved_outputs = tuple(outs.index(v) if v in outs else None for v in saved)
   extra = [v for v, o in zip(saved, saved_outputs) if o is None]
-  known, _ = C.dce_jaxpr(known.replace(outvars=[*outs, *extra]),
+  known, _ = _compat.dce_jaxpr(known.replace(outvars=[*outs, *extra]),
                          [True] * (n_out + len(extra)), True)
   if not _worth_it(known, staged, call):
     return None
   names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
-           if e.primitive is C.name_p}
+           if e.primitive is _compat.name_p}
   known_spec = dataclasses.replace(
-      fwd, jaxpr=C.ClosedJaxpr(known, ()),
+      fwd, jaxpr=_compat.ClosedJaxpr(known, ()),
       new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=())
-  staged_spec = fwd.shifted(C.ClosedJaxpr(staged, ()), len(saved))
+  staged_spec = fwd.shifted(_compat.ClosedJaxpr(staged, ()), len(saved))
   return Split(known_spec, staged_spec, tuple(v.aval for v in saved),
                saved_outputs)
 
@@ -111,7 +111,7 @@ def _worth_it(known, staged, call) -> bool:
 def _sub_jaxprs(eqn):
   for v in eqn.params.values():
     for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, C.ClosedJaxpr):
+      if isinstance(x, _compat.ClosedJaxpr):
         yield x.jaxpr
       elif hasattr(x, "eqns") and hasattr(x, "outvars"):
         yield x
@@ -141,7 +141,7 @@ def cost(eqns) -> float:
       total += inner * e.params.get("length", 1)
     elif is_opaque(e):
       return math.inf
-    elif e.primitive is C.name_p:   # checkpoint_name: an identity
+    elif e.primitive is _compat.name_p:   # checkpoint_name: an identity
       continue
     elif e.primitive.name == "dot_general":
       (lhs_contract, _), _ = e.params["dimension_numbers"]

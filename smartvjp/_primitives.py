@@ -38,23 +38,23 @@ from __future__ import annotations
 
 import jax
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp._spec import pruned
 
-call_p = C.new_primitive("smartvjp_call")
-primal_p = C.new_primitive("smartvjp_primal")
-fwd_p = C.new_primitive("smartvjp_fwd")
-jvp_p = C.new_primitive("smartvjp_jvp")
-lin_p = C.new_primitive("smartvjp_lin")
-fused_lin_p = C.new_primitive("smartvjp_fused_lin")
+call_p = _compat.new_primitive("smartvjp_call")
+primal_p = _compat.new_primitive("smartvjp_primal")
+fwd_p = _compat.new_primitive("smartvjp_fwd")
+jvp_p = _compat.new_primitive("smartvjp_jvp")
+lin_p = _compat.new_primitive("smartvjp_lin")
+fused_lin_p = _compat.new_primitive("smartvjp_fused_lin")
 # a backward-pass rule: ``bwd``, or the fused ``fwd_bwd`` (param ``which``)
-bwd_p = C.new_primitive("smartvjp_bwd")
+bwd_p = _compat.new_primitive("smartvjp_bwd")
 
 
-def eval_scoped(jaxpr: C.ClosedJaxpr, scope: str, args):
+def eval_scoped(jaxpr: _compat.ClosedJaxpr, scope: str, args):
   """Evaluates a traced rule under the named scope ``scope``."""
   with jax.named_scope(scope):
-    return C.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
+    return _compat.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
 def tangent_avals(avals, nz):
@@ -92,8 +92,8 @@ def _plain_call(call, fwd) -> bool:
   """A plain ``smartvjp_call`` stands in: without ``fwd`` (only ``fwd_bwd``
   given; nothing else to differentiate), or when references are involved
   (an input, or an effect on one, whose positions follow ``f``'s inputs)."""
-  return (fwd is None or C.has_input_effects(call.jaxpr)
-          or any(C.is_ref_aval(a) for a in call.in_avals))
+  return (fwd is None or _compat.has_input_effects(call.jaxpr)
+          or any(_compat.is_ref_aval(a) for a in call.in_avals))
 
 
 def bind_primal(call, fwd, f_consts, fwd_consts, primals):
@@ -106,11 +106,11 @@ def bind_primal(call, fwd, f_consts, fwd_consts, primals):
 def primal_eqn(call, fwd, f_consts, fwd_consts, primals, outvars, eqn):
   """The equation of :func:`bind_primal`, with ``eqn``'s source info."""
   if _plain_call(call, fwd):
-    return C.new_jaxpr_eqn(
+    return _compat.new_jaxpr_eqn(
         [*f_consts, *primals], outvars, call_p, dict(call=call),
-        C.eqn_effects(call.jaxpr, [*f_consts, *primals]), eqn.source_info,
+        _compat.eqn_effects(call.jaxpr, [*f_consts, *primals]), eqn.source_info,
         eqn.ctx)
-  return C.new_jaxpr_eqn([*f_consts, *fwd_consts, *primals], outvars, primal_p,
+  return _compat.new_jaxpr_eqn([*f_consts, *fwd_consts, *primals], outvars, primal_p,
                          dict(call=call, fwd=fwd), call.jaxpr.effects,
                          eqn.source_info, eqn.ctx)
 
@@ -123,7 +123,7 @@ def _f_types_match(call, fwd) -> bool:
   """``f``'s primal outputs have ``fwd``'s full types (then ``f`` may stand
   in for a ``fwd`` that computes no residual)."""
   return not fwd.out_avals or all(
-      C.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
+      _compat.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
 
 
 def lin_out_avals(call, fwd):
@@ -137,7 +137,7 @@ def lin_out_avals(call, fwd):
 # -- smartvjp_call ------------------------------------------------------------
 
 def _call_abstract_eval(*avals, call):
-  return list(call.out_avals), C.positional_effects(call.jaxpr)
+  return list(call.out_avals), _compat.positional_effects(call.jaxpr)
 
 
 def call_eval(*args, call):
@@ -169,7 +169,7 @@ def _fwd_abstract_eval(*avals, call, fwd, offload):
     n = call.num_outs
     outs[n:] = [a if space is None else a.update(memory_space=space)
                 for a, space in zip(outs[n:], offload)]
-  return outs, C.positional_effects(fwd.jaxpr)
+  return outs, _compat.positional_effects(fwd.jaxpr)
 
 
 def fwd_eval(*args, call, fwd, offload):
@@ -186,9 +186,9 @@ def _bind_fwd(*args, call, fwd, offload):
   ``checkpoint_name`` leaves it through a ``checkpoint_name`` equation, as it
   leaves ``jax.custom_vjp``'s inlined ``fwd``, so that outer remat policies
   and ``jax.ad_checkpoint.print_saved_residuals`` see the name."""
-  outs = C.Primitive.bind(fwd_p, *args, call=call, fwd=fwd, offload=offload)
+  outs = _compat.Primitive.bind(fwd_p, *args, call=call, fwd=fwd, offload=offload)
   n = call.num_outs
-  named = [r if name is None else C.name_p.bind(r, name=name)
+  named = [r if name is None else _compat.name_p.bind(r, name=name)
            for r, name in zip(outs[n:], fwd.new_res_names)]
   return [*outs[:n], *named]
 
@@ -202,10 +202,10 @@ def _jvp_abstract_eval(*avals, call, fwd, in_nz, remat):
   nc, nw = call.num_consts, (fwd.num_consts if fwd is not None else 0)
   # inputs [*f_consts, *fwd_consts, *primals, *tangents]: f's and fwd's own
   # input positions moved there
-  effects = C.move_input_effects(C.positional_effects(call.jaxpr),
+  effects = _compat.move_input_effects(_compat.positional_effects(call.jaxpr),
                                  lambda i: i if i < nc else i + nw)
   if fwd is not None:
-    effects |= C.move_input_effects(C.positional_effects(fwd.jaxpr),
+    effects |= _compat.move_input_effects(_compat.positional_effects(fwd.jaxpr),
                                     lambda i: i + nc)
   outs = [*call.out_avals, *tangent_avals(call.out_avals, call.out_nz)]
   return outs, effects
@@ -220,7 +220,7 @@ def _lin_abstract_eval(*avals, call, fwd=None, **_):
 # -- smartvjp_bwd (bwd or fwd_bwd, traced at transpose time) -------------------
 
 def _bwd_abstract_eval(*avals, call, which, jaxpr):
-  return list(jaxpr.out_avals), C.positional_effects(jaxpr)
+  return list(jaxpr.out_avals), _compat.positional_effects(jaxpr)
 
 
 def bwd_eval(*args, call, which, jaxpr):
@@ -244,14 +244,14 @@ def bwd_eval(*args, call, which, jaxpr):
 def has_effects(call, fwd) -> bool:
   """True when ``f`` or ``fwd`` (traced) has effects that JAX would not
   remove (a debug print, a reference written)."""
-  return C.effects_keep_alive(call.jaxpr.effects) or (
-      fwd is not None and C.effects_keep_alive(fwd.jaxpr.effects))
+  return _compat.effects_keep_alive(call.jaxpr.effects) or (
+      fwd is not None and _compat.effects_keep_alive(fwd.jaxpr.effects))
 
 
 def _dce_whole(used_outputs, eqn):
   """Drop an equation none of whose outputs is used and that has no effects,
   else keep it whole (as JAX's default rule does)."""
-  if not any(used_outputs) and not C.effects_keep_alive(eqn.effects):
+  if not any(used_outputs) and not _compat.effects_keep_alive(eqn.effects):
     return [False] * len(eqn.invars), None
   return [True] * len(eqn.invars), eqn
 
@@ -270,18 +270,18 @@ def _dce_jvp(used_outputs, eqn):
         return linear
     return [True] * len(eqn.invars), eqn
   f_consts, fwd_consts, primals, tangents = split_jvp_args(eqn.invars, call, fwd)
-  if fwd is not None and C.effects_keep_alive(fwd.jaxpr.effects):
-    new_res = [C.drop_var(a) for a in fwd.jaxpr.out_avals[n:]]
-    new_eqn = C.new_jaxpr_eqn(
+  if fwd is not None and _compat.effects_keep_alive(fwd.jaxpr.effects):
+    new_res = [_compat.drop_var(a) for a in fwd.jaxpr.out_avals[n:]]
+    new_eqn = _compat.new_jaxpr_eqn(
         [*fwd_consts, *primals], [*eqn.outvars[:n], *new_res], fwd_p,
         dict(call=call, fwd=fwd, offload=None),
-        C.eqn_effects(fwd.jaxpr, [*fwd_consts, *primals]),
+        _compat.eqn_effects(fwd.jaxpr, [*fwd_consts, *primals]),
         eqn.source_info, eqn.ctx)
     used = ([False] * len(f_consts) + [True] * len(fwd_consts)
             + [True] * len(primals) + [False] * len(tangents))
     return used, new_eqn
   if not any(used_outputs[:n]) and (
-      fwd is not None or not C.effects_keep_alive(call.jaxpr.effects)):
+      fwd is not None or not _compat.effects_keep_alive(call.jaxpr.effects)):
     return [False] * len(eqn.invars), None  # fwd, which JAX would run, is pure
   new_eqn = primal_eqn(call, fwd, f_consts, fwd_consts, primals,
                        eqn.outvars[:n], eqn)
@@ -293,8 +293,8 @@ def _dce_jvp(used_outputs, eqn):
 def _pure(call, fwd) -> bool:
   """Neither rule has effects nor touches references: which of them runs
   (or whether one runs at all) changes nothing but the work done."""
-  return not (has_effects(call, fwd) or C.has_input_effects(call.jaxpr)
-              or any(C.is_ref_aval(a) for a in call.in_avals))
+  return not (has_effects(call, fwd) or _compat.has_input_effects(call.jaxpr)
+              or any(_compat.is_ref_aval(a) for a in call.in_avals))
 
 
 def _passed_through(fwd):
@@ -303,13 +303,13 @@ def _passed_through(fwd):
   residuals were all saved), the input position of each; else ``None``."""
   jaxpr = fwd.jaxpr.jaxpr
   named = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
-           if e.primitive is C.name_p}
+           if e.primitive is _compat.name_p}
   pos = {v: i for i, v in enumerate(jaxpr.invars)}
   passed = []
   for v in jaxpr.outvars[len(jaxpr.outvars) - fwd.num_new_res:]:
-    while type(v) is C.Var and v in named:
+    while type(v) is _compat.Var and v in named:
       v = named[v]
-    if type(v) is not C.Var or v not in pos:
+    if type(v) is not _compat.Var or v not in pos:
       return None
     passed.append(pos[v])
   return passed
@@ -335,7 +335,7 @@ def _linear_part(eqn):
       return None
     ins = fwd.assemble_residuals(fwd_inputs, [fwd_inputs[i] for i in passed])
     prim, params = lin_p, dict(call=call, fwd=fwd, in_nz=in_nz, reload=None)
-  new_eqn = C.new_jaxpr_eqn([*ins, *tangents], eqn.outvars[call.num_outs:],
+  new_eqn = _compat.new_jaxpr_eqn([*ins, *tangents], eqn.outvars[call.num_outs:],
                             prim, params, set(), eqn.source_info, eqn.ctx)
   read = {id(v) for v in new_eqn.invars}
   return [id(v) in read for v in eqn.invars], new_eqn
@@ -391,7 +391,7 @@ def _pp_rule(eqn, context, settings):
   if fwd is not None and fwd.num_new_res:
     shown["num_res"] = fwd.num_new_res
   shown.update((k, v) for k, v in params.items() if v is not None)
-  return C.pp_eqn(eqn.replace(params=shown), context, settings)
+  return _compat.pp_eqn(eqn.replace(params=shown), context, settings)
 
 
 # -- state discharge (mutable array references in a rule's inputs) -----------
@@ -401,7 +401,7 @@ def _pp_rule(eqn, context, settings):
 # traced jaxpr is discharged and its final reference values returned.
 
 def _discharged(jaxpr, should, args, prefix=0):
-  outs = C.eval_discharged(jaxpr, should, *args)
+  outs = _compat.eval_discharged(jaxpr, should, *args)
   n = len(outs) - sum(should)
   it = iter(outs[n:])
   return [next(it) if d else None for d in should], list(outs[:n])

@@ -35,7 +35,7 @@ import dataclasses
 
 import jax
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp._ad import _call_jvp, closure_error, expand_tangents
 from smartvjp._batching import _to_front_or_none, _unbatched, batched_call
 from smartvjp._jax_api import remat_call
@@ -44,7 +44,7 @@ from smartvjp._primitives import (
     bind_primal, call_p, eval_scoped, fwd_p, jvp_p, bwd_eval, bwd_p)
 from smartvjp._spec import check_fwd_output_types, select_outputs
 
-rem_p = C.new_primitive("smartvjp_rem")
+rem_p = _compat.new_primitive("smartvjp_rem")
 
 
 # -- the policy ------------------------------------------------------------------
@@ -53,9 +53,9 @@ def _named_policy(policy):
   """``policy`` asked about a remat3 ``checkpoint_name`` (a high-level
   primitive) as about JAX's ``name_p`` equation, as the default path asks."""
   def asked(prim, *avals, **params):
-    name = C.name_of(prim, params)
-    if name is not None and prim is not C.name_p:
-      return policy(C.name_p, *avals, name=name)
+    name = _compat.name_of(prim, params)
+    if name is not None and prim is not _compat.name_p:
+      return policy(_compat.name_p, *avals, name=name)
     return policy(prim, *avals, **params)
   return asked
 
@@ -67,23 +67,23 @@ def _residual_answers(policy, call, fwd, fwd_consts, in_vals, in_nz):
   ``fwd``'s jaxpr (through ``checkpoint_name``, the named value's)."""
   params = dict(call=call, fwd=fwd, in_nz=in_nz, remat=False)
   n = call.num_consts
-  avals = [*(C.get_aval(x) for x in in_vals[:n]),
-           *(C.get_aval(x) for x in fwd_consts),
-           *(C.get_aval(x) for x in in_vals[n:]),
+  avals = [*(_compat.get_aval(x) for x in in_vals[:n]),
+           *(_compat.get_aval(x) for x in fwd_consts),
+           *(_compat.get_aval(x) for x in in_vals[n:]),
            *(a.to_tangent_aval() for a, nz in zip(call.in_avals, in_nz) if nz)]
-  call_answer = C.policy_answer(policy, jvp_p, avals, params)
-  recompute = type(C.Recompute)
+  call_answer = _compat.policy_answer(policy, jvp_p, avals, params)
+  recompute = type(_compat.Recompute)
   jaxpr = fwd.jaxpr.jaxpr
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
   answers = []
   for v in jaxpr.outvars[call.num_outs:]:
     answer = call_answer
-    while isinstance(answer, recompute) and isinstance(v, C.Var) \
+    while isinstance(answer, recompute) and isinstance(v, _compat.Var) \
         and v in producers:
       eqn = producers[v]
-      answer = C.policy_answer(policy, eqn.primitive,
+      answer = _compat.policy_answer(policy, eqn.primitive,
                                [u.aval for u in eqn.invars], eqn.params)
-      if C.checkpoint_name_of(eqn) is None:
+      if _compat.checkpoint_name_of(eqn) is None:
         break
       v = eqn.invars[0]
     answers.append(answer)
@@ -101,8 +101,8 @@ def _full_remat(prim, in_vals, params):
 def _handled(ctx, call) -> bool:
   return (ctx.custom_vjp_rules and call.eager is None
           and call.jaxpr is not None and call.rules.fwd is not None
-          and not C.has_input_effects(call.jaxpr)
-          and not any(C.is_ref_aval(a) for a in call.in_avals))
+          and not _compat.has_input_effects(call.jaxpr)
+          and not any(_compat.is_ref_aval(a) for a in call.in_avals))
 
 
 def _call_remat3(ctx, *in_vals, call):
@@ -143,12 +143,12 @@ def _plan(policy, call, fwd, fwd_consts, in_vals, in_nz):
     return ("remat",)
   call_answer, answers = _residual_answers(policy, call, fwd, fwd_consts,
                                            in_vals, in_nz)
-  recompute = type(C.Recompute)
+  recompute = type(_compat.Recompute)
   if fwd.num_new_res == 0:
     return ("remat",) if isinstance(call_answer, recompute) else ("save", ())
   if not any(isinstance(a, recompute) for a in answers):
-    return ("save", tuple(C.memory_space(a.dst)
-                          if isinstance(a, C.Offloadable) else None
+    return ("save", tuple(_compat.memory_space(a.dst)
+                          if isinstance(a, _compat.Offloadable) else None
                           for a in answers))
   if call.rules.remat is None:
     split = plan_split(policy, call, fwd)
@@ -179,7 +179,7 @@ def _passthrough(call, fwd, out_avals):
 
   def same(*args):
     return list(args[:num_saved])
-  closed, _ = C.trace_to_closed_jaxpr(   # closes over nothing: no consts
+  closed, _ = _compat.trace_to_closed_jaxpr(   # closes over nothing: no consts
       same, [*avals[:num_saved], *rest], "smartvjp remat3 saved", same,
       [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in [*avals, *rest]])
   spec = fwd.shifted(closed, num_saved)
@@ -198,11 +198,11 @@ def _save(call, fwd, spaces, f_consts, fwd_consts, primals):
   else:   # fwd computes nothing that f does not
     outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
   saved = list(outs)
-  spec = _passthrough(call, fwd, [C.get_aval(x) for x in outs[:n_out]])
+  spec = _passthrough(call, fwd, [_compat.get_aval(x) for x in outs[:n_out]])
   params = dict(call=call, fwd=spec, remat=False)
 
   def rem(saved, *rem_in):
-    back = [r if s is None else jax.device_put(r, C.device_memory_space())
+    back = [r if s is None else jax.device_put(r, _compat.device_memory_space())
             for r, s in zip(saved[n_out:], spaces)]
     k = len(f_consts)
     return rem_p.bind(*rem_in[:k], *saved[:n_out], *back, *fwd_consts,
@@ -224,9 +224,9 @@ def _split(call, split, f_consts, fwd_consts, primals):
   for i, o in enumerate(split.saved_outputs):
     if o is not None:
       outvars[o] = jaxpr.invars[i]
-  jaxpr, _ = C.dce_jaxpr(jaxpr.replace(outvars=outvars),
+  jaxpr, _ = _compat.dce_jaxpr(jaxpr.replace(outvars=outvars),
                          [True] * len(outvars), True)
-  staged = dataclasses.replace(staged, jaxpr=C.ClosedJaxpr(jaxpr, ()))
+  staged = dataclasses.replace(staged, jaxpr=_compat.ClosedJaxpr(jaxpr, ()))
   params = dict(call=call, fwd=staged, remat=False)
 
   def rem(saved, *rem_in):
@@ -272,10 +272,10 @@ def _rem_jvp(primals, tangents, *, call, fwd, remat):
   alone move), except where remat3 perturbs every input (jax 0.10)."""
   f_consts, fwd_consts, args = _split_rem_args(primals, call, fwd)
   f_t, _, arg_t = _split_rem_args(tangents, call, fwd)
-  in_nz = tuple(type(t) is not C.Zero and possible
+  in_nz = tuple(type(t) is not _compat.Zero and possible
                 for t, possible in zip(arg_t, call.in_nz_possible))
-  const_nz = any(type(t) is not C.Zero for t in f_t)
-  if const_nz and not C.REMAT3_PERTURBS_EVERY_INPUT:
+  const_nz = any(type(t) is not _compat.Zero for t in f_t)
+  if const_nz and not _compat.REMAT3_PERTURBS_EVERY_INPUT:
     if any(in_nz):
       raise closure_error(call)
     return _call_jvp([*f_consts, *args], [*f_t, *arg_t], call=call)
@@ -289,7 +289,7 @@ def _rem_jvp(primals, tangents, *, call, fwd, remat):
 
 
 def _rem_dce(used_outputs, eqn):
-  if not any(used_outputs) and not C.effects_keep_alive(eqn.effects):
+  if not any(used_outputs) and not _compat.effects_keep_alive(eqn.effects):
     return [False] * len(eqn.invars), None
   return [True] * len(eqn.invars), eqn
 
@@ -298,7 +298,7 @@ def _rem_pp(eqn, context, settings):
   call = eqn.params["call"]
   shown = {"f": call.name, "fwd": call.rules.rule_name("fwd"),
            "remat": eqn.params["remat"]}
-  return C.pp_eqn(eqn.replace(params=shown), context, settings)
+  return _compat.pp_eqn(eqn.replace(params=shown), context, settings)
 
 
 def _rem_remat3(ctx, *in_vals, call, fwd, remat):
@@ -339,11 +339,11 @@ def _rem_batch(axis_data, args, dims, *, call, fwd, remat):
   bcall, bconsts = batched_call(call, f_consts, [0] * len(f_consts),
                                 [0] * len(primals), axis_data)
   n_in, n_out = len(fwd.jaxpr.in_avals), len(fwd.jaxpr.out_avals)
-  batched, _ = C.batch_jaxpr_axes(fwd.jaxpr, axis_data, [0] * n_in,
+  batched, _ = _compat.batch_jaxpr_axes(fwd.jaxpr, axis_data, [0] * n_in,
                                   [0] * n_out)
   extra = list(batched.consts)
-  jaxpr = C.convert_constvars_jaxpr(batched.jaxpr)
-  bfwd = fwd.shifted(C.ClosedJaxpr(jaxpr, ()), len(extra))
+  jaxpr = _compat.convert_constvars_jaxpr(batched.jaxpr)
+  bfwd = fwd.shifted(_compat.ClosedJaxpr(jaxpr, ()), len(extra))
   in_avals = [v.aval for v in jaxpr.invars]
   new_res = iter(v.aval for v in jaxpr.outvars[call.num_outs:])
   res_avals = tuple(in_avals[s] if type(s) is int else next(new_res)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 
-from smartvjp import _compat as C
+from smartvjp import _compat
 from smartvjp._cache import TraceLocalCache
 from smartvjp._errors import (
     check_jax_leaves, describe_tree, expect_used_up, rule_error)
@@ -61,10 +61,10 @@ class StaticResidual:
 
 def is_static_residual(leaf) -> bool:
   return isinstance(leaf, (bool, int, float, complex)) and \
-      not isinstance(leaf, C.Tracer)
+      not isinstance(leaf, _compat.Tracer)
 
 
-@C.register_weak_param_type
+@_compat.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class FwdSpec:
   """``fwd`` traced for one perturbation pattern.
@@ -77,7 +77,7 @@ class FwdSpec:
   linear primitive carries (``res_avals``) are all but the static ones.
   ``jaxpr`` is ``None`` for a ``fwd`` that ran eagerly (see ``eager_fwd``).
   """
-  jaxpr: C.ClosedJaxpr | None
+  jaxpr: _compat.ClosedJaxpr | None
   num_consts: int
   res_tree: Any
   res_avals: tuple
@@ -119,7 +119,7 @@ class FwdSpec:
                       for s in self.res_src))
 
 
-@C.register_weak_param_type
+@_compat.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class CallSpec:
   """``f`` traced for one abstract signature, with the user's rules.
@@ -135,7 +135,7 @@ class CallSpec:
   in_avals: tuple
   out_tree: Any
   out_avals: tuple
-  jaxpr: C.ClosedJaxpr | None  # None for linear-only and eager specs
+  jaxpr: _compat.ClosedJaxpr | None  # None for linear-only and eager specs
   num_consts: int
   # eager differentiation (see ``eager_call``): what fwd (or f) returned
   eager: Any = None
@@ -180,7 +180,7 @@ class CallSpec:
 
   def fwd_inputs(self, primals, in_nz):
     if self.rules.symbolic_zeros:
-      return [C.CustomVJPPrimal(x, nz) for x, nz in zip(primals, in_nz)]
+      return [_compat.CustomVJPPrimal(x, nz) for x, nz in zip(primals, in_nz)]
     return list(primals)
 
   def fwd_for(self, in_nz) -> tuple[FwdSpec | None, list]:
@@ -207,7 +207,7 @@ def pruned(call: CallSpec, kept: tuple) -> CallSpec:
   used = [i in base_kept for i in range(base.num_outs)]
   out_avals = tuple(base.out_avals[i] for i in base_kept)
   return dataclasses.replace(
-      base, jaxpr=C.dce_jaxpr_keep_inputs(base.jaxpr, used),
+      base, jaxpr=_compat.dce_jaxpr_keep_inputs(base.jaxpr, used),
       out_avals=out_avals,
       out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))),
       full=base, kept=base_kept, fwd_cache=TraceLocalCache(),
@@ -221,7 +221,7 @@ def select_outputs(call: CallSpec, outs) -> list:
 
 def _has_tangent(aval) -> bool:
   try:
-    return aval.to_tangent_aval().dtype != C.float0
+    return aval.to_tangent_aval().dtype != _compat.float0
   except AttributeError:
     return False
 
@@ -244,7 +244,7 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
   example = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape")
              else a for a in in_avals]
-  closed, consts = C.trace_to_closed_jaxpr(
+  closed, consts = _compat.trace_to_closed_jaxpr(
       f_flat, in_avals, "smart_custom_vjp f", rules.fun, example)
   spec = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
                   in_tree=in_tree, in_avals=in_avals,
@@ -303,11 +303,11 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
       out_tree = tree_util.tree_structure(pair[0])
     out_leaves, res, fwd = eager_fwd(call, in_nz, primals, pair)
     result = (in_nz, out_leaves, res, fwd)
-  if any(isinstance(x, C.Tracer) for x in (*result[1], *result[2])):
+  if any(isinstance(x, _compat.Tracer) for x in (*result[1], *result[2])):
     raise EagerClosureError
   return dataclasses.replace(
       call, out_tree=out_tree,
-      out_avals=tuple(C.get_aval(x) for x in out_leaves), eager=result)
+      out_avals=tuple(_compat.get_aval(x) for x in out_leaves), eager=result)
 
 
 def eager_f(call: CallSpec, primals) -> list:
@@ -329,7 +329,7 @@ def eager_fwd(call: CallSpec, in_nz, primals, pair=None):
                   for r in res)
   dynamic = [r for r in res if not is_static_residual(r)]
   spec = FwdSpec(jaxpr=None, num_consts=0, res_tree=res_tree,
-                 res_avals=tuple(C.get_aval(r) for r in dynamic),
+                 res_avals=tuple(_compat.get_aval(r) for r in dynamic),
                  res_src=res_src, new_res_names=(None,) * len(dynamic))
   return outs, dynamic, spec
 
@@ -349,7 +349,7 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
             *(r for r, s in zip(res_leaves, store["ref_src"])
               if not is_static_residual(r) and s is None)]
 
-  closed, consts = C.trace_to_closed_jaxpr(
+  closed, consts = _compat.trace_to_closed_jaxpr(
       fwd_flat, call.in_avals, "smart_custom_vjp fwd", rules.fwd,
       [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in call.in_avals])
   jaxpr = closed.jaxpr
@@ -357,9 +357,9 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   res_vars = jaxpr.outvars[n_out:]
   in_pos = {v: i for i, v in enumerate(jaxpr.invars)}
   names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
-           if e.primitive is C.name_p}
+           if e.primitive is _compat.name_p}
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-  dyn_src = [in_pos.get(v) if isinstance(v, C.Var) else None
+  dyn_src = [in_pos.get(v) if isinstance(v, _compat.Var) else None
              for v in res_vars]
   it = iter(dyn_src)
   res_src = tuple(
@@ -371,15 +371,15 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   res_avals = [jaxpr.invars[s].aval if type(s) is int else None
                for s in res_src if type(s) is not StaticResidual]
   it = iter(res_vars)
-  res_avals = tuple(a if a is not None and C.is_ref_aval(a) else next(it).aval
+  res_avals = tuple(a if a is not None and _compat.is_ref_aval(a) else next(it).aval
                     for a in res_avals)
   spec = FwdSpec(
-      jaxpr=C.ClosedJaxpr(pruned, ()),
+      jaxpr=_compat.ClosedJaxpr(pruned, ()),
       num_consts=len(consts),
       res_tree=store["res_tree"],
       res_avals=res_avals,
       res_src=res_src,
-      new_res_names=tuple(names.get(v) if isinstance(v, C.Var) else None
+      new_res_names=tuple(names.get(v) if isinstance(v, _compat.Var) else None
                           for v in new_res),
       new_res_eqns=tuple(_producers(v, producers) for v in new_res),
       out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]))
@@ -395,7 +395,7 @@ def check_aliased_refs(call: CallSpec, primals) -> None:
 def check_aliased_arguments(rules: Rules, role: str, in_tree, primals) -> None:
   """Raises ``ValueError`` naming ``role`` when two of ``primals`` (the
   differentiable argument leaves) are references to one mutable array."""
-  pairs = C.aliased_refs(primals)
+  pairs = _compat.aliased_refs(primals)
   if not pairs:
     return
   i, j = pairs[0]
@@ -413,16 +413,16 @@ def _ref_argument(rules, leaf, primals):
   """For a residual that is a mutable array reference, its position among
   ``primals``; ``None`` for any other residual. A reference that ``fwd`` did
   not receive as an argument cannot be a residual (as with jax.custom_vjp)."""
-  if is_static_residual(leaf) or not C.is_ref(leaf):
+  if is_static_residual(leaf) or not _compat.is_ref(leaf):
     return None
-  leaf = leaf.value if isinstance(leaf, C.CustomVJPPrimal) else leaf
+  leaf = leaf.value if isinstance(leaf, _compat.CustomVJPPrimal) else leaf
   for i, p in enumerate(primals):
-    if (p.value if isinstance(p, C.CustomVJPPrimal) else p) is leaf:
+    if (p.value if isinstance(p, _compat.CustomVJPPrimal) else p) is leaf:
       return i
   raise rule_error(
       ValueError, rules, "fwd",
       f"returned a mutable array reference of type "
-      f"{C.get_aval(leaf).str_short()} among its residuals that is not one "
+      f"{_compat.get_aval(leaf).str_short()} among its residuals that is not one "
       "of its arguments; only references passed to fwd can be residuals.")
 
 
@@ -434,7 +434,7 @@ def fwd_output_type_mismatches(call: CallSpec, fwd: FwdSpec | None) -> list:
     return []
   paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
   return [(path, a, b) for path, a, b in
-          zip(paths, call.out_avals, fwd.out_avals) if not C.typecompat(a, b)]
+          zip(paths, call.out_avals, fwd.out_avals) if not _compat.typecompat(a, b)]
 
 
 def _leaf_paths(tree) -> list:
@@ -462,10 +462,10 @@ def check_fwd_output_types(call: CallSpec, fwd: FwdSpec | None) -> None:
 
 def _producers(v, producers) -> tuple:
   chain = []
-  while isinstance(v, C.Var) and v in producers:
+  while isinstance(v, _compat.Var) and v in producers:
     eqn = producers[v]
     chain.append(eqn)
-    if eqn.primitive is not C.name_p:
+    if eqn.primitive is not _compat.name_p:
       break
     v = eqn.invars[0]
   return tuple(chain)
@@ -484,7 +484,7 @@ def _check_primal_out(call: CallSpec, primal_out) -> None:
   paths = [tree_util.keystr(p) for p, _ in
            tree_util.tree_flatten_with_path(primal_out)[0]]
   for path, leaf, want in zip(paths, leaves, call.out_avals):
-    got = C.get_aval(leaf)
+    got = _compat.get_aval(leaf)
     if got.shape != want.shape or got.dtype != want.dtype:
       raise rule_error(
           TypeError, rules, "fwd",
