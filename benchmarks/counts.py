@@ -1,8 +1,10 @@
 """Kernel executions and what works, per transformation, side by side.
 
 Columns: ``jax.custom_vjp``, ``jax.custom_vjp(optimize_remat=True)``, JAX's
-experimental ``jax_custom_vjp3`` + ``jax_remat3`` flags, smartvjp, and
-smartvjp under those same flags (its remat3 rules, ``smartvjp/_remat3.py``). Rows
+experimental ``jax_custom_vjp3`` + ``jax_remat3`` flags, the same flags with
+``defvjp`` plus a hand-written ``defremat(lambda x: (f(x), None),
+lambda _, x: fwd(x), bwd)`` (jax 0.12 only), smartvjp, and smartvjp under
+those same flags (its remat3 rules, ``smartvjp/_remat3.py``). Rows
 that count use Pallas ``interpret=True`` kernels that count their launches
 (never removed by DCE, like real kernels; see ``examples/seed_remat.py``);
 rows that need differentiable rules use the same rules written in JAX and
@@ -29,10 +31,13 @@ import seed_remat as S  # noqa: E402
 from smartvjp import smart_custom_vjp  # noqa: E402
 
 REMAT3_SMART = "smartvjp (remat3 flags)"
-IMPLS = ["jax.custom_vjp", "optimize_remat", "vjp3+remat3", "smartvjp",
-         REMAT3_SMART]
+# jax.custom_vjp with defvjp plus defremat(f-forward, fwd-in-rem, bwd), the
+# schedule JAX 0.12 lets a user write by hand (needs both flags)
+DEFREMAT = "defvjp+defremat (flags)"
+IMPLS = ["jax.custom_vjp", "optimize_remat", "vjp3+remat3", DEFREMAT,
+         "smartvjp", REMAT3_SMART]
 # the columns that run with jax_custom_vjp3 + jax_remat3 on
-WITH_FLAGS = ("vjp3+remat3", REMAT3_SMART)
+WITH_FLAGS = ("vjp3+remat3", DEFREMAT, REMAT3_SMART)
 X = jnp.linspace(-1.0, 2.0, 8, dtype=jnp.float32)
 
 
@@ -65,6 +70,13 @@ def make(impl, f, fwd, bwd, fwd_bwd=None, symbolic_zeros=False):
     return F
   if fwd_bwd is not None:
     return None  # no fused rule in jax.custom_vjp
+  if impl == DEFREMAT:
+    if symbolic_zeros or not hasattr(jax.custom_vjp, "defremat"):
+      return None   # defremat is new in jax 0.12
+    F = jax.custom_vjp(f)
+    F.defvjp(fwd, bwd)
+    F.defremat(lambda *a: (f(*a), None), lambda _, *a: fwd(*a), bwd)
+    return F
   F = jax.custom_vjp(f)
   F.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros,
            optimize_remat=impl == "optimize_remat")
