@@ -59,10 +59,8 @@ def _classify(call, nonzeros):
 
 def _closure_jvp(call, primals, tangents):
   """JVP of ``f`` itself, for values it closes over (see ``_classify``)."""
-  from smartvjp._primitives import eval_scoped as _eval
-
   def f(*args):
-    return _eval(call.jaxpr, f"smartvjp/{call.name}/f", args)
+    return eval_scoped(call.jaxpr, f"smartvjp/{call.name}/f", args)
   return _rule_jvp(call_p, lambda *a, call: f(*a), "fun", primals, tangents,
                    call=call)
 
