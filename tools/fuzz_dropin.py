@@ -759,6 +759,31 @@ def check(seed, flags):
     return res
 
 
+def _differs(src):
+    rj = _run_one(src, "jax")
+    rs = _run_one(src, "smart")
+    if rj[0] == "ok":
+        return _cmp(rs, rj) is not None
+    return not (rs[0] == "err" and rs[1] == rj[1])
+
+
+def minimize(seed, flags):
+    """Greedily remove wrapper lines while smartvjp still differs from jax.custom_vjp."""
+    _, src = gen_program(seed, flags)
+    if not _differs(src):
+        return "# seed %d: no discrepancy with jax.custom_vjp here" % seed
+    lines = src.split("\n")
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith(("h = (", "h = jax.")) or lines[i] == "run = jax.jit(run)":
+            trial = lines[:i] + lines[i + 1:]
+            if _differs("\n".join(trial)):
+                lines = trial
+                continue
+        i += 1
+    return HEADER + PRELUDE_REPRO + "\n".join(lines) + "\nprint(run(*ARGS))\n"
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seed", type=int, default=0)
@@ -767,7 +792,16 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--show", type=int, default=None)
     p.add_argument("--minutes", type=float, default=1e9)
+    p.add_argument("--minimize", type=int, default=None,
+                   help="drop wrappers of this seed's program while the discrepancy stays")
     a = p.parse_args()
+    if a.minimize is not None:
+        import jax
+        if a.flags:
+            jax.config.update("jax_remat3", True)
+            jax.config.update("jax_custom_vjp3", True)
+        print(minimize(a.minimize, a.flags))
+        return
     if a.show is not None:
         meta, src = gen_program(a.show, a.flags)
         print("# " + json.dumps(meta))
