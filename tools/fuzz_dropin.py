@@ -1,0 +1,836 @@
+"""Differential fuzzer: smartvjp.smart_custom_vjp against jax.custom_vjp.
+
+Each program is generated as Python source that uses the names ``DEC`` (the
+decorator) and ``DEFVJP`` (a helper that attaches the rules); it is executed
+three times: with ``jax.custom_vjp``, with ``smartvjp.smart_custom_vjp`` and
+with a "plain" decorator that ignores the rules (the un-customized function).
+
+Results are compared leaf by leaf (tree structure, shapes, dtypes, values with
+rtol 1e-5) and by exception type.  Where ``jax.custom_vjp`` raises, smartvjp's
+result is compared with the plain function's.
+
+Usage (one worker process, results appended as JSON lines)::
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=. \
+    python tools/fuzz_dropin.py --seed 0 --count 200 --flags 0 --out out.jsonl
+  python tools/fuzz_dropin.py --show SEED --flags 0   # print one program
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+# --------------------------------------------------------------------------
+# Rule sets.  Each defines F (with DEC), its rules, and apply(G, *xs) which
+# returns one f32 array shaped like xs[0] (so layers can be chained/scanned).
+# args: list of 'f' (f32 array of the program shape), 'w' (f32 (3,3)),
+# 's' (f32 scalar), 'i' (int32 array of the program shape).
+# exact: bwd is the derivative of f (forward mode can be checked against plain)
+# --------------------------------------------------------------------------
+
+RULES = {}
+
+RULES["sincos"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F(x):
+    return jnp.sin(x)
+def F_fwd(x):
+    return jnp.sin(x), jnp.cos(x)
+def F_bwd(c, g):
+    return (g * c,)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x)
+''')
+
+RULES["tanh_act"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F(x):
+    return jnp.tanh(x)
+def F_fwd(x):
+    y = jnp.tanh(x)
+    return y, y
+def F_bwd(y, g):
+    return (g * (1.0 - y * y),)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x)
+''')
+
+_GELU = '''
+def _gelu_d(y):
+    return jax.vmap(jax.vmap(jax.grad(jax.nn.gelu)))(y)
+@DEC
+def F(x, w):
+    return jax.nn.gelu(x @ w)
+'''
+
+RULES["mm_gelu_xwy"] = dict(args=["m", "w"], exact=True, src=_GELU + '''
+def F_fwd(x, w):
+    y = x @ w
+    return jax.nn.gelu(y), (x, w, y)
+def F_bwd(res, g):
+    x, w, y = res
+    dy = g * _gelu_d(y)
+    return dy @ w.T, x.T @ dy
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, w):
+    return G(x, w)
+''')
+
+RULES["mm_gelu_mixed"] = dict(args=["m", "w"], exact=True, src=_GELU + '''
+def F_fwd(x, w):
+    y = x @ w
+    return jax.nn.gelu(y), (x, w, y, _gelu_d(y))
+def F_bwd(res, g):
+    x, w, y, d = res
+    dy = g * d
+    return dy @ w.T, x.T @ dy
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, w):
+    return G(x, w)
+''')
+
+RULES["floor_st"] = dict(args=["f"], exact=False, src='''
+@DEC
+def F(x):
+    return jnp.floor(x)
+def F_fwd(x):
+    return jnp.floor(x), None
+def F_bwd(_, g):
+    return (g,)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x) + 0.5 * x
+''')
+
+RULES["nondiff"] = dict(args=["f"], exact=True, src='''
+def act(t):
+    return jnp.tanh(t) * 1.5
+@partial(DEC, nondiff_argnums=(0, 2))
+def F(fn, x, k):
+    return fn(x) * k
+def F_fwd(fn, x, k):
+    return fn(x) * k, x
+def F_bwd(fn, k, x, g):
+    return (jax.jvp(fn, (x,), (g,))[1] * k,)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(act, x, 2)
+''')
+
+RULES["pytree"] = dict(args=["f", "f", "s"], exact=True, src='''
+@DEC
+def F(d):
+    a, (b, s) = d["a"], d["b"]
+    return {"p": a * b, "q": (jnp.sin(s) * a,)}
+def F_fwd(d):
+    a, (b, s) = d["a"], d["b"]
+    return F_impl(d), (a, b, s)
+def F_impl(d):
+    a, (b, s) = d["a"], d["b"]
+    return {"p": a * b, "q": (jnp.sin(s) * a,)}
+def F_bwd(res, g):
+    a, b, s = res
+    gp, (gq,) = g["p"], g["q"]
+    da = gp * b + gq * jnp.sin(s)
+    db = gp * a
+    ds = jnp.sum(gq * a) * jnp.cos(s)
+    return ({"a": da, "b": (db, ds)},)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, y, s):
+    o = G({"a": x, "b": (y, s)})
+    return o["p"] + o["q"][0]
+''')
+
+RULES["resid_input"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F(x):
+    return x * jnp.sin(x)
+def F_fwd(x):
+    return x * jnp.sin(x), x
+def F_bwd(x, g):
+    return (g * (jnp.sin(x) + x * jnp.cos(x)),)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x)
+''')
+
+RULES["int_input"] = dict(args=["f", "i"], exact=True, src='''
+@DEC
+def F(x, n):
+    return x * n.astype(jnp.float32) + jnp.sin(x)
+def F_fwd(x, n):
+    return x * n.astype(jnp.float32) + jnp.sin(x), (jnp.cos(x), n)
+def F_bwd(res, g):
+    c, n = res
+    return g * (n.astype(jnp.float32) + c), None
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, n):
+    return G(x, n)
+''')
+
+_SYMZ = '''
+@DEC
+def F(x, y):
+    return x * y, jnp.sin(x)
+def F_fwd(x, y):
+    xv, yv = x.value, y.value
+    return (xv * yv, jnp.sin(xv)), (xv, yv)
+def F_bwd(res, g):
+    xv, yv = res
+    g1, g2 = g
+    dx = jnp.zeros_like(xv)
+    dy = jnp.zeros_like(yv)
+    if not isinstance(g1, SymbolicZero):
+        dx = dx + g1 * yv
+        dy = dy + g1 * xv
+    if not isinstance(g2, SymbolicZero):
+        dx = dx + g2 * jnp.cos(xv)
+    return dx, dy
+DEFVJP(F, F_fwd, F_bwd, symbolic_zeros=True)
+'''
+RULES["symzeros_both"] = dict(args=["f", "f"], exact=True, src=_SYMZ + '''
+def apply(G, x, y):
+    a, b = G(x, y)
+    return a + b
+''')
+RULES["symzeros_first"] = dict(args=["f", "f"], exact=True, src=_SYMZ + '''
+def apply(G, x, y):
+    a, b = G(x, y)
+    return a * 1.5
+''')
+
+RULES["ckpt_name"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F(x):
+    return jnp.exp(jnp.sin(x))
+def F_fwd(x):
+    s = checkpoint_name(jnp.sin(x), "r")
+    c = checkpoint_name(jnp.cos(x), "c")
+    y = jnp.exp(s)
+    return y, (y, c)
+def F_bwd(res, g):
+    y, c = res
+    return (g * y * c,)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x)
+''')
+
+_FB = '''
+@DEC
+def F(x, w):
+    return jnp.tanh(x * w)
+def F_fwd(x, w):
+    y = jnp.tanh(x * w)
+    return y, (x, w, y)
+def F_bwd(res, g):
+    x, w, y = res
+    d = g * (1.0 - y * y)
+    return d * w, d * x
+def F_fb(x, w, g):
+    y = jnp.tanh(x * w)
+    d = g * (1.0 - y * y)
+    return d * w, d * x
+'''
+RULES["fwd_bwd"] = dict(args=["f", "f"], exact=True, src=_FB + '''
+DEFVJP(F, F_fwd, F_bwd, fwd_bwd=F_fb)
+def apply(G, x, w):
+    return G(x, w)
+''')
+RULES["fwd_bwd_only"] = dict(args=["f", "f"], exact=True, src=_FB + '''
+DEFVJP(F, F_fwd, F_bwd, fwd_bwd=F_fb, only_fb=True)
+def apply(G, x, w):
+    return G(x, w)
+''')
+
+RULES["pyfloat_arg"] = dict(args=["f", "p"], exact=True, src='''
+@DEC
+def F(x, a):
+    return jnp.sin(x) * a
+def F_fwd(x, a):
+    return jnp.sin(x) * a, (jnp.cos(x), jnp.sin(x), a)
+def F_bwd(res, g):
+    c, s, a = res
+    return g * c * a, jnp.sum(g * s)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, a):
+    return G(x, a)
+''')
+
+RULES["bf16_mixed"] = dict(args=["f", "b"], exact=True, src='''
+@DEC
+def F(x, y):
+    return jnp.sin(x) * y.astype(jnp.float32)
+def F_fwd(x, y):
+    return jnp.sin(x) * y.astype(jnp.float32), (jnp.cos(x), jnp.sin(x), y)
+def F_bwd(res, g):
+    c, s, y = res
+    return g * c * y.astype(jnp.float32), (g * s).astype(y.dtype)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, y):
+    return G(x, y)
+''')
+
+RULES["bwd_none"] = dict(args=["f", "f"], exact=False, src='''
+@DEC
+def F(x, y):
+    return jnp.sin(x) * y
+def F_fwd(x, y):
+    return jnp.sin(x) * y, (jnp.cos(x), y)
+def F_bwd(res, g):
+    c, y = res
+    return g * c * y, None
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, y):
+    return G(x, y)
+''')
+
+RULES["bad_bwd_shape"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F(x):
+    return jnp.sin(x)
+def F_fwd(x):
+    return jnp.sin(x), jnp.cos(x)
+def F_bwd(c, g):
+    return (jnp.sum(g * c),)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x)
+''')
+
+RULES["bad_bwd_notuple"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F(x):
+    return jnp.sin(x)
+def F_fwd(x):
+    return jnp.sin(x), jnp.cos(x)
+def F_bwd(c, g):
+    return g * c
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x)
+''')
+
+RULES["bad_bwd_arity"] = dict(args=["f", "f"], exact=True, src='''
+@DEC
+def F(x, y):
+    return jnp.sin(x) * y
+def F_fwd(x, y):
+    return jnp.sin(x) * y, (jnp.cos(x), jnp.sin(x), y)
+def F_bwd(res, g):
+    c, s, y = res
+    return (g * c * y,)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, y):
+    return G(x, y)
+''')
+
+RULES["bad_fwd_out"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F(x):
+    return jnp.sin(x)
+def F_fwd(x):
+    return (jnp.sin(x), jnp.sin(x)), jnp.cos(x)
+def F_bwd(c, g):
+    return (g * c,)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x)
+''')
+
+RULES["bwd_dtype"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F(x):
+    return jnp.sin(x)
+def F_fwd(x):
+    return jnp.sin(x), jnp.cos(x)
+def F_bwd(c, g):
+    return ((g * c).astype(jnp.bfloat16),)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x)
+''')
+
+RULES["int_bwd_zeros"] = dict(args=["f", "i"], exact=True, src='''
+@DEC
+def F(x, n):
+    return x * n.astype(jnp.float32)
+def F_fwd(x, n):
+    return x * n.astype(jnp.float32), n
+def F_bwd(n, g):
+    return g * n.astype(jnp.float32), jnp.zeros_like(n)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, n):
+    return G(x, n)
+''')
+
+RULES["closure_sg"] = dict(args=["f", "f"], exact=True, src='''
+def apply(G, x, s):
+    c = lax.stop_gradient(jnp.cos(s))
+    @DEC
+    def F(x):
+        return jnp.sin(x) * c
+    def F_fwd(x):
+        return jnp.sin(x) * c, jnp.cos(x) * c
+    def F_bwd(r, g):
+        return (g * r,)
+    DEFVJP(F, F_fwd, F_bwd)
+    return F(x)
+F = None
+''')
+
+RULES["nested"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F1(x):
+    return jnp.sin(x)
+def F1_fwd(x):
+    return jnp.sin(x), jnp.cos(x)
+def F1_bwd(c, g):
+    return (g * c,)
+DEFVJP(F1, F1_fwd, F1_bwd)
+@DEC
+def F(x):
+    return F1(x) * x
+def F_fwd(x):
+    s = F1(x)
+    return s * x, (x, s)
+def F_bwd(res, g):
+    x, s = res
+    _, pb = jax.vjp(F1, x)
+    (d,) = pb(g * x)
+    return (d + g * s,)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x)
+''')
+
+RULES["kwargs"] = dict(args=["f", "f"], exact=True, src='''
+@DEC
+def F(x, w, scale=1.0):
+    return jnp.sin(x * w) * scale
+def F_fwd(x, w, scale=1.0):
+    return jnp.sin(x * w) * scale, (x, w, jnp.cos(x * w) * scale)
+def F_bwd(res, g):
+    x, w, c = res
+    return g * c * w, g * c * x, jnp.sum(g * jnp.sin(x * w))
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, w):
+    return G(x, w=w, scale=jnp.float32(0.5))
+''')
+
+RULES["multi_shape"] = dict(args=["f"], exact=True, src='''
+@DEC
+def F(x):
+    return jnp.tanh(x)
+def F_fwd(x):
+    y = jnp.tanh(x)
+    return y, y
+def F_bwd(y, g):
+    return (g * (1.0 - y * y),)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    return G(x) + jnp.sum(G(x.reshape(-1)[:2])) + G(x[..., :1] * 2.0)
+''')
+
+POLICIES = [
+    "None",
+    "jax.checkpoint_policies.nothing_saveable",
+    "jax.checkpoint_policies.everything_saveable",
+    "jax.checkpoint_policies.dots_saveable",
+    "jax.checkpoint_policies.save_only_these_names('r')",
+    "jax.checkpoint_policies.save_only_these_names('c')",
+    "jax.checkpoint_policies.save_only_these_names('r', 'c')",
+    "jax.checkpoint_policies.save_and_offload_only_these_names("
+    "names_which_can_be_saved=['r'], names_which_can_be_offloaded=['c'], "
+    "offload_src='device', offload_dst='pinned_host')",
+]
+
+HEADER = '''import numpy as np
+import jax, jax.numpy as jnp
+from jax import lax
+from functools import partial
+from jax.custom_derivatives import SymbolicZero
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+'''
+
+PRELUDE_REPRO = '''import smartvjp
+def _defvjp(kind):
+    def DEFVJP(F, fwd, bwd, symbolic_zeros=False, fwd_bwd=None, only_fb=False):
+        if kind == "smart" and only_fb:
+            F.defvjp(fwd_bwd=fwd_bwd, symbolic_zeros=symbolic_zeros)
+        elif kind == "smart" and fwd_bwd is not None:
+            F.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros, fwd_bwd=fwd_bwd)
+        else:
+            F.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros)
+    return DEFVJP
+class _Plain:
+    def __init__(self, fun, nondiff_argnums=()):
+        self.fun = fun
+    def __call__(self, *a, **k):
+        return self.fun(*a, **k)
+    def defvjp(self, *a, **k):
+        pass
+def plain_dec(fun=None, nondiff_argnums=()):
+    if fun is None:
+        return lambda f: _Plain(f, nondiff_argnums)
+    return _Plain(fun, nondiff_argnums)
+KIND = "smart"   # "jax", "smart" or "plain"
+DEC = {"jax": jax.custom_vjp, "smart": smartvjp.smart_custom_vjp, "plain": plain_dec}[KIND]
+DEFVJP = _defvjp(KIND)
+'''
+
+
+def _arr_src(a):
+    if isinstance(a, float):
+        return repr(a)
+    return "np.array(%r, dtype=np.%s)" % (a.tolist(), a.dtype.name)
+
+
+def gen_program(seed, flags):
+    """Return (meta, source).  The source defines ARGS and run()."""
+    import numpy as np
+    rng = random.Random(seed)
+    nrng = np.random.RandomState(seed)
+    rule = rng.choice(sorted(RULES))
+    spec = RULES[rule]
+    shape = rng.choice([(3,), (2, 3)])
+    kinds = spec["args"]
+
+    def mk(kind, batch=()):
+        if kind == "f":
+            return nrng.uniform(-1.5, 1.5, batch + shape).astype(np.float32)
+        if kind == "m":
+            return nrng.uniform(-1.5, 1.5, batch + (2, 3)).astype(np.float32)
+        if kind == "w":
+            return nrng.uniform(-1.0, 1.0, batch + (3, 3)).astype(np.float32)
+        if kind == "s":
+            return nrng.uniform(-1.5, 1.5, batch).astype(np.float32)
+        if kind == "b":
+            return nrng.uniform(-1.5, 1.5, batch + shape).astype(np.float32)
+        if kind == "p":
+            return float(np.float32(nrng.uniform(-1.5, 1.5)))
+        if kind == "i":
+            return nrng.randint(-2, 3, batch + shape).astype(np.int32)
+        raise ValueError(kind)
+
+    n = len(kinds)
+    float_idx = [i for i, k in enumerate(kinds) if k != "i"]
+
+    # ---- inner wrappers -------------------------------------------------
+    lines = ["h = lambda *xs: apply(F, *xs)"]
+    tags = []
+    for _ in range(rng.choice([0, 1, 1, 2, 2, 3])):
+        w = rng.choice(["ckpt", "ckpt", "ckpt", "cond", "scan", "chain",
+                        "sg", "jit", "vmap_in", "fori", "switch"])
+        if w == "ckpt":
+            pol = rng.choice(POLICIES)
+            tags.append("ckpt[%s]" % pol.split(".")[-1][:30])
+            lines.append("h = jax.checkpoint(h, policy=%s)" % pol)
+        elif w == "cond":
+            tags.append("cond")
+            lines.append("h = (lambda h: lambda *xs: lax.cond(jnp.sum(xs[0]) > 0, h, "
+                         "lambda *ys: 2.0 * h(*ys), *xs))(h)")
+        elif w == "scan":
+            tags.append("scan")
+            if rng.random() < 0.6:
+                pol = rng.choice(POLICIES[:4])
+                lines.append("h = jax.checkpoint(h, policy=%s)" % pol)
+                tags[-1] = "scan(ckpt[%s])" % pol.split(".")[-1]
+            lines.append("h = (lambda h: lambda *xs: lax.scan(lambda c, _: "
+                         "(h(c, *xs[1:]), None), xs[0], None, length=3)[0])(h)")
+        elif w == "fori":
+            tags.append("fori")
+            lines.append("h = (lambda h: lambda *xs: lax.fori_loop(0, 2, lambda i, c: "
+                         "h(c, *xs[1:]), xs[0]))(h)")
+        elif w == "switch":
+            tags.append("switch")
+            lines.append("h = (lambda h: lambda *xs: lax.switch(jnp.int32(jnp.sum(xs[0]) > 0) + 1, "
+                         "[lambda *ys: jnp.cos(ys[0]), h, lambda *ys: h(*ys) * 3.0], *xs))(h)")
+        elif w == "chain":
+            tags.append("chain")
+            lines.append("h = (lambda h: lambda *xs: h(h(*xs), *xs[1:]))(h)")
+        elif w == "sg":
+            tags.append("stop_gradient")
+            lines.append("h = (lambda h: lambda *xs: lax.stop_gradient(h(*xs)) "
+                         "+ jnp.sin(xs[0]))(h)")
+        elif w == "jit":
+            tags.append("jit")
+            lines.append("h = jax.jit(h)")
+        elif w == "vmap_in":
+            axes = tuple(0 if (i == 0 or rng.random() < 0.5) else None
+                         for i in range(n))
+            tags.append("vmap_in%s" % (axes,))
+            stk = ", ".join(
+                ("jnp.stack([xs[%d], xs[%d] + 1])" % (i, i)) if a == 0
+                else "xs[%d]" % i for i, a in enumerate(axes))
+            lines.append("h = (lambda h: lambda *xs: jax.vmap(h, in_axes=%r)(%s)"
+                         "[0] * 0.5 + 0.0)(h)" % (axes, stk))
+    # ---- outer ----------------------------------------------------------
+    outer = rng.choice(["value", "grad", "grad", "vag", "vjp", "vjp", "jvp",
+                        "linearize", "hessian", "gradgrad", "vmap_grad",
+                        "grad_vmap", "shard_map", "shard_map_in", "jacrev",
+                        "gradgrad_ckpt", "grad_aux"])
+    argnums = tuple(sorted(rng.sample(float_idx, rng.randint(1, len(float_idx)))))
+    allow_int = ""
+    if "i" in kinds and rng.random() < 0.2:
+        argnums = tuple(sorted(argnums + (kinds.index("i"),)))
+        allow_int = ", allow_int=True"
+    lossf = rng.choice(["jnp.sum(h(*xs) ** 2)", "jnp.sum(jnp.sin(h(*xs)))"])
+    lines.append("def loss(*xs):\n    return %s" % lossf)
+    batch = ()
+    axes = None
+    if outer in ("vmap_grad", "grad_vmap", "shard_map", "shard_map_in"):
+        bsz = 4 if outer.startswith("shard_map") else 2
+        batch = (bsz,)
+        axes = tuple(0 if (i == 0 or rng.random() < 0.6) else None for i in range(n))
+    args = [mk(k, batch if (axes and axes[i] == 0) else ())
+            for i, k in enumerate(kinds)]
+    # a python float cannot be batched: keep it unmapped
+    if axes is not None:
+        axes = tuple(None if kinds[i] == "p" else ax for i, ax in enumerate(axes))
+        args = [mk(k, batch if axes[i] == 0 else ()) if kinds[i] == "p" else a
+                for i, (k, a) in enumerate(zip(kinds, args))]
+    jit_outer = rng.random() < 0.4
+    if outer == "value":
+        body = "return h(*xs)"
+    elif outer == "grad":
+        body = "return jax.grad(loss, argnums=%r%s)(*xs)" % (argnums, allow_int)
+    elif outer == "vag":
+        body = "return jax.value_and_grad(loss, argnums=%r%s)(*xs)" % (argnums, allow_int)
+    elif outer == "vjp":
+        body = ("y, pb = jax.vjp(h, *xs)\n    "
+                "ct = jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))\n    "
+                "return y, pb(ct)")
+    elif outer in ("jvp", "linearize"):
+        tans = ", ".join(
+            "np.zeros(np.shape(xs[%d]), jax.dtypes.float0)" % i if k == "i"
+            else "jnp.cos(xs[%d] * 3.0)" % i for i, k in enumerate(kinds))
+        if outer == "jvp":
+            body = "return jax.jvp(h, tuple(xs), (%s,))" % tans
+        else:
+            body = "y, fj = jax.linearize(h, *xs)\n    return y, fj(%s)" % tans
+    elif outer == "hessian":
+        a = rng.choice(float_idx)
+        body = "return jax.hessian(loss, argnums=%d)(*xs)" % a
+    elif outer == "gradgrad":
+        a = rng.choice(float_idx)
+        b = rng.choice(float_idx)
+        body = ("g = lambda *ys: jnp.sum(jnp.cos(jax.grad(loss, argnums=%d)(*ys)))\n    "
+                "return jax.grad(g, argnums=%d)(*xs)" % (a, b))
+    elif outer == "jacrev":
+        body = "return jax.jacrev(h, argnums=%r%s)(*xs)" % (argnums, allow_int)
+    elif outer == "gradgrad_ckpt":
+        a = rng.choice(float_idx)
+        b = rng.choice(float_idx)
+        body = ("g = lambda *ys: jnp.sum(jnp.cos(jax.checkpoint(jax.grad(loss, argnums=%d))(*ys)))\n    "
+                "return jax.grad(g, argnums=%d)(*xs)" % (a, b))
+    elif outer == "grad_aux":
+        body = ("return jax.grad(lambda *ys: (loss(*ys), h(*ys)), argnums=%r, has_aux=True%s)(*xs)"
+                % (argnums, allow_int))
+    elif outer == "vmap_grad":
+        body = "return jax.vmap(jax.grad(loss, argnums=%r%s), in_axes=%r)(*xs)" % (
+            argnums, allow_int, axes)
+    elif outer == "grad_vmap":
+        body = ("return jax.grad(lambda *ys: jnp.sum(jax.vmap(h, in_axes=%r)(*ys) ** 2), "
+                "argnums=%r%s)(*xs)" % (axes, argnums, allow_int))
+    elif outer == "shard_map":
+        specs = ", ".join("P('i')" if a == 0 else "P()" for a in axes)
+        body = ("mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('i',))\n    "
+                "sm = jax.shard_map(lambda *ys: jax.vmap(h, in_axes=%r)(*ys), mesh=mesh, "
+                "in_specs=(%s,), out_specs=P('i'), check_vma=True)\n    "
+                "return jax.grad(lambda *ys: jnp.sum(sm(*ys) ** 2), argnums=%r%s)(*xs)"
+                % (axes, specs, argnums, allow_int))
+    elif outer == "shard_map_in":
+        specs = ", ".join("P('i')" if a == 0 else "P()" for a in axes)
+        # grad inside the shard_map, of the per-shard loss; psum of the replicated grads
+        body = ("mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('i',))\n    "
+                "def inner(*ys):\n        "
+                "v, g = jax.value_and_grad(lambda *zs: jnp.sum(jax.vmap(h, in_axes=%r)(*zs) ** 2))(*ys)\n        "
+                "return v[None], g\n    "
+                "sm = jax.shard_map(inner, mesh=mesh, in_specs=(%s,), "
+                "out_specs=(P('i'), P('i')), check_vma=True)\n    "
+                "return sm(*xs)" % (axes, specs))
+    tags.append(outer + ("%r" % (argnums,) if "grad" in outer or outer == "vag" else ""))
+    if axes is not None:
+        tags.append("axes%r" % (axes,))
+    src = []
+    src.append("ARGS = [%s]" % ", ".join(
+        ("jnp.asarray(%s, jnp.bfloat16)" % _arr_src(a)) if k == "b" else _arr_src(a)
+        for k, a in zip(kinds, args)))
+    src.append(spec["src"].strip("\n"))
+    src.extend(lines)
+    src.append("def run(*xs):\n    %s" % body)
+    if jit_outer:
+        src.append("run = jax.jit(run)")
+        tags.append("jit_outer")
+    meta = dict(seed=seed, rule=rule, shape=list(shape), tags=tags, outer=outer,
+                jit_outer=jit_outer, flags=flags, exact=spec["exact"])
+    return meta, "\n".join(src) + "\n"
+
+
+# --------------------------------------------------------------------------
+def _execute(src, kind):
+    import jax
+    import numpy as np
+    ns = {}
+    pre = PRELUDE_REPRO.replace('KIND = "smart"', 'KIND = %r' % kind)
+    exec(compile(HEADER + pre + src, "<program>", "exec"), ns)
+    out = ns["run"](*[a if isinstance(a, float) else jax.numpy.asarray(a)
+                      for a in ns["ARGS"]])
+    leaves, tree = jax.tree_util.tree_flatten(out)
+    weak = [bool(getattr(l, "weak_type", False)) for l in leaves]
+    leaves = [np.asarray(l) for l in leaves]
+    return str(tree) + " weak=%s" % weak, leaves
+
+
+def _run_one(src, kind):
+    try:
+        return ("ok",) + _execute(src, kind)
+    except Exception as e:  # noqa: BLE001 - we record every exception type
+        msg = str(e).strip().splitlines()
+        return ("err", type(e).__name__, msg[0][:300] if msg else "")
+
+
+def _close(a, b, rtol=1e-5):
+    import numpy as np
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == np.dtype([("float0", "V")]) or str(a.dtype) == "[('float0', 'V')]":
+        return True
+    if a.dtype.kind in "V":
+        return True
+    scale = max(1.0, float(np.max(np.abs(b))) if b.size else 1.0)
+    return bool(np.allclose(a, b, rtol=rtol, atol=1e-6 * scale, equal_nan=True))
+
+
+def _cmp(ra, rb):
+    """None if equal, else a short description."""
+    if ra[0] == "err" or rb[0] == "err":
+        if ra[0] == rb[0] == "err":
+            return None if ra[1] == rb[1] else "exc types %s vs %s" % (ra[1], rb[1])
+        return "one raises: %s vs %s" % (ra[1] if ra[0] == "err" else "ok",
+                                         rb[1] if rb[0] == "err" else "ok")
+    if ra[1] != rb[1]:
+        return "tree %s vs %s" % (ra[1], rb[1])
+    for i, (a, b) in enumerate(zip(ra[2], rb[2])):
+        if a.dtype != b.dtype:
+            return "leaf %d dtype %s vs %s" % (i, a.dtype, b.dtype)
+        if a.shape != b.shape:
+            return "leaf %d shape %s vs %s" % (i, a.shape, b.shape)
+        if not _close(a, b):
+            return "leaf %d values differ (max abs diff %g)" % (
+                i, float(abs(a.astype("f8") - b.astype("f8")).max()))
+    return None
+
+
+def check(seed, flags):
+    meta, src = gen_program(seed, flags)
+    rj = _run_one(src, "jax")
+    rs = _run_one(src, "smart")
+    res = dict(meta)
+    res["jax"] = rj[0] if rj[0] == "ok" else "err:%s:%s" % (rj[1], rj[2])
+    res["smart"] = rs[0] if rs[0] == "ok" else "err:%s:%s" % (rs[1], rs[2])
+    if rj[0] == "ok":
+        d = _cmp(rs, rj)
+        res["verdict"] = "same" if d is None else "DIFF vs jax: " + d
+    else:
+        rp = _run_one(src, "plain")
+        res["plain"] = rp[0] if rp[0] == "ok" else "err:%s:%s" % (rp[1], rp[2])
+        if rs[0] == "err":
+            res["verdict"] = ("same" if rs[1] == rj[1]
+                              else "DIFF exc types %s vs jax %s" % (rs[1], rj[1]))
+        elif rp[0] == "err":
+            res["verdict"] = "DIFF smart ok, jax and plain raise"
+        elif not meta["exact"]:
+            res["verdict"] = "unchecked (jax raises, rule not exact)"
+        else:
+            d = _cmp(rs, rp)
+            res["verdict"] = ("same-as-plain" if d is None
+                              else "DIFF vs plain: " + d)
+    return res
+
+
+def _differs(src):
+    rj = _run_one(src, "jax")
+    rs = _run_one(src, "smart")
+    if rj[0] == "ok":
+        return _cmp(rs, rj) is not None
+    return not (rs[0] == "err" and rs[1] == rj[1])
+
+
+def minimize(seed, flags):
+    """Greedily remove wrapper lines while smartvjp still differs from jax.custom_vjp."""
+    _, src = gen_program(seed, flags)
+    if not _differs(src):
+        return "# seed %d: no discrepancy with jax.custom_vjp here" % seed
+    lines = src.split("\n")
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith(("h = (", "h = jax.")) or lines[i] == "run = jax.jit(run)":
+            trial = lines[:i] + lines[i + 1:]
+            if _differs("\n".join(trial)):
+                lines = trial
+                continue
+        i += 1
+    return HEADER + PRELUDE_REPRO + "\n".join(lines) + "\nprint(run(*ARGS))\n"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--count", type=int, default=50)
+    p.add_argument("--flags", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--show", type=int, default=None)
+    p.add_argument("--minutes", type=float, default=1e9)
+    p.add_argument("--minimize", type=int, default=None,
+                   help="drop wrappers of this seed's program while the discrepancy stays")
+    a = p.parse_args()
+    if a.minimize is not None:
+        import jax
+        if a.flags:
+            jax.config.update("jax_remat3", True)
+            jax.config.update("jax_custom_vjp3", True)
+        print(minimize(a.minimize, a.flags))
+        return
+    if a.show is not None:
+        meta, src = gen_program(a.show, a.flags)
+        print("# " + json.dumps(meta))
+        if a.flags:
+            print('import jax\njax.config.update("jax_remat3", True)\n'
+                  'jax.config.update("jax_custom_vjp3", True)')
+        print(HEADER + PRELUDE_REPRO + src)
+        print("print(run(*ARGS))")
+        return
+    import jax
+    if a.flags:
+        jax.config.update("jax_remat3", True)
+        jax.config.update("jax_custom_vjp3", True)
+    out = open(a.out, "a") if a.out else sys.stdout
+    t_end = time.time() + 60 * a.minutes
+    for seed in range(a.seed, a.seed + a.count):
+        if time.time() > t_end:
+            break
+        t0 = time.time()
+        try:
+            res = check(seed, a.flags)
+        except Exception:  # harness bug
+            res = dict(seed=seed, flags=a.flags, verdict="HARNESS " + traceback.format_exc()[-300:])
+        res["secs"] = round(time.time() - t0, 2)
+        res["jax_version"] = jax.__version__
+        out.write(json.dumps(res) + "\n")
+        out.flush()
+        jax.clear_caches()
+
+
+if __name__ == "__main__":
+    main()
