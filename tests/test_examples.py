@@ -59,6 +59,9 @@ def test_counts_benchmark_smartvjp_column():
   assert table["grad(checkpoint(F))"]["jax.custom_vjp"][0] == {"fwd": 2,
                                                                 "bwd": 1}
   assert table["jax.jvp (forward mode)"]["jax.custom_vjp"][2] == "TypeError"
+  if counts.has_experimental_flags():   # remat3 rules: the same schedule
+    for row, cells in table.items():
+      assert cells[counts.REMAT3_SMART] == cells["smartvjp"], row
 
 
 def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path):
