@@ -24,14 +24,8 @@ def ad_mode(request):
   if missing:
     pytest.skip(f"jax {jax.__version__} does not define {', '.join(missing)} "
                 "(jax_remat3 first appears in jax 0.10.1)")
-  old = {f: getattr(jax.config, f) for f in REMAT3_FLAGS}
-  for f in REMAT3_FLAGS:
-    jax.config.update(f, True)
-  try:
+  with kernels.config(**{f: True for f in REMAT3_FLAGS}):
     yield "remat3"
-  finally:
-    for f, v in old.items():
-      jax.config.update(f, v)
 
 
 @pytest.fixture(params=[False, True], ids=["callback", "never_dce"])

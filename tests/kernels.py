@@ -13,10 +13,13 @@ removed:
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import io_callback
 from jax.interpreters import mlir
 from jax.extend.core import Primitive
@@ -35,8 +38,28 @@ def has_flag(name):
     return False
 
 
+@contextlib.contextmanager
+def config(**values):
+  """``jax.config`` flags set to ``values`` inside the block, restored after."""
+  old = {k: getattr(jax.config, k) for k in values}
+  for k, v in values.items():
+    jax.config.update(k, v)
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      jax.config.update(k, v)
+
+
 def reset():
   COUNTS.clear()
+
+
+def run(fn, *args):
+  """``(fn(*args), the kernel counts it caused)``."""
+  reset()
+  out = jax.block_until_ready(fn(*args))
+  return out, dict(COUNTS)
 
 
 def counts(*names):
@@ -147,3 +170,22 @@ def xw_rules(prefix=""):
     return dx, dw
 
   return f, fwd, bwd, fwd_bwd
+
+
+def matmul_tanh_rules(extra_unnamed=False):
+  """(f, fwd, bwd) for tanh(x @ w), JAX-coded; ``fwd``'s residual ``y = x @
+  w`` is named "y" (``checkpoint_name``), and with ``extra_unnamed`` ``fwd``
+  also returns an unnamed ``sum(x, 1)`` (a residual no name policy saves)."""
+  def f(x, w):
+    return jnp.tanh(x @ w)
+
+  def fwd(x, w):
+    y = checkpoint_name(x @ w, "y")
+    res = (x, w, y, jnp.sum(x, 1)) if extra_unnamed else (x, w, y)
+    return jnp.tanh(y), res
+
+  def bwd(res, g):
+    x, w, y = res[:3]
+    d = g * (1 - jnp.tanh(y) ** 2)
+    return d @ w.T, x.T @ d
+  return f, fwd, bwd

@@ -30,16 +30,7 @@ def needs(method):
 _has_flag = K.has_flag
 
 
-@contextlib.contextmanager
-def flags(**values):
-  old = {k: getattr(jax.config, k) for k in values}
-  for k, v in values.items():
-    jax.config.update(k, v)
-  try:
-    yield
-  finally:
-    for k, v in old.items():
-      jax.config.update(k, v)
+flags = K.config
 
 
 def jax_remat_path():

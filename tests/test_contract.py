@@ -13,6 +13,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import kernels as K
+from kernels import run
 from smartvjp import smart_custom_vjp
 
 X = jnp.array([0.3, -1.2, 2.0], jnp.float32)
@@ -53,12 +54,6 @@ def build(never_dce, fwd_bwd="no", seed_fwd=False, named=None):
 def loss(F, remat=False, policy=None):
   G = jax.checkpoint(F, policy=policy) if remat else F
   return lambda x: jnp.sum(G(x) ** 2)
-
-
-def run(fn, *args):
-  K.reset()
-  out = jax.block_until_ready(fn(*args))
-  return out, dict(K.COUNTS)
 
 
 def check(smart_prog, ref_prog, expected, *args):
@@ -165,19 +160,7 @@ def test_offloaded_named_residual(never_dce, ad_mode):
 
 
 def _jax_coded_matmul(extra_unnamed=False, cls=smart_custom_vjp):
-  def f(x, w):
-    return jnp.tanh(x @ w)
-
-  def fwd(x, w):
-    y = checkpoint_name(x @ w, "y")
-    res = (x, w, y, jnp.sum(x, 1)) if extra_unnamed else (x, w, y)
-    return jnp.tanh(y), res
-
-  def bwd(res, g):
-    x, w, y = res[:3]
-    d = g * (1 - jnp.tanh(y) ** 2)
-    return d @ w.T, x.T @ d
-
+  f, fwd, bwd = K.matmul_tanh_rules(extra_unnamed)
   F = cls(f)
   F.defvjp(fwd, bwd)
   return F

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels as K
 from smartvjp import smart_custom_vjp
 
 DECORATORS = [jax.custom_vjp, smart_custom_vjp]
@@ -252,18 +253,12 @@ def test_lowering_keeps_one_call_carrying_f_uninlined(vjp3):
     return x
   f.defvjp(lambda x: (f(x), x), lambda x, g: (g,))
 
-  old = getattr(jax.config, "jax_custom_vjp3", None)
-  if vjp3:
-    jax.config.update("jax_custom_vjp3", True)
-  try:
+  with K.config(**({"jax_custom_vjp3": True} if vjp3 else {})):
     hi = jax.jit(f).trace(1.).jaxpr
     try:   # jax 0.11 on: an open jaxpr; jax 0.10: a closed one
       lo = pe.lower_jaxpr2(hi.jaxpr)
     except AttributeError:
       lo = pe.lower_jaxpr2(hi).jaxpr
-  finally:
-    if vjp3:
-      jax.config.update("jax_custom_vjp3", old)
   eqn, = lo.eqns
   assert eqn.primitive.name == "smartvjp_call"
   carried = eqn.params["call"].jaxpr.jaxpr

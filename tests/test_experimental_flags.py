@@ -32,12 +32,8 @@ def flags(request):
   wanted = request.param
   if not all(_has(f) for f in FLAGS):
     pytest.skip("this JAX has no experimental remat3/custom_vjp3 flags")
-  old = {f: getattr(jax.config, f) for f in FLAGS}
-  for f in FLAGS:
-    jax.config.update(f, f in wanted)
-  yield wanted
-  for f, v in old.items():
-    jax.config.update(f, v)
+  with K.config(**{f: f in wanted for f in FLAGS}):
+    yield wanted
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ values with ``jax.custom_vjp`` under the same flags (or with the plain
 function where ``jax.custom_vjp`` itself fails) and counts which rules run.
 """
 
-import contextlib
 import re
 
 import jax
@@ -16,6 +15,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import kernels as K
+from kernels import run
 from smartvjp import smart_custom_vjp
 
 FLAGS = ("jax_remat3", "jax_custom_vjp3")
@@ -26,28 +26,13 @@ pytestmark = pytest.mark.skipif(
     reason="jax_remat3 and jax_custom_vjp3 first appear in jax 0.10.1")
 
 
-@contextlib.contextmanager
 def remat3():
-  old = {f: getattr(jax.config, f) for f in FLAGS}
-  for f in FLAGS:
-    jax.config.update(f, True)
-  try:
-    yield
-  finally:
-    for f, v in old.items():
-      jax.config.update(f, v)
+  return K.config(**{f: True for f in FLAGS})
 
 
-@contextlib.contextmanager
 def default_path():
   """Both flags off (inside a test, where the fixture turned them on)."""
-  for f in FLAGS:
-    jax.config.update(f, False)
-  try:
-    yield
-  finally:
-    for f in FLAGS:
-      jax.config.update(f, True)
+  return K.config(**{f: False for f in FLAGS})
 
 
 @pytest.fixture(autouse=True)
@@ -63,12 +48,6 @@ def both(f, fwd, bwd, **kw):
   r = jax.custom_vjp(f)
   r.defvjp(fwd, bwd)
   return s, r
-
-
-def run(fn, *args):
-  K.reset()
-  out = jax.block_until_ready(fn(*args))
-  return out, dict(K.COUNTS)
 
 
 def kernel_calls(fused=False, never_dce=False):
@@ -156,19 +135,7 @@ def test_vmap_of_grad_of_checkpoint():
 
 def _jax_coded(extra_unnamed=False):
   """tanh(x @ w) with JAX-coded rules; fwd's residual y is named "y"."""
-  def f(x, w):
-    return jnp.tanh(x @ w)
-
-  def fwd(x, w):
-    y = checkpoint_name(x @ w, "y")
-    res = (x, w, y, jnp.sum(x, 1)) if extra_unnamed else (x, w, y)
-    return jnp.tanh(y), res
-
-  def bwd(res, g):
-    x, w, y = res[:3]
-    d = g * (1 - jnp.tanh(y) ** 2)
-    return d @ w.T, x.T @ d
-  return both(f, fwd, bwd)
+  return both(*K.matmul_tanh_rules(extra_unnamed))
 
 
 XM, WM = jnp.linspace(-1, 1, 12).reshape(4, 3), jnp.full((3, 2), 0.1)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kernels as K
+from kernels import run
 from smartvjp import smart_custom_vjp
 
 B, N = 3, 4
@@ -24,12 +25,6 @@ def build(fused=None):
   r = jax.custom_vjp(f)
   r.defvjp(fwd, bwd)
   return s, r
-
-
-def run(fn, *args):
-  K.reset()
-  out = jax.block_until_ready(fn(*args))
-  return out, dict(K.COUNTS)
 
 
 def same(fs, fr, *args):
