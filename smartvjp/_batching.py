@@ -308,19 +308,28 @@ def _primal_batch(axis_data, args, dims, *, call, fwd):
 
 # -- smartvjp_fwd: batch the traced jaxpr, keep the output layout -------------
 
+def batched_fwd(call, fwd, axis_data, dims, out_dims):
+  """``(bfwd, extra, out_batched)``: ``fwd``'s jaxpr batched (inputs at
+  ``dims``, outputs as ``out_dims`` asks), its new constants ``extra`` as
+  leading inputs, and its primal output types the batched ones."""
+  batched, out_batched = _compat.batch_jaxpr_axes(
+      fwd.jaxpr, axis_data, dims, out_dims)
+  extra = list(batched.consts)
+  jaxpr = _compat.convert_constvars_jaxpr(batched.jaxpr)
+  bfwd = fwd.shifted(_compat.ClosedJaxpr(jaxpr, ()), len(extra))
+  bfwd = dataclasses.replace(
+      bfwd, out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
+      if fwd.out_avals else ())
+  return bfwd, extra, out_batched
+
+
 def _fwd_batch(axis_data, args, dims, *, call, fwd, offload):
   if _unbatched(axis_data, dims, fwd.jaxpr.effects):
     return fwd_p.bind(*args, call=call, fwd=fwd, offload=offload), \
         [None] * len(fwd.jaxpr.out_avals)
   n_out = len(fwd.jaxpr.out_avals)
-  batched, out_batched = _compat.batch_jaxpr_axes(
-      fwd.jaxpr, axis_data, dims, [_compat.zero_if_mapped] * n_out)
-  extra = list(batched.consts)
-  jaxpr = _compat.convert_constvars_jaxpr(batched.jaxpr)
-  bfwd = fwd.shifted(_compat.ClosedJaxpr(jaxpr, ()), len(extra))
-  bfwd = dataclasses.replace(  # primal output types as batched
-      bfwd, out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
-      if fwd.out_avals else ())
+  bfwd, extra, out_batched = batched_fwd(
+      call, fwd, axis_data, dims, [_compat.zero_if_mapped] * n_out)
   outs = fwd_p.bind(*extra, *args, call=call, fwd=bfwd, offload=offload)
   return outs, [0 if b else None for b in out_batched]
 

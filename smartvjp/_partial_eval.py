@@ -25,7 +25,7 @@ from smartvjp._jax_api import remat_variant
 from smartvjp._policy import plan_split
 from smartvjp._primitives import (
     bind_primal, bind_primal_and_residuals, fused_lin_p, fwd_p, jvp_p, lin_p,
-    primal_eqn, split_jvp_args)
+    primal_eqn, split_jvp_args, uses_references)
 
 
 # -- the policy ---------------------------------------------------------------
@@ -104,13 +104,6 @@ def residual_policy(saveable, eqn):
 
 
 # -- policy-driven partial eval (jax.checkpoint) ------------------------------
-
-def uses_references(call) -> bool:
-  """References (inputs, or effects on them) keep the call whole: their
-  effects' positions follow the rules' own inputs."""
-  return (_compat.has_input_effects(call.jaxpr)
-          or any(_compat.is_ref_aval(a) for a in call.in_avals))
-
 
 def _residuals(eqn, inst_in, staged, new_vars=()):
   """What the staged side needs from the known side: ``new_vars`` (outputs of

@@ -88,12 +88,17 @@ def bind_primal_and_residuals(call, fwd, f_consts, fwd_consts, primals):
   return list(primal_outs), fwd.assemble_residuals(fwd_inputs, new_res)
 
 
+def uses_references(call) -> bool:
+  """References are involved: an input, or an effect on one, whose position
+  follows ``f``'s own inputs (so the call is kept whole wherever it goes)."""
+  return (_compat.has_input_effects(call.jaxpr)
+          or any(_compat.is_ref_aval(a) for a in call.in_avals))
+
+
 def _plain_call(call, fwd) -> bool:
   """A plain ``smartvjp_call`` stands in: without ``fwd`` (only ``fwd_bwd``
-  given; nothing else to differentiate), or when references are involved
-  (an input, or an effect on one, whose positions follow ``f``'s inputs)."""
-  return (fwd is None or _compat.has_input_effects(call.jaxpr)
-          or any(_compat.is_ref_aval(a) for a in call.in_avals))
+  given; nothing else to differentiate), or when references are involved."""
+  return fwd is None or uses_references(call)
 
 
 def bind_primal(call, fwd, f_consts, fwd_consts, primals):
@@ -293,8 +298,7 @@ def _dce_jvp(used_outputs, eqn):
 def _pure(call, fwd) -> bool:
   """Neither rule has effects nor touches references: which of them runs
   (or whether one runs at all) changes nothing but the work done."""
-  return not (has_effects(call, fwd) or _compat.has_input_effects(call.jaxpr)
-              or any(_compat.is_ref_aval(a) for a in call.in_avals))
+  return not (has_effects(call, fwd) or uses_references(call))
 
 
 def _passed_through(fwd):

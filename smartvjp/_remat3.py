@@ -37,11 +37,13 @@ import jax
 
 from smartvjp import _compat
 from smartvjp._ad import _call_jvp, closure_error, expand_tangents
-from smartvjp._batching import _to_front_or_none, _unbatched, batched_call
+from smartvjp._batching import (
+    _to_front_or_none, _unbatched, batched_call, batched_fwd)
 from smartvjp._jax_api import remat_call
 from smartvjp._policy import plan_split
 from smartvjp._primitives import (
-    bind_primal, call_p, eval_scoped, fwd_p, jvp_p, bwd_eval, bwd_p)
+    bind_primal, bwd_eval, bwd_p, call_p, eval_scoped, fwd_p, jvp_p,
+    uses_references)
 from smartvjp._spec import check_fwd_output_types, select_outputs
 
 rem_p = _compat.new_primitive("smartvjp_rem")
@@ -101,8 +103,7 @@ def _full_remat(prim, in_vals, params):
 def _handled(ctx, call) -> bool:
   return (ctx.custom_vjp_rules and call.eager is None
           and call.jaxpr is not None and call.rules.fwd is not None
-          and not _compat.has_input_effects(call.jaxpr)
-          and not any(_compat.is_ref_aval(a) for a in call.in_avals))
+          and not uses_references(call))
 
 
 def _call_remat3(ctx, *in_vals, call):
@@ -339,19 +340,13 @@ def _rem_batch(axis_data, args, dims, *, call, fwd, remat):
   bcall, bconsts = batched_call(call, f_consts, [0] * len(f_consts),
                                 [0] * len(primals), axis_data)
   n_in, n_out = len(fwd.jaxpr.in_avals), len(fwd.jaxpr.out_avals)
-  batched, _ = _compat.batch_jaxpr_axes(fwd.jaxpr, axis_data, [0] * n_in,
-                                  [0] * n_out)
-  extra = list(batched.consts)
-  jaxpr = _compat.convert_constvars_jaxpr(batched.jaxpr)
-  bfwd = fwd.shifted(_compat.ClosedJaxpr(jaxpr, ()), len(extra))
+  bfwd, extra, _ = batched_fwd(call, fwd, axis_data, [0] * n_in, [0] * n_out)
+  jaxpr = bfwd.jaxpr.jaxpr
   in_avals = [v.aval for v in jaxpr.invars]
   new_res = iter(v.aval for v in jaxpr.outvars[call.num_outs:])
-  res_avals = tuple(in_avals[s] if type(s) is int else next(new_res)
-                    for s in bfwd.res_src if s is None or type(s) is int)
-  bfwd = dataclasses.replace(
-      bfwd, res_avals=res_avals,
-      out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
-      if fwd.out_avals else ())
+  bfwd = dataclasses.replace(bfwd, res_avals=tuple(
+      in_avals[s] if type(s) is int else next(new_res)
+      for s in bfwd.res_src if s is None or type(s) is int))
   outs = rem_p.bind(*bconsts, *extra, *fwd_in, *primals, call=bcall,
                     fwd=bfwd, remat=remat)
   return outs, [0] * len(outs)
