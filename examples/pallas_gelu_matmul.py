@@ -1,40 +1,51 @@
 """Fused matmul + GELU in Pallas: ``z = gelu(x @ w)`` (the kernel of seed 000).
 
-Four kernels, blocked over rows (``block_m``) and columns (``block_n``):
+``x: [M, K]``, ``w: [K, N]``, f32 or bf16, accumulated in f32. Every kernel
+works on ``block_m x block_n`` (or ``block_k``) tiles and loops over the
+contracted dimension inside the kernel, so the tiles stay the same size at
+any ``K`` (a GPU's shared memory and registers hold them):
 
-* ``f``: writes only ``z`` (inference);
-* ``fwd``: writes ``z`` and the residual ``y = x @ w`` (training);
-* ``bwd``: ``dx = dy @ w.T`` and ``dw = x.T @ dy`` from ``y``, where
-  ``dy = g * gelu'(y)``;
-* ``fwd_bwd`` (fused): recomputes ``y`` tile by tile and never writes it.
+* ``f``: one kernel, writes only ``z`` (inference);
+* ``fwd``: one kernel, writes ``z`` and the residual ``y = x @ w``;
+* ``bwd``: two kernels, ``dx = dy @ w.T`` and ``dw = x.T @ dy``, each
+  computing ``dy = g * gelu'(y)`` tile by tile from ``g`` and ``y``;
+* ``fwd_bwd`` (fused): three kernels. The first recomputes ``y`` tile by
+  tile and writes ``dy`` (never ``y`` or ``z``); the other two are the
+  ``dx`` and ``dw`` matmuls reading ``dy``.
 
-Rule calls and kernel launches differ here: ``bwd`` and ``fwd_bwd`` each
-launch two kernels (one for ``dx``, one for ``dw``), so one call of either
-rule is two kernel launches. The script prints both counts.
+Rule calls and kernel launches differ: one call of ``bwd`` is two launches,
+one of ``fwd_bwd`` three (``KERNELS_PER_RULE``). The script prints both.
 
-Cost per gradient step (``M x K`` times ``K x N``), counting matmuls of that
-size and ``M x N`` arrays written to or read from memory by the rules that
-touch ``y`` or ``z`` (``g`` is read the same way on every path):
+Cost per gradient step, counting ``M x K x N`` matmuls and ``M x N`` arrays
+written or read by the rules (``g`` counted where a kernel reads it):
 
-================  =========================  ==================================
-path              matmuls                    M x N arrays moved
-================  =========================  ==================================
-no remat          fwd 1 + bwd 2 = 3          fwd writes z, y; bwd reads y twice
-remat, fwd+bwd    f 1 + fwd 1 + bwd 2 = 4    f writes z; fwd writes z, y; bwd
-                                             reads y twice
-remat, fwd_bwd    f 1 + fwd_bwd 2 + 2 = 5    f writes z
-================  =========================  ==================================
+=====================  =======================  ===============================
+path                   matmuls                  M x N arrays moved
+=====================  =======================  ===============================
+no remat               fwd 1 + bwd 2 = 3        fwd writes z, y; bwd reads
+                                                y, g twice (6)
+remat, jax.custom_vjp  fwd 2 + bwd 2 = 4        fwd twice writes z, y; bwd
+                                                reads y, g twice (8)
+remat, smartvjp        f 1 + fwd 1 + bwd 2 = 4  f writes z; fwd writes z, y;
+                                                bwd reads y, g twice (7)
+remat, fwd_bwd         f 1 + fwd_bwd 3 = 4      f writes z; fwd_bwd reads g,
+                                                writes dy, reads dy twice (5)
+=====================  =======================  ===============================
 
-Under remat the fused rule costs one more matmul than ``fwd`` + ``bwd``
-(``dx`` and ``dw`` both need ``dy``, so each of its two kernels recomputes
-``y``), and it saves four ``M x N`` transfers (``fwd``'s writes of ``z`` and
-``y``, ``bwd``'s two reads of ``y``) and the ``M x N`` buffer for ``y``.
-Time: it pays when ``2 M K N / peak_flops < 4 M N b / bandwidth`` for
-``b`` bytes per element, that is when ``K < 2 b * peak_flops / bandwidth``.
-``main()`` prints this bound for an H200 in bf16.
+The fused rule does the same matmuls as ``fwd`` + ``bwd`` and moves two
+fewer ``M x N`` arrays: it never writes the ``z`` that the backward pass
+does not read, and it writes ``dy`` once where ``bwd`` reads ``y`` and ``g``
+twice. It also holds one ``M x N`` buffer (``dy``) where ``fwd`` + ``bwd``
+hold two (``z``, ``y``).
+
+Shapes that are not multiples of the tiles are zero-padded outside the
+kernels (``gelu(0) = 0`` and zero rows or columns add nothing to ``dx`` or
+``dw``), so the kernels never read or write out of bounds; Pallas' Triton
+lowering does not mask block edges. Tiles are powers of two, at least 16
+(Triton's dot needs both).
 
 On a GPU the kernels lower through Pallas' Triton backend; elsewhere they run
-in interpret mode (``interpret=True``), which is how the tests run them.
+in interpret mode (``interpret=True``), which is how the CPU tests run them.
 
 Run:  python examples/pallas_gelu_matmul.py
 """
@@ -49,11 +60,24 @@ import time
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from smartvjp import smart_custom_vjp
 
 LAUNCHES: collections.Counter = collections.Counter()
 _C = math.sqrt(2.0 / math.pi)
+
+# Kernel names, per rule, as a GPU profiler shows them (``pallas_call``'s
+# ``name``); a call of the rule launches each once.
+KERNEL_NAMES = {
+    "f": ("gelu_matmul_f",),
+    "fwd": ("gelu_matmul_fwd",),
+    "bwd": ("gelu_matmul_bwd_dx", "gelu_matmul_bwd_dw"),
+    "fwd_bwd": ("gelu_matmul_fused_dy", "gelu_matmul_fused_dx",
+                "gelu_matmul_fused_dw"),
+}
+KERNELS_PER_RULE = {rule: len(names) for rule, names in KERNEL_NAMES.items()}
+RULES = ("f", "fwd", "bwd", "fwd_bwd")
 
 
 def gelu(y):
@@ -63,7 +87,8 @@ def gelu(y):
 
 def gelu_grad(y):
   t = jnp.tanh(_C * (y + 0.044715 * y ** 3))
-  return 0.5 * (1.0 + t) + 0.5 * y * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * y * y)
+  return (0.5 * (1.0 + t)
+          + 0.5 * y * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * y * y))
 
 
 def _dot(a, b, trans_a=False, trans_b=False):
@@ -71,151 +96,213 @@ def _dot(a, b, trans_a=False, trans_b=False):
   return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _counted(name, kernel, grid_rank):
-  """Counts one launch (at the first grid point) in ``LAUNCHES``."""
+def _chunk(i, size):
+  return pl.ds(pl.multiple_of(i * size, size), size)
+
+
+def _loop_sum(n, term, shape):
+  """``sum(term(i) for i in range(n))`` in f32, a loop inside the kernel."""
+  return jax.lax.fori_loop(0, n, lambda i, acc: acc + term(i),
+                           jnp.zeros(shape, jnp.float32))
+
+
+def _dy(g, y):
+  return g.astype(jnp.float32) * gelu_grad(y.astype(jnp.float32))
+
+
+# -- kernels ------------------------------------------------------------------
+# Blocks that span the contracted dimension are read a chunk at a time.
+
+def _y_tile(x_ref, w_ref, bk):        # x: (bm, K), w: (K, bn) -> (bm, bn)
+  return _loop_sum(
+      x_ref.shape[1] // bk,
+      lambda k: _dot(x_ref[:, _chunk(k, bk)], w_ref[_chunk(k, bk), :]),
+      (x_ref.shape[0], w_ref.shape[1]))
+
+
+def _f_kernel(x_ref, w_ref, z_ref, *, bk):
+  z_ref[...] = gelu(_y_tile(x_ref, w_ref, bk)).astype(z_ref.dtype)
+
+
+def _fwd_kernel(x_ref, w_ref, z_ref, y_ref, *, bk):
+  y = _y_tile(x_ref, w_ref, bk)
+  z_ref[...] = gelu(y).astype(z_ref.dtype)
+  y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _dy_kernel(x_ref, w_ref, g_ref, dy_ref, *, bk):
+  dy_ref[...] = _dy(g_ref[...], _y_tile(x_ref, w_ref, bk)).astype(dy_ref.dtype)
+
+
+def _dx_kernel(*refs, bn, from_y):
+  """``dx`` tile ``(bm, bk) = dy (bm, N) @ w (bk, N).T``, ``N`` in chunks.
+  ``refs``: ``g, y, w, dx`` (``dy`` from ``g`` and ``y``) or ``dy, w, dx``."""
+  g_ref, *y_ref, w_ref, dx_ref = refs
+
+  def term(j):
+    cols = _chunk(j, bn)
+    dy = _dy(g_ref[:, cols], y_ref[0][:, cols]) if from_y else g_ref[:, cols]
+    return _dot(dy.astype(w_ref.dtype), w_ref[:, cols], trans_b=True)
+  dx_ref[...] = _loop_sum(g_ref.shape[1] // bn, term, dx_ref.shape
+                          ).astype(dx_ref.dtype)
+
+
+def _dw_kernel(*refs, bm, from_y):
+  """``dw`` tile ``(bk, bn) = x (M, bk).T @ dy (M, bn)``, ``M`` in chunks.
+  ``refs``: ``x, g, y, dw`` or ``x, dy, dw``."""
+  x_ref, g_ref, *y_ref, dw_ref = refs
+
+  def term(i):
+    rows = _chunk(i, bm)
+    dy = _dy(g_ref[rows, :], y_ref[0][rows, :]) if from_y else g_ref[rows, :]
+    return _dot(x_ref[rows, :], dy.astype(x_ref.dtype), trans_a=True)
+  dw_ref[...] = _loop_sum(x_ref.shape[0] // bm, term, dw_ref.shape
+                          ).astype(dw_ref.dtype)
+
+
+def _counted(rule, kernel, grid_rank):
+  """Counts one launch (at the first grid point) in ``LAUNCHES[rule]``."""
   def wrapped(*refs):
     first = functools.reduce(
         jnp.logical_and, [pl.program_id(a) == 0 for a in range(grid_rank)])
 
     @pl.when(first)
     def _():
-      jax.debug.callback(lambda: LAUNCHES.update([name]))
+      jax.debug.callback(lambda: LAUNCHES.update([rule]))
     kernel(*refs)
   return wrapped
 
 
-def _call(name, kernel, grid, in_specs, out_specs, out_shape, *args,
-          interpret, count):
-  if count:
-    kernel = _counted(name, kernel, len(grid))
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs,
-                        out_specs=out_specs, out_shape=out_shape,
-                        interpret=interpret)(*args)
+# -- tiles and padding --------------------------------------------------------
+
+def _tile(block, size):
+  """The tile along one axis: ``block`` (a power of two), or for a smaller
+  axis the next power of two, at least 16."""
+  return min(block, max(16, 1 << max(0, size - 1).bit_length()))
 
 
-# -- kernels --------------------------------------------------------------------
-
-def _f_kernel(x_ref, w_ref, z_ref):
-  z_ref[...] = gelu(_dot(x_ref[...], w_ref[...])).astype(z_ref.dtype)
+def _round_up(n, tile):
+  return -(-n // tile) * tile
 
 
-def _fwd_kernel(x_ref, w_ref, z_ref, y_ref):
-  y = _dot(x_ref[...], w_ref[...])
-  z_ref[...] = gelu(y).astype(z_ref.dtype)
-  y_ref[...] = y.astype(y_ref.dtype)
-
-
-def _dx_kernel(g_ref, y_ref, w_ref, dx_ref):       # rows block: dy @ w.T
-  dy = g_ref[...].astype(jnp.float32) * gelu_grad(y_ref[...].astype(jnp.float32))
-  dx_ref[...] = _dot(dy.astype(w_ref.dtype), w_ref[...], trans_b=True
-                     ).astype(dx_ref.dtype)
-
-
-def _dw_kernel(x_ref, g_ref, y_ref, dw_ref):       # columns block: x.T @ dy
-  dy = g_ref[...].astype(jnp.float32) * gelu_grad(y_ref[...].astype(jnp.float32))
-  dw_ref[...] = _dot(x_ref[...], dy.astype(x_ref.dtype), trans_a=True
-                     ).astype(dw_ref.dtype)
-
-
-def _fused_dx_kernel(x_ref, w_ref, g_ref, dx_ref):  # recomputes its rows of y
-  y = _dot(x_ref[...], w_ref[...])
-  dy = g_ref[...].astype(jnp.float32) * gelu_grad(y)
-  dx_ref[...] = _dot(dy.astype(w_ref.dtype), w_ref[...], trans_b=True
-                     ).astype(dx_ref.dtype)
-
-
-def _fused_dw_kernel(x_ref, w_ref, g_ref, dw_ref):  # recomputes its columns of y
-  y = _dot(x_ref[...], w_ref[...])
-  dy = g_ref[...].astype(jnp.float32) * gelu_grad(y)
-  dw_ref[...] = _dot(x_ref[...], dy.astype(x_ref.dtype), trans_a=True
-                     ).astype(dw_ref.dtype)
+def _pad(a, rows, cols):
+  """Zero-pads a 2-D array to ``rows x cols``; no copy when it already is."""
+  pr, pc = rows - a.shape[0], cols - a.shape[1]
+  return a if pr == pc == 0 else jnp.pad(a, ((0, pr), (0, pc)))
 
 
 # -- the smart_custom_vjp -----------------------------------------------------
 
-def make_gelu_matmul(block_m=128, block_n=128, interpret=None, fused=True,
-                     count=False, residual_dtype=None):
+def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
+                     fused=True, count=False, residual_dtype=None,
+                     num_warps=None, num_stages=None):
   """``gelu_matmul(x, w) -> gelu(x @ w)`` as a ``smart_custom_vjp``.
 
   Args:
-    block_m, block_n: tile sizes over the rows of ``x`` and columns of ``w``.
+    block_m, block_n, block_k: tiles (powers of two) over the rows of ``x``,
+      the columns of ``w`` and the contracted dimension; ``block_k`` defaults
+      to 64 for 2-byte dtypes and 32 for f32 (the same bytes per tile).
     interpret: Pallas interpret mode; default: on unless the backend is GPU.
     fused: also define the fused ``fwd_bwd`` rule.
-    count: count kernel launches in ``LAUNCHES`` (interpret mode only).
+    count: count kernel launches per rule in ``LAUNCHES`` (interpret mode
+      only: a GPU kernel cannot call the host; count on a GPU with the
+      profiler and ``KERNEL_NAMES``).
     residual_dtype: dtype of the residual ``y`` (default: ``x``'s dtype).
+    num_warps, num_stages: Triton's launch parameters on a GPU (default
+      8 warps and 3 pipeline stages).
 
   Returns:
     ``(gelu_matmul, rules)`` where ``rules`` holds the four rule functions.
-    ``x: [M, K]``, ``w: [K, N]``, same float dtype; result ``[M, N]``.
+    ``x: [M, K]``, ``w: [K, N]``, same float dtype; result ``[M, N]`` of that
+    dtype. ``bwd`` returns ``(dx, dw)`` in the dtypes of ``x`` and ``w``.
+
+  Raises:
+    ValueError: a block that is not a power of two.
   """
+  for b in (block_m, block_n, block_k):
+    if b is not None and (b < 1 or b & (b - 1)):
+      raise ValueError(f"make_gelu_matmul: tiles must be powers of two, got "
+                       f"block_m={block_m}, block_n={block_n}, "
+                       f"block_k={block_k}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   count = count and interpret
-  call = functools.partial(_call, interpret=interpret, count=count)
+  params = None if interpret else pl_triton.CompilerParams(
+      num_warps=num_warps or 8, num_stages=num_stages or 3)
 
-  def grid_mn(x, w):
-    m, n = x.shape[0], w.shape[1]
-    bm, bn = min(block_m, m), min(block_n, n)
-    return bm, bn, (pl.cdiv(m, bm), pl.cdiv(n, bn))
+  def call(rule, name, kernel, grid, in_specs, out_specs, out_shape, *args):
+    if count:
+      kernel = _counted(rule, kernel, len(grid))
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs,
+                          out_specs=out_specs, out_shape=out_shape,
+                          interpret=interpret, compiler_params=params,
+                          name=name)(*args)
+
+  def tiles(x, w):
+    """Tiles and padded sizes for ``x: [M, K] @ w: [K, N]``."""
+    (m, k), n = x.shape, w.shape[1]
+    bk = block_k or (32 if jnp.dtype(x.dtype).itemsize >= 4 else 64)
+    bm, bn, bk = _tile(block_m, m), _tile(block_n, n), _tile(bk, k)
+    return bm, bn, bk, _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
+
+  def forward(rule, kernel, x, w, out_dtypes):
+    bm, bn, bk, mp, np_, kp = tiles(x, w)
+    xp, wp = _pad(x, mp, kp), _pad(w, kp, np_)
+    tile = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
+    return call(rule, KERNEL_NAMES[rule][0],
+                functools.partial(kernel, bk=bk), (mp // bm, np_ // bn),
+                [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                 pl.BlockSpec((kp, bn), lambda i, j: (0, j))],
+                [tile] * len(out_dtypes),
+                [jax.ShapeDtypeStruct((mp, np_), d) for d in out_dtypes], xp, wp)
 
   def f(x, w):
-    (m, k), n = x.shape, w.shape[1]
-    bm, bn, grid = grid_mn(x, w)
-    return call("f", _f_kernel, grid,
-                [pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-                 pl.BlockSpec((k, bn), lambda i, j: (0, j))],
-                pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-                jax.ShapeDtypeStruct((m, n), x.dtype), x, w)
+    [z] = forward("f", _f_kernel, x, w, [x.dtype])
+    return z[:x.shape[0], :w.shape[1]]
 
   def fwd(x, w):
-    (m, k), n = x.shape, w.shape[1]
-    bm, bn, grid = grid_mn(x, w)
-    rdt = residual_dtype or x.dtype
-    z, y = call("fwd", _fwd_kernel, grid,
-                [pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-                 pl.BlockSpec((k, bn), lambda i, j: (0, j))],
-                [pl.BlockSpec((bm, bn), lambda i, j: (i, j))] * 2,
-                [jax.ShapeDtypeStruct((m, n), x.dtype),
-                 jax.ShapeDtypeStruct((m, n), rdt)], x, w)
-    return z, (x, w, y)
+    z, y = forward("fwd", _fwd_kernel, x, w,
+                   [x.dtype, residual_dtype or x.dtype])
+    return z[:x.shape[0], :w.shape[1]], (x, w, y)   # y stays padded
 
-  def dx_dw(x, w, g, y=None):
-    (m, k), n = x.shape, w.shape[1]
-    bm, bn = min(block_m, m), min(block_n, n)
-    if y is None:   # fused: recompute y
-      dx = call("fwd_bwd", _fused_dx_kernel, (pl.cdiv(m, bm),),
-                [pl.BlockSpec((bm, k), lambda i: (i, 0)),
-                 pl.BlockSpec((k, n), lambda i: (0, 0)),
-                 pl.BlockSpec((bm, n), lambda i: (i, 0))],
-                pl.BlockSpec((bm, k), lambda i: (i, 0)),
-                jax.ShapeDtypeStruct(x.shape, x.dtype), x, w, g)
-      dw = call("fwd_bwd", _fused_dw_kernel, (pl.cdiv(n, bn),),
-                [pl.BlockSpec((m, k), lambda j: (0, 0)),
-                 pl.BlockSpec((k, bn), lambda j: (0, j)),
-                 pl.BlockSpec((m, bn), lambda j: (0, j))],
-                pl.BlockSpec((k, bn), lambda j: (0, j)),
-                jax.ShapeDtypeStruct(w.shape, w.dtype), x, w, g)
-      return dx, dw
-    dx = call("bwd", _dx_kernel, (pl.cdiv(m, bm),),
-              [pl.BlockSpec((bm, n), lambda i: (i, 0)),
-               pl.BlockSpec((bm, n), lambda i: (i, 0)),
-               pl.BlockSpec((k, n), lambda i: (0, 0))],
-              pl.BlockSpec((bm, k), lambda i: (i, 0)),
-              jax.ShapeDtypeStruct(x.shape, x.dtype), g, y, w)
-    dw = call("bwd", _dw_kernel, (pl.cdiv(n, bn),),
-              [pl.BlockSpec((m, k), lambda j: (0, 0)),
-               pl.BlockSpec((m, bn), lambda j: (0, j)),
-               pl.BlockSpec((m, bn), lambda j: (0, j))],
-              pl.BlockSpec((k, bn), lambda j: (0, j)),
-              jax.ShapeDtypeStruct(w.shape, w.dtype), x, g, y)
-    return dx, dw
+  def dx_dw(rule, x, w, g, y):
+    """``dx, dw`` from ``g`` and ``y`` (``bwd``) or from ``dy`` (``y=None``);
+    ``g`` and ``y`` are padded to the tiles."""
+    bm, bn, bk, mp, np_, kp = tiles(x, w)
+    xp, wp = _pad(x, mp, kp), _pad(w, kp, np_)
+    from_y = y is not None
+    ys = [y] if from_y else []
+    names = KERNEL_NAMES[rule][-2:]
+    dx = call(rule, names[0], functools.partial(_dx_kernel, bn=bn,
+                                                from_y=from_y),
+              (mp // bm, kp // bk),
+              [pl.BlockSpec((bm, np_), lambda i, k: (i, 0))] * (1 + from_y)
+              + [pl.BlockSpec((bk, np_), lambda i, k: (k, 0))],
+              pl.BlockSpec((bm, bk), lambda i, k: (i, k)),
+              jax.ShapeDtypeStruct((mp, kp), x.dtype), g, *ys, wp)
+    dw = call(rule, names[1], functools.partial(_dw_kernel, bm=bm,
+                                                from_y=from_y),
+              (kp // bk, np_ // bn),
+              [pl.BlockSpec((mp, bk), lambda k, j: (0, k))]
+              + [pl.BlockSpec((mp, bn), lambda k, j: (0, j))] * (1 + from_y),
+              pl.BlockSpec((bk, bn), lambda k, j: (k, j)),
+              jax.ShapeDtypeStruct((kp, np_), w.dtype), xp, g, *ys)
+    return dx[:x.shape[0], :x.shape[1]], dw[:w.shape[0], :w.shape[1]]
 
   def bwd(res, g):
     x, w, y = res
-    return dx_dw(x, w, g, y)
+    return dx_dw("bwd", x, w, _pad(g, *y.shape), y)
 
   def fwd_bwd(x, w, g):
-    return dx_dw(x, w, g)
+    bm, bn, bk, mp, np_, kp = tiles(x, w)
+    tile = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
+    dy = call("fwd_bwd", KERNEL_NAMES["fwd_bwd"][0],
+              functools.partial(_dy_kernel, bk=bk), (mp // bm, np_ // bn),
+              [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+               pl.BlockSpec((kp, bn), lambda i, j: (0, j)), tile],
+              tile, jax.ShapeDtypeStruct((mp, np_), x.dtype),
+              _pad(x, mp, kp), _pad(w, kp, np_), _pad(g, mp, np_))
+    return dx_dw("fwd_bwd", x, w, dy, None)
 
   gelu_matmul = smart_custom_vjp(f)
   gelu_matmul.defvjp(fwd, bwd, fwd_bwd=fwd_bwd if fused else None)
@@ -238,12 +325,8 @@ def _loss(F, remat):
   return lambda x, w: jnp.sum(G(x, w).astype(jnp.float32) ** 2)
 
 
-KERNELS_PER_RULE = {"f": 1, "fwd": 1, "bwd": 2, "fwd_bwd": 2}  # bwd: dx, dw
-RULES = ("f", "fwd", "bwd", "fwd_bwd")
-
-# Published H200 SXM figures, for the break-even printed at the end.
-H200_BF16_FLOPS = 989e12      # dense bf16 tensor-core flop/s
-H200_BYTES_PER_S = 4.8e12     # HBM3e bandwidth
+# M x N arrays moved per call of each rule (the table in the docstring).
+ARRAYS_MOVED = {"f": 1, "fwd": 2, "bwd": 4, "fwd_bwd": 4}
 
 
 def rule_calls(launches):
@@ -260,19 +343,12 @@ def fmt(counts):
   return ", ".join(f"{k} {counts[k]}" for k in RULES if counts.get(k)) or "none"
 
 
-def fused_break_even_k(bytes_per_element=2, flops=H200_BF16_FLOPS,
-                       bandwidth=H200_BYTES_PER_S):
-  """The ``K`` below which ``fwd_bwd`` is faster than ``fwd`` + ``bwd`` under
-  remat: one extra ``2 M K N``-flop matmul against four ``M x N`` transfers."""
-  return 2 * bytes_per_element * flops / bandwidth
-
-
 def main():
   t0 = time.perf_counter()
   mode = "Triton" if jax.default_backend() == "gpu" else "interpret mode"
   print(f"Pallas matmul+GELU on {jax.default_backend()} ({mode})\n")
-  print("Accuracy of the smartvjp kernels (32 x 32 tiles) against the plain-JAX "
-        "reference jax.nn.gelu(x @ w),")
+  print("Accuracy of the smartvjp kernels (16 x 16 x 16 tiles) against the "
+        "plain-JAX reference jax.nn.gelu(x @ w),")
   print("gradients against jax.grad of it. Output: max |ours - reference|. "
         "Gradient: max |ours - reference|")
   print("over dx and dw, divided by max |reference gradient|; it must be below "
@@ -280,8 +356,8 @@ def main():
   print(f"  {'dtype':8s} {'x @ w':14s} {'output':>8s}  "
         f"{'gradient: no remat / remat':>26s}  tolerance")
   for dtype, tol in ((jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)):
-    for (m, k, n) in ((64, 32, 64), (50, 20, 37)):   # multiple / not of 32
-      gm, _ = make_gelu_matmul(block_m=32, block_n=32)
+    for (m, k, n) in ((64, 32, 64), (50, 20, 37)):   # multiple / not of 16
+      gm, _ = make_gelu_matmul(block_m=16, block_n=16, block_k=16)
       kx, kw = jax.random.split(jax.random.key(0))
       x = jax.random.normal(kx, (m, k), dtype)
       w = (jax.random.normal(kw, (k, n)) / math.sqrt(k)).astype(dtype)
@@ -303,40 +379,42 @@ def main():
   print("\nPer jitted gradient step of sum(gelu(x @ w)**2), x 64x32, w 32x48, "
         "counted by a callback in each kernel.")
   print("Rule calls count calls of f, fwd, bwd, fwd_bwd; kernel launches count "
-        "kernels: bwd and fwd_bwd")
-  print("launch two each (dx and dw), f and fwd one.")
-  print(f"  {'remat':8s} {'implementation':20s} {'rule calls':20s} kernel launches")
+        "kernels: bwd launches two")
+  print("(dx, dw), fwd_bwd three (dy, dx, dw), f and fwd one. Arrays moved: "
+        "M x N arrays the rules write or read")
+  print("(f 1, fwd 2, bwd 4, fwd_bwd 4 per call; the docstring's table).")
+  print(f"  {'remat':8s} {'implementation':20s} {'rule calls':20s} "
+        f"{'kernel launches':24s} arrays moved")
   x = jax.random.normal(jax.random.key(1), (64, 32))
   w = jax.random.normal(jax.random.key(2), (32, 48)) / 6
   for remat in (False, True):
     for name in ("jax.custom_vjp", "optimize_remat", "smartvjp",
                  "smartvjp + fwd_bwd"):
-      gm, rules = make_gelu_matmul(block_m=32, block_n=32, count=True,
-                                   fused=name.endswith("fwd_bwd"))
+      gm, rules = make_gelu_matmul(block_m=32, block_n=16, block_k=16,
+                                   count=True, fused=name.endswith("fwd_bwd"))
       F = gm if name.startswith("smartvjp") else custom_vjp_version(
           rules, optimize_remat=name == "optimize_remat")
       LAUNCHES.clear()
       jax.block_until_ready(jax.jit(jax.grad(_loss(F, remat), (0, 1)))(x, w))
       jax.effects_barrier()
       launches = dict(LAUNCHES)
+      calls = rule_calls(launches)
+      moved = sum(ARRAYS_MOVED[r] * c for r, c in calls.items())
       print(f"  {'remat' if remat else 'no remat':8s} {name:20s} "
-            f"{fmt(rule_calls(launches)):20s} {fmt(launches)}")
+            f"{fmt(calls):20s} {fmt(launches):24s} {moved}")
 
-  k_bf16 = fused_break_even_k()
   print("\nWhen the fused rule pays: under remat it replaces fwd + bwd in the "
-        "backward pass. It runs one")
-  print("more M x K x N matmul (each of its two kernels recomputes y = x @ w), "
-        "moves four fewer M x N")
-  print("arrays (fwd's writes of z and y, bwd's two reads of y) and never holds "
-        "y in memory. By a roofline")
-  print("estimate it is faster when 2*M*K*N / peak_flops < 4*M*N*bytes / "
-        "bandwidth, i.e. when")
-  print(f"K < 2 * bytes * peak_flops / bandwidth: on an H200 in bf16 "
-        f"({H200_BF16_FLOPS / 1e12:.0f} TFLOP/s, "
-        f"{H200_BYTES_PER_S / 1e12:.1f} TB/s), K < {k_bf16:.0f}.")
-  print("For larger K it is slower but still saves the M x N buffer for y. "
-        f"(The kernels here run in {mode},")
-  print("so this machine's times say nothing about it.)")
+        "backward pass with the same")
+  print("number of matmuls and two fewer M x N arrays moved (it never writes "
+        "the z nobody reads, and writes dy")
+  print("once where bwd reads y and g twice), and it holds one M x N buffer "
+        "instead of two. By these counts")
+  print("it never does more work; what it saves is memory traffic, so it "
+        "gains most where the step is bound")
+  print("by memory rather than by the matmuls (small K). The kernels here run "
+        f"in {mode}, so this machine's")
+  print("times say nothing about it; benchmarks/gpu_mlp.py measures it on a "
+        "GPU.")
   print(f"Finished in {time.perf_counter() - t0:.1f} s.")
 
 

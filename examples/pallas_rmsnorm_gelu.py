@@ -30,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from smartvjp import smart_custom_vjp
 
@@ -44,119 +45,205 @@ def _gelu_and_grad(u):
           0.5 * (1 + t) + 0.5 * u * (1 - t * t) * c * (1 + 3 * 0.044715 * u * u))
 
 
-def _norm(x):
-  r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS)
+# ``d`` is the true row width: rows are zero-padded to a power of two (which
+# adds nothing to the sums), so means are sums divided by ``d``.
+
+def _norm(x, d):
+  r = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / d + EPS)
   return x * r, r
 
 
-def _f_kernel(x_ref, gamma_ref, z_ref):
-  n, _ = _norm(x_ref[...].astype(jnp.float32))
-  z_ref[...] = _gelu_and_grad(n * gamma_ref[...].astype(jnp.float32))[0
-                                                                      ].astype(z_ref.dtype)
+def _f_kernel(x_ref, gamma_ref, z_ref, *, d):
+  n, _ = _norm(x_ref[...].astype(jnp.float32), d)
+  z = _gelu_and_grad(n * gamma_ref[...].astype(jnp.float32))[0]
+  z_ref[...] = z.astype(z_ref.dtype)
 
 
-def _fwd_kernel(x_ref, gamma_ref, z_ref, n_ref, r_ref):
-  n, r = _norm(x_ref[...].astype(jnp.float32))
-  z_ref[...] = _gelu_and_grad(n * gamma_ref[...].astype(jnp.float32))[0
-                                                                      ].astype(z_ref.dtype)
+def _fwd_kernel(x_ref, gamma_ref, z_ref, n_ref, r_ref, *, d):
+  n, r = _norm(x_ref[...].astype(jnp.float32), d)
+  z = _gelu_and_grad(n * gamma_ref[...].astype(jnp.float32))[0]
+  z_ref[...] = z.astype(z_ref.dtype)
   n_ref[...] = n.astype(n_ref.dtype)
   r_ref[...] = r
 
 
-def _grads(n, r, gamma, g, m, bm):
-  # rows past M in a ragged last block hold padding: keep them out of dgamma
-  rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, n.shape, 0)
-  valid = rows < m
-  n = jnp.where(valid, n, 0.0)
+def _grads(n, r, gamma, g, d):
+  # padded rows and columns hold zeros in n and g: they add nothing
   _, dgelu = _gelu_and_grad(n * gamma)
-  du = jnp.where(valid, g * dgelu, 0.0)
+  du = g * dgelu
   dgamma = jnp.sum(du * n, axis=0, keepdims=True)
   dn = du * gamma
-  dx = r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+  dx = r * (dn - n * (jnp.sum(dn * n, axis=-1, keepdims=True) / d))
   return dx, dgamma
 
 
-def _bwd_kernel(n_ref, r_ref, gamma_ref, g_ref, dx_ref, dgamma_ref, *, m, bm):
-  dx, dgamma = _grads(n_ref[...].astype(jnp.float32), r_ref[...],
-                      gamma_ref[...].astype(jnp.float32),
-                      g_ref[...].astype(jnp.float32), m, bm)
-  dx_ref[...] = dx.astype(dx_ref.dtype)
-  dgamma_ref[...] = dgamma
+def _row_loop(bm, rows, step, width):
+  """Runs ``step(row_slice) -> dgamma`` over ``rows`` rows, ``bm`` at a time,
+  and returns the sum of the ``dgamma``s (one partial ``dgamma`` per kernel
+  instance, not per row block, keeps that array small)."""
+  return jax.lax.fori_loop(
+      0, rows // bm,
+      lambda c, acc: acc + step(pl.ds(pl.multiple_of(c * bm, bm), bm)),
+      jnp.zeros((1, width), jnp.float32))
 
 
-def _fwd_bwd_kernel(x_ref, gamma_ref, g_ref, dx_ref, dgamma_ref, *, m, bm):
-  n, r = _norm(x_ref[...].astype(jnp.float32))
-  dx, dgamma = _grads(n, r, gamma_ref[...].astype(jnp.float32),
-                      g_ref[...].astype(jnp.float32), m, bm)
-  dx_ref[...] = dx.astype(dx_ref.dtype)
-  dgamma_ref[...] = dgamma
+def _bwd_kernel(n_ref, r_ref, gamma_ref, g_ref, dx_ref, dgamma_ref, *, d, bm):
+  gamma = gamma_ref[...].astype(jnp.float32)
+
+  def step(rows):
+    dx, dgamma = _grads(n_ref[rows, :].astype(jnp.float32), r_ref[rows, :],
+                        gamma, g_ref[rows, :].astype(jnp.float32), d)
+    dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+    return dgamma
+  dgamma_ref[...] = _row_loop(bm, n_ref.shape[0], step, n_ref.shape[1])
 
 
-def make_rmsnorm_gelu(block_m=64, interpret=None, fused=True, count=False):
+def _fwd_bwd_kernel(x_ref, gamma_ref, g_ref, dx_ref, dgamma_ref, *, d, bm):
+  gamma = gamma_ref[...].astype(jnp.float32)
+
+  def step(rows):
+    n, r = _norm(x_ref[rows, :].astype(jnp.float32), d)
+    dx, dgamma = _grads(n, r, gamma, g_ref[rows, :].astype(jnp.float32), d)
+    dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+    return dgamma
+  dgamma_ref[...] = _row_loop(bm, x_ref.shape[0], step, x_ref.shape[1])
+
+
+KERNEL_NAMES = {"f": "rmsnorm_gelu_f", "fwd": "rmsnorm_gelu_fwd",
+                "bwd": "rmsnorm_gelu_bwd", "fwd_bwd": "rmsnorm_gelu_fwd_bwd"}
+# Elements of x a kernel instance holds at once (block_m rows of the padded
+# width) when block_m is left to make_rmsnorm_gelu: a GPU's registers hold
+# them. The gradient kernels loop over GRAD_ROWS rows per instance, block_m
+# at a time, and write one partial dgamma per instance.
+ROW_BLOCK_ELEMENTS = 8192
+GRAD_ROWS = 32
+
+
+def _pow2_at_least(n):
+  return 1 << max(0, n - 1).bit_length()
+
+
+def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
+                      num_warps=None):
   """``rmsnorm_gelu(x: [M, D], gamma: [D]) -> [M, D]`` as a ``smart_custom_vjp``.
 
-  Returns ``(rmsnorm_gelu, rules)``. Rows are blocked by ``block_m``; each
-  block reads whole rows (the norm needs them). ``dgamma`` is reduced over
-  row blocks outside the kernels.
+  ``z = gelu(x * rsqrt(mean(x**2, -1) + 1e-6) * gamma)``, computed in f32,
+  returned in ``x``'s dtype; ``x`` and ``gamma`` share a float dtype and the
+  gradients come back in it.
+
+  Args:
+    block_m: rows per kernel instance (a power of two); each instance reads
+      whole rows, since the norm needs them. Default: as many rows as keep
+      ``ROW_BLOCK_ELEMENTS`` elements of the padded width (at least 1, at
+      most 64).
+    interpret: Pallas interpret mode; default: on unless the backend is GPU.
+    fused: also define the fused ``fwd_bwd`` rule.
+    count: count kernel launches per rule in ``LAUNCHES`` (interpret mode
+      only; on a GPU count with the profiler and ``KERNEL_NAMES``).
+    num_warps: Triton's warps per instance on a GPU (default: 4, or 8 for
+      rows of 4096 elements and more).
+
+  Returns ``(rmsnorm_gelu, rules)``. Rows are zero-padded to a multiple of
+  ``block_m`` and columns to a power of two outside the kernels, so that the
+  kernels never read or write out of bounds (Pallas' Triton lowering does not
+  mask block edges). ``dgamma`` is reduced over row blocks outside the
+  kernels.
+
+  Raises:
+    ValueError: ``block_m`` is not a power of two.
   """
+  if block_m is not None and (block_m < 1 or block_m & (block_m - 1)):
+    raise ValueError(f"make_rmsnorm_gelu: block_m must be a power of two, "
+                     f"got {block_m}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
 
-  def call(name, kernel, x, in_arrays, in_specs, out_shapes, out_specs):
-    m = x.shape[0]
-    bm = min(block_m, m)
+  def tiles(x, grad=False):
+    """Rows per block, rows per kernel instance, padded rows and padded
+    width for ``x: [M, D]`` (``grad``: for the gradient kernels)."""
+    m, d = x.shape
+    dp = _pow2_at_least(d)
+    bm = min(block_m or max(1, min(64, ROW_BLOCK_ELEMENTS // dp)),
+             _pow2_at_least(m))
+    rows = min(max(bm, GRAD_ROWS), _pow2_at_least(m)) if grad else bm
+    return bm, rows, -(-m // rows) * rows, dp
+
+  def call(rule, kernel, x, in_arrays, in_specs, out_shapes, out_specs):
+    grad = rule in ("bwd", "fwd_bwd")
+    bm, rows, mp, dp = tiles(x, grad)
+    kernel = functools.partial(kernel, d=x.shape[1],
+                               **(dict(bm=bm) if grad else {}))
     if count and interpret:
       inner = kernel
 
       def kernel(*refs):
         @pl.when(pl.program_id(0) == 0)
         def _():
-          jax.debug.callback(lambda: LAUNCHES.update([name]))
+          jax.debug.callback(lambda: LAUNCHES.update([rule]))
         inner(*refs)
-    return pl.pallas_call(kernel, grid=(pl.cdiv(m, bm),),
-                          in_specs=in_specs(bm), out_specs=out_specs(bm),
-                          out_shape=out_shapes(bm), interpret=interpret)(*in_arrays)
+    params = None if interpret else pl_triton.CompilerParams(
+        num_warps=num_warps or (8 if dp >= 4096 else 4), num_stages=1)
+    return pl.pallas_call(kernel, grid=(mp // rows,),
+                          in_specs=in_specs(rows, dp),
+                          out_specs=out_specs(rows, dp),
+                          out_shape=out_shapes(mp, dp), interpret=interpret,
+                          compiler_params=params,
+                          name=KERNEL_NAMES[rule])(*in_arrays)
 
-  row = lambda d: (lambda bm: pl.BlockSpec((bm, d), lambda i: (i, 0)))
+  def pad(a, x, grad=False):   # a: [M, D] or [M, 1] -> padded like x
+    _, _, mp, dp = tiles(x, grad)
+    cols = dp if a.shape[1] == x.shape[1] else a.shape[1]
+    pr, pc = mp - a.shape[0], cols - a.shape[1]
+    return a if pr == pc == 0 else jnp.pad(a, ((0, pr), (0, pc)))
+
+  def pad_gamma(gamma, x):
+    dp = tiles(x)[3]
+    return jnp.pad(gamma, (0, dp - gamma.shape[0]))[None]
+
+  row = lambda bm, d: pl.BlockSpec((bm, d), lambda i: (i, 0))
   whole = lambda d: pl.BlockSpec((1, d), lambda i: (0, 0))
   per_block = lambda d: pl.BlockSpec((1, d), lambda i: (i, 0))
 
   def f(x, gamma):
-    d = x.shape[1]
-    return call("f", _f_kernel, x, (x, gamma[None]),
-                lambda bm: [row(d)(bm), whole(d)],
-                lambda bm: jax.ShapeDtypeStruct(x.shape, x.dtype), row(d))
+    (m, d), dt = x.shape, x.dtype
+    z = call("f", _f_kernel, x, (pad(x, x), pad_gamma(gamma, x)),
+             lambda bm, dp: [row(bm, dp), whole(dp)],
+             lambda mp, dp: jax.ShapeDtypeStruct((mp, dp), dt),
+             lambda bm, dp: row(bm, dp))
+    return z[:m, :d]
 
   def fwd(x, gamma):
     (m, d), dt = x.shape, x.dtype
-    z, n, r = call("fwd", _fwd_kernel, x, (x, gamma[None]),
-                   lambda bm: [row(d)(bm), whole(d)],
-                   lambda bm: [jax.ShapeDtypeStruct((m, d), dt),
-                               jax.ShapeDtypeStruct((m, d), dt),
-                               jax.ShapeDtypeStruct((m, 1), jnp.float32)],
-                   lambda bm: [row(d)(bm), row(d)(bm), row(1)(bm)])
-    return z, (n, r, gamma)
+    z, n, r = call("fwd", _fwd_kernel, x, (pad(x, x), pad_gamma(gamma, x)),
+                   lambda bm, dp: [row(bm, dp), whole(dp)],
+                   lambda mp, dp: [jax.ShapeDtypeStruct((mp, dp), dt),
+                                   jax.ShapeDtypeStruct((mp, dp), dt),
+                                   jax.ShapeDtypeStruct((mp, 1), jnp.float32)],
+                   lambda bm, dp: [row(bm, dp), row(bm, dp), row(bm, 1)])
+    return z[:m, :d], (n[:m, :d], r[:m], gamma)
 
-  def grads(kernel, name, x, arrays, specs):
-    (m, d) = x.shape
-    kernel = functools.partial(kernel, m=m, bm=min(block_m, m))
+  def grads(rule, kernel, x, gamma, arrays, specs):
+    (m, d), dt = x.shape, x.dtype
     dx, dgamma = call(
-        name, kernel, x, arrays, specs,
-        lambda bm: [jax.ShapeDtypeStruct((m, d), x.dtype),
-                    jax.ShapeDtypeStruct((pl.cdiv(m, bm), d), jnp.float32)],
-        lambda bm: [row(d)(bm), per_block(d)])
-    return dx, jnp.sum(dgamma, axis=0).astype(arrays[-2].dtype)
+        rule, kernel, x, arrays, specs,
+        lambda mp, dp: [jax.ShapeDtypeStruct((mp, dp), dt),
+                        jax.ShapeDtypeStruct((mp // tiles(x, True)[1], dp),
+                                             jnp.float32)],
+        lambda bm, dp: [row(bm, dp), per_block(dp)])
+    return dx[:m, :d], jnp.sum(dgamma, axis=0)[:d].astype(gamma.dtype)
 
   def bwd(res, g):
     n, r, gamma = res
-    d = n.shape[1]
-    return grads(_bwd_kernel, "bwd", n, (n, r, gamma[None], g),
-                 lambda bm: [row(d)(bm), row(1)(bm), whole(d), row(d)(bm)])
+    return grads("bwd", _bwd_kernel, n, gamma,
+                 (pad(n, n, True), pad(r, n, True), pad_gamma(gamma, n),
+                  pad(g, n, True)),
+                 lambda bm, dp: [row(bm, dp), row(bm, 1), whole(dp),
+                                 row(bm, dp)])
 
   def fwd_bwd(x, gamma, g):
-    d = x.shape[1]
-    return grads(_fwd_bwd_kernel, "fwd_bwd", x, (x, gamma[None], g),
-                 lambda bm: [row(d)(bm), whole(d), row(d)(bm)])
+    return grads("fwd_bwd", _fwd_bwd_kernel, x, gamma,
+                 (pad(x, x, True), pad_gamma(gamma, x), pad(g, x, True)),
+                 lambda bm, dp: [row(bm, dp), whole(dp), row(bm, dp)])
 
   op = smart_custom_vjp(f)
   op.defvjp(fwd, bwd, fwd_bwd=fwd_bwd if fused else None)

@@ -15,6 +15,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import glob
+import os
+import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -189,3 +193,41 @@ def matmul_tanh_rules(extra_unnamed=False):
     d = g * (1 - jnp.tanh(y) ** 2)
     return d @ w.T, x.T @ d
   return f, fwd, bwd
+
+
+# -- GPU kernels: launches counted by the profiler ---------------------------
+
+def gpu_kernel_launches(fn, *args, names):
+  """Runs ``fn(*args)`` once to compile and warm up, then once more under
+  ``jax.profiler.trace``, and returns ``{name: launches}``: how many GPU
+  kernel executions of that run had ``name`` as a whole word of their name.
+
+  A host counter cannot run inside a GPU kernel, and compiled-HLO counts are
+  static under ``scan``; the profiler sees each execution. A device plane
+  lists a kernel on its stream's line and may repeat it on summary lines, so
+  each name's count is the largest over the lines of a plane, summed over
+  GPU planes.
+  """
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder):
+      jax.block_until_ready(fn(*args))
+    paths = glob.glob(os.path.join(folder, "**", "*.xplane.pb"),
+                      recursive=True)
+    assert len(paths) == 1, f"expected one profile, found {paths}"
+    data = jax.profiler.ProfileData.from_file(paths[0])
+  patterns = {n: re.compile(rf"(?<![\w]){re.escape(n)}(?![\w])")
+              for n in names}
+  launches = dict.fromkeys(names, 0)
+  for plane in data.planes:
+    if "GPU" not in plane.name:
+      continue
+    most = collections.Counter()
+    for line in plane.lines:
+      here = collections.Counter(
+          n for event in line.events for n, p in patterns.items()
+          if p.search(event.name))
+      most = most | here          # elementwise max
+    for n in names:
+      launches[n] += most[n]
+  return launches

@@ -20,7 +20,7 @@ def test_counts_per_step():
   assert EM.count_one_step(smartvjp.filter_custom_vjp) == {"f": 4, "fwd": 4,
                                                           "bwd": 8}
   assert EM.count_one_step(smartvjp.filter_custom_vjp, fused=True) == {
-      "f": 4, "fwd_bwd": 8}
+      "f": 4, "fwd_bwd": 12}
 
 
 def test_same_gradients_as_equinox():

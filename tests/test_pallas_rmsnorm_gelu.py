@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels as K
+
 PATH = os.path.join(os.path.dirname(__file__), os.pardir, "examples",
                     "pallas_rmsnorm_gelu.py")
 spec = importlib.util.spec_from_file_location("pallas_rmsnorm_gelu", PATH)
@@ -43,3 +45,55 @@ def test_values_gradients_counts(dtype, tol, m, remat, fused, expected):
     scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
     np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
                                atol=tol * scale)
+
+
+# -- on a GPU: the kernels lowered through Pallas' Triton backend -------------
+
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
+                               reason="needs a GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 5e-2)])
+@pytest.mark.parametrize("shape", [(256, 512), (45, 200), (64, 8192)],
+                         ids=["multiple", "ragged", "wide"])
+@pytest.mark.parametrize("remat,fused", [(False, True), (True, False),
+                                         (True, True)])
+def test_gpu_values_and_gradients(dtype, tol, shape, remat, fused):
+  op, _ = RG.make_rmsnorm_gelu(interpret=False, fused=fused)
+  m, d = shape
+  x = jax.random.normal(jax.random.key(0), (m, d), dtype)
+  gamma = (1.0 + 0.1 * jax.random.normal(jax.random.key(1), (d,))).astype(dtype)
+  np.testing.assert_allclose(np.float32(op(x, gamma)),
+                             np.float32(RG.reference(x, gamma)), rtol=tol, atol=tol)
+  got = jax.jit(jax.grad(loss(op, remat), (0, 1)))(x, gamma)
+  want = jax.jit(jax.grad(loss(RG.reference, False), (0, 1)))(x, gamma)
+  for a, b in zip(got, want):
+    assert a.dtype == dtype
+    scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+    np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
+                               atol=tol * scale)
+
+
+@needs_gpu
+@pytest.mark.parametrize("impl,remat,expected", [
+    ("jax", True, {"fwd": 2, "bwd": 1}),
+    ("smart", True, {"f": 1, "fwd": 1, "bwd": 1}),
+    ("fused", True, {"f": 1, "fwd_bwd": 1}),
+    ("smart", False, {"fwd": 1, "bwd": 1}),
+])
+def test_gpu_kernel_launches(impl, remat, expected):
+  """Launches at run time, from the profiler, for one jitted
+  ``value_and_grad`` step."""
+  op, rules = RG.make_rmsnorm_gelu(interpret=False, fused=impl == "fused")
+  if impl == "jax":
+    op = jax.custom_vjp(rules["f"])
+    op.defvjp(rules["fwd"], rules["bwd"])
+  x = jax.random.normal(jax.random.key(0), (256, 1024), jnp.bfloat16)
+  gamma = jnp.ones((1024,), jnp.bfloat16)
+  step = jax.jit(jax.value_and_grad(loss(op, remat), (0, 1)))
+  counts = K.gpu_kernel_launches(step, x, gamma,
+                                 names=list(RG.KERNEL_NAMES.values()))
+  got = {rule: counts[name] for rule, name in RG.KERNEL_NAMES.items()
+         if counts[name]}
+  assert got == expected
