@@ -8,8 +8,9 @@ of rule for the layer ``gelu(x @ w)``:
 
 * ``saveable``: JAX-coded rules, ``fwd`` returns ``(x, w, y)``, ``y = x @ w``;
 * ``mixed``: JAX-coded, ``fwd`` also returns ``gelu'(y)`` (not a dot);
-* ``kernel``: opaque kernels (never removed, like ``pallas_call``) that
-  count their launches (``tests/kernels.py``);
+* ``kernel``: opaque kernels that count their launches
+  (``tests/kernels.py``): like a ``pallas_call`` whose output is used, they
+  run whole, residual writes included;
 * ``named``: JAX-coded, the residual ``gelu'(y)`` named ``"res"`` with
   ``checkpoint_name``.
 

@@ -8,8 +8,8 @@ implementation the median step time and the compiled step's memory
 On a CPU the kernels run in Pallas interpret mode, so absolute times say
 nothing about a GPU; the shape of the curves (linear in ``L``) is what this
 shows. Interpret mode also lowers kernels to ordinary XLA operations, which
-XLA's own dead-code elimination can thin out (a real ``pallas_call`` is
-never removed), so the gaps between implementations are smaller here than
+XLA's own dead-code elimination can thin out (a real ``pallas_call`` runs
+whole or not at all), so the gaps between implementations are smaller here than
 with real kernels: for those, see ``counts.py`` and ``gpu_mlp.py``.
 
 Run:  python benchmarks/scaling.py [--out scaling.png] [--max-layers 64]

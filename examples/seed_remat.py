@@ -3,9 +3,10 @@
 Under ``jax.remat``, ``jax.custom_vjp`` runs ``fwd`` twice and ``f`` never;
 ``smart_custom_vjp`` runs ``f`` in the forward pass and ``fwd`` once, in the
 backward pass. The rules here are Pallas kernels (``interpret=True``, so this
-runs on a CPU) that count their launches with a ``jax.debug.callback``: like
-every ``pallas_call`` they are never removed by dead-code elimination, which
-is what makes the extra ``fwd`` launch real.
+runs on a CPU) that count their launches with a ``jax.debug.callback``. The
+callback keeps every launch; a real kernel is removed only when all of its
+outputs are unused. Here ``fwd``'s primal output is always used, and a kernel
+cannot be split, so its extra launch, residual writes included, is real.
 
 Run:  python examples/seed_remat.py
 """
@@ -181,8 +182,8 @@ def main():
   print(f"Kernel launches per gradient step (jax {jax.__version__}, "
         f"{jax.devices()[0].platform}), counted by a callback in each kernel.\n"
         "Each rule (f, fwd, bwd, fwd_bwd) is one Pallas kernel (interpret "
-        "mode; never removed by dead-code\nelimination), so these counts are "
-        "also rule calls.\n")
+        "mode; F's output is used, so a real kernel\nwould run as often), so "
+        "these counts are also rule calls.\n")
   print(f"{'program':<{width}} | " + " | ".join(f"{i:<22}" for i in IMPLS))
   print("-" * (width + 3 + 25 * len(IMPLS)))
   checked = mismatched = 0

@@ -1,13 +1,17 @@
 """Counting kernels for the tests: opaque to JAX and XLA.
 
-Two kinds, because JAX and XLA remove a ``pure_callback`` whose outputs are
-all unused, while a real kernel (Pallas, Triton, an FFI call) is never
-removed:
+Both kinds are opaque: neither JAX nor XLA can drop some of a kernel's
+outputs and keep the rest, so a kernel whose primal output is used runs
+whole, residual writes included, as a real kernel (Pallas, Triton, an FFI
+call) does.
 
-* ``callback`` kernels: ``jax.pure_callback`` to numpy.
+* ``callback`` kernels: ``jax.pure_callback`` to numpy. JAX and XLA remove
+  one whose outputs are all unused, as JAX does with a ``pallas_call``.
 * ``never_dce`` kernels: a test primitive whose dead-code-elimination rule
-  keeps it and which lowers to a side-effecting host callback, so neither
-  JAX nor XLA can remove it: like ``pallas_call``/``triton_kernel_call``.
+  keeps it and which lowers to a side-effecting host callback, so that
+  nothing removes it even when its outputs are all unused: stricter than a
+  real kernel, so that a schedule which counts on a dead call being removed
+  shows in the counts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The Pallas matmul+GELU example: values and gradients against
 jax.nn.gelu(x @ w) in f32 and bf16, block-multiple and ragged shapes, and
-kernel launches (Pallas calls are never removed by DCE)."""
+kernel launches (a callback in each kernel in interpret mode, the profiler
+on a GPU)."""
 
 import importlib.util
 import math
