@@ -6,9 +6,9 @@ experimental ``jax_custom_vjp3`` + ``jax_remat3`` flags, the same flags with
 lambda _, x: fwd(x), bwd)`` (jax 0.12 only), smartvjp, and smartvjp under
 those same flags (its remat3 rules, ``smartvjp/_remat3.py``). Rows
 that count use Pallas ``interpret=True`` kernels that count their launches
-(every counted program uses ``F``'s output, so a real kernel, which is
-removed only when all its outputs are unused, runs as often; see
-``examples/seed_remat.py``);
+(the callback keeps every launch; JAX removes a real kernel only when all
+its outputs are unused, and the counted programs use ``F``'s output,
+``loss = sum(F(x) ** 2)``; see ``examples/seed_remat.py``);
 rows that need differentiable rules use the same rules written in JAX and
 report whether the program works and gives the right value.
 
