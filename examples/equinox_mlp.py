@@ -33,7 +33,8 @@ class Dense(eqx.Module):
 
 def make_layer_op(deco, fused=False, count=False):
   """``op((layer, x)) -> gelu(x @ layer.w)`` with equinox's API."""
-  _, rules = PG.make_gelu_matmul(block_m=32, block_n=32, count=count)
+  _, rules = PG.make_gelu_matmul(block_m=32, block_n=32, count=count,
+                                 interpret=True if count else None)
 
   @deco
   def op(layer_and_x):

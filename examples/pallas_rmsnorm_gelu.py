@@ -282,7 +282,7 @@ def main():
       (True, "jax.custom_vjp", "jax", False),
       (True, "smartvjp, fwd + bwd", "smart", False),
       (True, "smartvjp, fused fwd_bwd", "smart", True)):
-    op, rules = make_rmsnorm_gelu(count=True, fused=fused)
+    op, rules = make_rmsnorm_gelu(count=True, fused=fused, interpret=True)
     if impl == "jax":
       op = jax.custom_vjp(rules["f"])
       op.defvjp(rules["fwd"], rules["bwd"])

@@ -51,13 +51,12 @@ remat, smartvjp        f 1 + dy 1 + dx 1 + dw 1 = 4        f writes z; dy reads
                                                            read dy: 5
 =====================  ==================================  ===================
 
-Unlike the Pallas example's fused rule (whose dx and dw kernels each
-recompute ``y``: 5 matmuls), this one recomputes ``y`` once, in the dy
+As in the Pallas example, the fused rule recomputes ``y`` once, in the dy
 kernel, so it runs as many matmuls as ``fwd`` + ``bwd`` and moves two fewer
 ``M x N`` arrays: nothing in the backward pass writes ``y`` or ``z`` (``fwd``
 writes ``z`` there although nothing reads it). Its ``dy`` buffer is as large
-as the ``y`` it replaces, so it saves traffic, not peak memory. Every path
-launches four kernels under remat.
+as the ``y`` it replaces, and it never holds ``z``. Every path launches four
+kernels under remat.
 
 ``tl.dot`` on f32 inputs uses TF32 by default in Triton; the kernels pass
 ``input_precision="ieee"`` for f32 unless told otherwise (bf16 ignores it).

@@ -38,7 +38,8 @@ def loss(F, remat):
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 @pytest.mark.parametrize("fused", [False, True], ids=["fwd_bwd_off", "fwd_bwd_on"])
 def test_values_and_gradients(dtype, tol, shape, remat, fused):
-  gm, _ = PG.make_gelu_matmul(block_m=8, block_n=8, fused=fused)
+  gm, _ = PG.make_gelu_matmul(block_m=8, block_n=8, fused=fused,
+                              interpret=True)
   x, w = data(*shape, dtype)
   np.testing.assert_allclose(np.float32(gm(x, w)), np.float32(PG.reference(x, w)),
                              rtol=tol, atol=tol)
@@ -60,7 +61,7 @@ def test_values_and_gradients(dtype, tol, shape, remat, fused):
 ])
 def test_kernel_launches(impl, remat, expected):
   gm, rules = PG.make_gelu_matmul(block_m=8, block_n=8, count=True,
-                                  fused=impl == "fused")
+                                  fused=impl == "fused", interpret=True)
   F = PG.custom_vjp_version(rules) if impl == "jax" else gm
   x, w = data(16, 8, 16, jnp.float32)
   PG.LAUNCHES.clear()

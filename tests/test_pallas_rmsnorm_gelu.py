@@ -30,7 +30,8 @@ def loss(F, remat):
     (True, True, {"f": 1, "fwd_bwd": 1}),
 ])
 def test_values_gradients_counts(dtype, tol, m, remat, fused, expected):
-  op, _ = RG.make_rmsnorm_gelu(block_m=16, fused=fused, count=True)
+  op, _ = RG.make_rmsnorm_gelu(block_m=16, fused=fused, count=True,
+                               interpret=True)
   x = jax.random.normal(jax.random.key(0), (m, 24), dtype)
   gamma = (1.0 + 0.1 * jax.random.normal(jax.random.key(1), (24,))).astype(dtype)
   np.testing.assert_allclose(np.float32(op(x, gamma)),

@@ -61,13 +61,14 @@ def close(got, want, tol):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)],
                          ids=["f32", "bf16"])
 @pytest.mark.parametrize("blocks,shape", [
-    (SMALL, (64, 32, 96)), (SMALL, (50, 37, 45)), (SMALL, (21, 7, 13)),
-    (BENCH, (256, 128, 384)), (BENCH, (300, 200, 170))],
-    ids=["small-multiple", "small-ragged", "small-tiny", "bench-multiple",
-         "bench-ragged"])
-@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
-@pytest.mark.parametrize("fused", [False, True],
-                         ids=["fwd_bwd_off", "fwd_bwd_on"])
+    (SMALL, (50, 37, 45)), (SMALL, (21, 7, 13)), (BENCH, (256, 128, 384)),
+    (BENCH, (300, 200, 170))],
+    ids=["small-ragged", "small-tiny", "bench-multiple", "bench-ragged"])
+# Each case compiles its own kernels (sizes are constexprs): three schedules,
+# not all four combinations, keep the GPU session's compile time down.
+@pytest.mark.parametrize("remat,fused", [(False, False), (True, False),
+                                         (True, True)],
+                         ids=["plain", "remat", "remat-fwd_bwd"])
 def test_values_and_gradients(dtype, tol, blocks, shape, remat, fused):
   gm, _ = TG.make_gelu_matmul(fused=fused, **blocks)
   x, w = data(*shape, dtype)

@@ -1,0 +1,264 @@
+"""One GPU session, prepared: the checks that need a GPU, in one command.
+
+Device time is short (about 15 minutes, start-up included), so everything a
+session on the GPU machine should do runs from this one script, stage after
+stage, each under its own time limit, and ``session.json`` is rewritten after
+every stage: a run cut off at its limit still leaves what finished.
+
+Stages (``--stages`` picks some, in this order):
+
+``env``
+    nvidia-smi, Python, jax/jaxlib/triton/jax_triton versions, the devices.
+``gpu-tests``
+    the tests that mean something only on a GPU: the Pallas examples lowered
+    (values and gradients in f32 and bf16 on ragged shapes, launches counted
+    by the profiler), the Triton example, offloading to ``pinned_host``.
+``bench``
+    ``benchmarks/gpu_mlp.py`` (step time, compiled memory, largest batch),
+    its JSON written as it goes.
+``triton-example``
+    ``examples/triton_gelu_matmul.py`` as a user runs it.
+``full-tests``
+    the whole suite with pytest-xdist, in what time is left.
+
+Files under ``--out`` (at most 8, the device tool's limit): ``session.json``,
+``log.txt``, ``gpu_mlp.json``, ``pytest_gpu.xml``, ``pytest_full.xml``.
+
+jax-triton is not installed on the GPU machine and it cannot reach a package
+registry: ``tools/gpu_wheels.sh`` downloads the wheel into ``.whl/`` here,
+the device call carries ``.whl``, and this script installs it into
+``/tmp/site`` first.
+
+On the GPU machine (one ``run`` call, carry ``[".whl"]``, timeout 600)::
+
+  PYTHONUNBUFFERED=1 python3 tools/gpu_session.py --out $OUT --budget 540
+
+Dry run on a CPU (every stage, tiny shapes, GPU tests skip)::
+
+  python tools/gpu_session.py --smoke --out /tmp/gpu_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+STAGES = ("env", "gpu-tests", "bench", "triton-example", "full-tests")
+GPU_TEST_FILES = (
+    "tests/test_pallas_gelu_matmul.py", "tests/test_pallas_rmsnorm_gelu.py",
+    "tests/test_gpu_lowering.py", "tests/test_triton_gelu_matmul.py")
+# Tests elsewhere that touch what only a GPU has (host offloading).
+GPU_TEST_NAMES = "offload or pinned_host"
+ENV_SCRIPT = r"""
+import json, platform, sys
+info = {"python": sys.version.split()[0], "platform": platform.platform()}
+try:
+  import jax, jaxlib
+  info.update(jax=jax.__version__, jaxlib=jaxlib.__version__,
+              backend=jax.default_backend(),
+              devices=[f"{d.platform}:{d.device_kind}" for d in jax.devices()])
+except Exception as e:
+  info["jax_error"] = repr(e)
+for name in ("triton", "jax_triton", "equinox", "hypothesis", "xdist"):
+  try:
+    info[name] = getattr(__import__(name), "__version__", "present")
+  except Exception as e:
+    info[name] = f"missing ({type(e).__name__}: {e})"
+print(json.dumps(info))
+"""
+
+
+class Session:
+  """Runs stages under a total budget and keeps ``session.json`` current."""
+
+  def __init__(self, out, budget_s, smoke):
+    self.out, self.budget_s, self.smoke = out, budget_s, smoke
+    self.t0 = time.monotonic()
+    self.log = open(os.path.join(out, "log.txt"), "a", buffering=1)
+    self.record = dict(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       host=platform.node(), smoke=smoke, budget_s=budget_s,
+                       argv=sys.argv[1:], stages={})
+    self.save()
+
+  def left(self):
+    return self.budget_s - (time.monotonic() - self.t0)
+
+  def save(self):
+    path = os.path.join(self.out, "session.json")
+    with open(path + ".tmp", "w") as fh:
+      json.dump(self.record, fh, indent=1)
+    os.replace(path + ".tmp", path)
+
+  def run(self, stage, argv, limit_s, env=None, **extra):
+    """Runs ``argv`` for at most ``limit_s`` seconds (and never past the
+    budget), logs its output, records the stage, and returns its output."""
+    limit = max(0.0, min(limit_s, self.left() - 5))
+    entry = dict(command=" ".join(argv), limit_s=round(limit, 1), **extra)
+    if limit < 10:
+      entry.update(status="skipped", reason="out of time")
+      self.record["stages"][stage] = entry
+      self.save()
+      print(f"[{stage}] skipped: out of time", flush=True)
+      return ""
+    print(f"[{stage}] {entry['command']}  (limit {limit:.0f} s)", flush=True)
+    self.log.write(f"\n===== {stage}: {entry['command']}\n")
+    t = time.monotonic()
+    try:
+      done = subprocess.run(argv, cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            timeout=limit)
+      output, rc = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as e:
+      output = e.stdout if isinstance(e.stdout, str) else (
+          (e.stdout or b"").decode(errors="replace"))
+      rc = "timeout"
+    self.log.write(output)
+    entry.update(status="ok" if rc == 0 else "failed", rc=rc,
+                 seconds=round(time.monotonic() - t, 1),
+                 tail=output[-3000:])
+    self.record["stages"][stage] = entry
+    self.save()
+    print(f"[{stage}] rc={rc} in {entry['seconds']} s", flush=True)
+    return output
+
+
+def junit_summary(path):
+  """Counts and failing test ids from a pytest JUnit XML file."""
+  if not os.path.exists(path):
+    return None
+  root = ET.parse(path).getroot()
+  suites = [root] if root.tag == "testsuite" else list(root)
+  counts = {k: sum(int(s.get(k, 0)) for s in suites)
+            for k in ("tests", "failures", "errors", "skipped")}
+  failing = []
+  for case in root.iter("testcase"):
+    if case.find("failure") is not None or case.find("error") is not None:
+      failing.append(f"{case.get('classname')}::{case.get('name')}")
+  counts["failing"] = failing[:50]
+  return counts
+
+
+def install_wheels(session):
+  """Installs the carried wheels (``.whl/*.whl``) into ``/tmp/site``."""
+  wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
+  if not wheels:
+    session.record["wheels"] = "none carried"
+    return None
+  session.run("wheels", [sys.executable, "-m", "pip", "install", "-q",
+                         "--no-index", "--no-deps", "--no-compile",
+                         "--no-cache-dir", "--upgrade", "--target",
+                         "/tmp/site", *wheels], 60)
+  session.record["wheels"] = [os.path.basename(w) for w in wheels]
+  return "/tmp/site"
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
+  p.add_argument("--budget", type=float, default=540,
+                 help="seconds for all stages together")
+  p.add_argument("--stages", default=",".join(STAGES),
+                 help=f"comma-separated, from {', '.join(STAGES)}")
+  p.add_argument("--smoke", action="store_true",
+                 help="a CPU dry run: tiny benchmark, a few full-suite files")
+  p.add_argument("--bench-args", default="",
+                 help="extra arguments for benchmarks/gpu_mlp.py")
+  args = p.parse_args(argv)
+  stages = [s for s in args.stages.split(",") if s]
+  unknown = set(stages) - set(STAGES)
+  if unknown:
+    p.error(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
+  os.makedirs(args.out, exist_ok=True)
+  session = Session(args.out, args.budget, args.smoke)
+
+  site = install_wheels(session)
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [p for p in (site, ROOT, env.get("PYTHONPATH")) if p])
+  # Several test processes share the GPU: none may take 75% of it up front.
+  test_env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  py = sys.executable
+
+  if "env" in stages:
+    out = session.run("env", [py, "-c", ENV_SCRIPT], 120, env=env)
+    try:
+      session.record["environment"] = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+      pass
+    session.run("nvidia-smi", ["nvidia-smi", "--query-gpu=name,memory.total,"
+                               "driver_version,clocks.sm,clocks.max.sm",
+                               "--format=csv"], 20)
+
+  if "gpu-tests" in stages:
+    xml = os.path.join(args.out, "pytest_gpu.xml")
+    files = [f for f in GPU_TEST_FILES if os.path.exists(os.path.join(ROOT, f))]
+    session.run("gpu-tests", [py, "-m", "pytest", "-q", "-rs", "-p",
+                              "no:cacheprovider", f"--junitxml={xml}", *files],
+                150 if not args.smoke else 300, env=test_env)
+    offload_xml = os.path.join(args.out, "pytest_offload.xml")
+    session.run("offload-tests", [py, "-m", "pytest", "-q", "-rs", "-p",
+                                  "no:cacheprovider", "-k", GPU_TEST_NAMES,
+                                  f"--junitxml={offload_xml}",
+                                  "tests/test_contract.py",
+                                  "tests/test_shard_map_types.py"],
+                60 if not args.smoke else 300, env=test_env)
+    session.record["stages"]["gpu-tests"]["junit"] = junit_summary(xml)
+    session.record["stages"]["offload-tests"]["junit"] = junit_summary(
+        offload_xml)
+    session.save()
+
+  if "bench" in stages:
+    out_json = os.path.join(args.out, "gpu_mlp.json")
+    bench = [py, "benchmarks/gpu_mlp.py", "--out", out_json]
+    bench += ["--smoke"] if args.smoke else []
+    bench += args.bench_args.split()
+    limit = 300 if not args.smoke else 600
+    if "--deadline" not in args.bench_args:   # stop starting work in time
+      bench += ["--deadline", str(int(max(30, min(limit, session.left()) - 20)))]
+    session.run("bench", bench, limit, env=env)
+
+  if "triton-example" in stages:
+    session.run("triton-example", [py, "examples/triton_gelu_matmul.py"], 90,
+                env=env)
+
+  if "full-tests" in stages:
+    xml = os.path.join(args.out, "pytest_full.xml")
+    if args.smoke:
+      selection, workers = ["tests/test_api.py", "tests/test_policy.py"], 2
+    else:
+      selection = ["tests"] + [f"--ignore={f}" for f in GPU_TEST_FILES]
+      workers = 12
+    import importlib.util
+    parallel = (["-n", str(workers)] if importlib.util.find_spec("xdist")
+                else [])
+    session.run("full-tests", [py, "-m", "pytest", "-q", "--maxfail=50",
+                               "-p", "no:cacheprovider", *parallel,
+                               f"--junitxml={xml}", *selection],
+                session.left(), env=test_env)
+    if "full-tests" in session.record["stages"]:
+      session.record["stages"]["full-tests"]["junit"] = junit_summary(xml)
+      session.save()
+
+  session.record["seconds"] = round(time.monotonic() - session.t0, 1)
+  session.save()
+  print("\nsummary:")
+  for name, entry in session.record["stages"].items():
+    junit = entry.get("junit") or {}
+    counts = (f" tests {junit.get('tests')} failures {junit.get('failures')} "
+              f"errors {junit.get('errors')} skipped {junit.get('skipped')}"
+              if junit else "")
+    print(f"  {name:16s} {entry.get('status'):8s} {entry.get('seconds', '-')}"
+          f" s{counts}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
