@@ -5,24 +5,30 @@ session on the GPU machine should do runs from this one script, stage after
 stage, each under its own time limit, and ``session.json`` is rewritten after
 every stage: a run cut off at its limit still leaves what finished.
 
-Stages (``--stages`` picks some, in this order):
+Stages (``--stages`` picks some; they run in this order, the ones the
+issue's "done when" needs first, each under its own limit):
 
 ``env``
     nvidia-smi, Python, jax/jaxlib/triton/jax_triton versions, the devices.
-``gpu-tests``
-    the tests that mean something only on a GPU: the Pallas examples lowered
-    (values and gradients in f32 and bf16 on ragged shapes, launches counted
-    by the profiler), the Triton example, offloading to ``pinned_host``.
+``pallas-tests``
+    the Pallas examples lowered through Triton: values and gradients in f32
+    and bf16 on ragged shapes, launches counted by the profiler.
 ``bench``
     ``benchmarks/gpu_mlp.py`` (step time, compiled memory, largest batch),
     its JSON written as it goes.
+``triton-tests``
+    the jax_triton example's tests (values, gradients, launches).
 ``triton-example``
     ``examples/triton_gelu_matmul.py`` as a user runs it.
+``offload-tests``
+    the tests that offload residuals to ``pinned_host``.
 ``full-tests``
     the whole suite with pytest-xdist, in what time is left.
 
-Files under ``--out`` (at most 8, the device tool's limit): ``session.json``,
-``log.txt``, ``gpu_mlp.json``, ``pytest_gpu.xml``, ``pytest_full.xml``.
+Files under ``--out`` (the device tool brings back at most 8): ``session.json``
+(every stage: command, status, seconds, the end of its output, and for test
+stages the counts and failing tests), ``log.txt`` (all output) and
+``gpu_mlp.json``.
 
 jax-triton is not installed on the GPU machine and it cannot reach a package
 registry: ``tools/gpu_wheels.sh`` downloads the wheel into ``.whl/`` here,
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import platform
@@ -51,12 +58,16 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-STAGES = ("env", "gpu-tests", "bench", "triton-example", "full-tests")
-GPU_TEST_FILES = (
-    "tests/test_pallas_gelu_matmul.py", "tests/test_pallas_rmsnorm_gelu.py",
-    "tests/test_gpu_lowering.py", "tests/test_triton_gelu_matmul.py")
-# Tests elsewhere that touch what only a GPU has (host offloading).
-GPU_TEST_NAMES = "offload or pinned_host"
+STAGES = ("env", "pallas-tests", "bench", "triton-tests", "triton-example",
+          "offload-tests", "full-tests")
+# test stage -> (pytest arguments, seconds)
+TEST_STAGES = {
+    "pallas-tests": (["-k", "gpu", "tests/test_pallas_gelu_matmul.py",
+                      "tests/test_pallas_rmsnorm_gelu.py"], 120),
+    "triton-tests": (["tests/test_triton_gelu_matmul.py"], 150),
+    "offload-tests": (["-k", "offload or pinned_host", "tests/test_contract.py",
+                       "tests/test_shard_map_types.py"], 60),
+}
 ENV_SCRIPT = r"""
 import json, platform, sys
 info = {"python": sys.version.split()[0], "platform": platform.platform()}
@@ -120,6 +131,8 @@ class Session:
       output = e.stdout if isinstance(e.stdout, str) else (
           (e.stdout or b"").decode(errors="replace"))
       rc = "timeout"
+    except OSError as e:      # e.g. no nvidia-smi on this machine
+      output, rc = f"{type(e).__name__}: {e}\n", "not run"
     self.log.write(output)
     entry.update(status="ok" if rc == 0 else "failed", rc=rc,
                  seconds=round(time.monotonic() - t, 1),
@@ -144,6 +157,18 @@ def junit_summary(path):
       failing.append(f"{case.get('classname')}::{case.get('name')}")
   counts["failing"] = failing[:50]
   return counts
+
+
+def bench(session, args, py, env):
+  """``benchmarks/gpu_mlp.py``, told to stop starting work in time."""
+  out_json = os.path.join(args.out, "gpu_mlp.json")
+  argv = [py, "benchmarks/gpu_mlp.py", "--out", out_json]
+  argv += ["--smoke"] if args.smoke else []
+  argv += args.bench_args.split()
+  limit = 300 if not args.smoke else 600
+  if "--deadline" not in args.bench_args:
+    argv += ["--deadline", str(int(max(30, min(limit, session.left()) - 20)))]
+  session.run("bench", argv, limit, env=env)
 
 
 def install_wheels(session):
@@ -187,65 +212,47 @@ def main(argv=None):
   test_env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   py = sys.executable
 
-  if "env" in stages:
-    out = session.run("env", [py, "-c", ENV_SCRIPT], 120, env=env)
-    try:
-      session.record["environment"] = json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-      pass
-    session.run("nvidia-smi", ["nvidia-smi", "--query-gpu=name,memory.total,"
-                               "driver_version,clocks.sm,clocks.max.sm",
-                               "--format=csv"], 20)
-
-  if "gpu-tests" in stages:
-    xml = os.path.join(args.out, "pytest_gpu.xml")
-    files = [f for f in GPU_TEST_FILES if os.path.exists(os.path.join(ROOT, f))]
-    session.run("gpu-tests", [py, "-m", "pytest", "-q", "-rs", "-p",
-                              "no:cacheprovider", f"--junitxml={xml}", *files],
-                150 if not args.smoke else 300, env=test_env)
-    offload_xml = os.path.join(args.out, "pytest_offload.xml")
-    session.run("offload-tests", [py, "-m", "pytest", "-q", "-rs", "-p",
-                                  "no:cacheprovider", "-k", GPU_TEST_NAMES,
-                                  f"--junitxml={offload_xml}",
-                                  "tests/test_contract.py",
-                                  "tests/test_shard_map_types.py"],
-                60 if not args.smoke else 300, env=test_env)
-    session.record["stages"]["gpu-tests"]["junit"] = junit_summary(xml)
-    session.record["stages"]["offload-tests"]["junit"] = junit_summary(
-        offload_xml)
-    session.save()
-
-  if "bench" in stages:
-    out_json = os.path.join(args.out, "gpu_mlp.json")
-    bench = [py, "benchmarks/gpu_mlp.py", "--out", out_json]
-    bench += ["--smoke"] if args.smoke else []
-    bench += args.bench_args.split()
-    limit = 300 if not args.smoke else 600
-    if "--deadline" not in args.bench_args:   # stop starting work in time
-      bench += ["--deadline", str(int(max(30, min(limit, session.left()) - 20)))]
-    session.run("bench", bench, limit, env=env)
-
-  if "triton-example" in stages:
-    session.run("triton-example", [py, "examples/triton_gelu_matmul.py"], 90,
-                env=env)
-
-  if "full-tests" in stages:
-    xml = os.path.join(args.out, "pytest_full.xml")
-    if args.smoke:
-      selection, workers = ["tests/test_api.py", "tests/test_policy.py"], 2
-    else:
-      selection = ["tests"] + [f"--ignore={f}" for f in GPU_TEST_FILES]
-      workers = 12
-    import importlib.util
-    parallel = (["-n", str(workers)] if importlib.util.find_spec("xdist")
-                else [])
-    session.run("full-tests", [py, "-m", "pytest", "-q", "--maxfail=50",
-                               "-p", "no:cacheprovider", *parallel,
-                               f"--junitxml={xml}", *selection],
-                session.left(), env=test_env)
-    if "full-tests" in session.record["stages"]:
-      session.record["stages"]["full-tests"]["junit"] = junit_summary(xml)
+  def pytest_stage(stage, arguments, limit, extra=(), verbosity="-v"):
+    xml = os.path.join(args.out, f"{stage}.xml")
+    session.run(stage, [py, "-m", "pytest", verbosity, "-rs", "-p",
+                        "no:cacheprovider", f"--junitxml={xml}", *extra,
+                        *arguments], limit, env=test_env)
+    if stage in session.record["stages"]:
+      session.record["stages"][stage]["junit"] = junit_summary(xml)
       session.save()
+    if os.path.exists(xml):   # summarized in session.json; keep 8 files
+      os.remove(xml)
+
+  for stage in [s for s in STAGES if s in stages]:
+    if stage in TEST_STAGES:
+      arguments, limit = TEST_STAGES[stage]
+      pytest_stage(stage, arguments, limit if not args.smoke else 300)
+    elif stage == "env":
+      out = session.run("env", [py, "-c", ENV_SCRIPT], 120, env=env)
+      try:
+        session.record["environment"] = json.loads(
+            out.strip().splitlines()[-1])
+      except (ValueError, IndexError):
+        pass
+      session.run("nvidia-smi", ["nvidia-smi", "--query-gpu=name,memory.total,"
+                                 "driver_version,clocks.sm,clocks.max.sm",
+                                 "--format=csv"], 20)
+    elif stage == "bench":
+      bench(session, args, py, env)
+    elif stage == "triton-example":
+      session.run("triton-example", [py, "examples/triton_gelu_matmul.py"],
+                  90, env=env)
+    elif stage == "full-tests":
+      if args.smoke:
+        selection, workers = ["tests/test_api.py", "tests/test_policy.py"], 2
+      else:
+        selection = ["tests"] + [f"--ignore={f}" for f in (
+            "tests/test_pallas_gelu_matmul.py", "tests/test_triton_gelu_matmul.py")]
+        workers = 12
+      parallel = (["-n", str(workers)] if importlib.util.find_spec("xdist")
+                  else [])
+      pytest_stage("full-tests", selection, session.left(),
+                   extra=["--maxfail=50", *parallel], verbosity="-q")
 
   session.record["seconds"] = round(time.monotonic() - session.t0, 1)
   session.save()
