@@ -1,55 +1,124 @@
 """GPU benchmark: Pallas kernels in a checkpointed stack, four implementations.
 
-Two workloads, each an ``L``-layer stack with ``jax.checkpoint`` per layer:
+Two workloads, each a ``jax.lax.scan`` over ``L`` layers with
+``jax.checkpoint`` per layer, differentiated with ``jax.jit(jax.grad(...))``:
 
 * ``gelu_matmul``: ``x <- gelu(x @ w_l)`` (``examples/pallas_gelu_matmul.py``),
-  compute-bound; reported as achieved TFLOP/s of the useful work (forward
-  ``2MKN`` + backward ``4MKN`` per layer, remat recomputation not counted);
+  compute-bound; throughput is TFLOP/s of the useful work (forward ``2MKN`` +
+  backward ``4MKN`` per layer; remat recomputation not counted);
 * ``rmsnorm_gelu``: ``x <- gelu(rmsnorm(x) * gamma_l)``
-  (``examples/pallas_rmsnorm_gelu.py``), memory-bound; reported as GB/s of
+  (``examples/pallas_rmsnorm_gelu.py``), memory-bound; throughput is GB/s of
   the useful traffic (forward reads x, writes z; backward reads x, g, writes
   dx: 5 arrays of ``M x D`` per layer).
 
-Implementations: ``jax.custom_vjp``, ``optimize_remat=True``, smartvjp, and
-smartvjp with the fused ``fwd_bwd``. For each: median step time, throughput
-against the chip's peak, and the compiled step's memory
-(``compiled.memory_analysis()``: temporaries + arguments + outputs; the
-process-wide ``device.memory_stats()`` peak is saved too where available).
-Raw numbers go to a JSON file.
+Implementations, side by side: ``jax.custom_vjp``, ``jax.custom_vjp`` with
+``optimize_remat=True``, smartvjp, and smartvjp with the fused ``fwd_bwd``.
+For each workload, hidden size and implementation:
 
-Run on a GPU:   python benchmarks/gpu_mlp.py --out gpu_mlp.json
-Smoke test:     python benchmarks/gpu_mlp.py --smoke   (tiny shapes, CPU ok)
+* step time: ``--rounds`` interleaved rounds after a warm-up of each; round
+  ``r`` runs every implementation once, in an order rotated by ``r``; each
+  sample is ``inner`` back-to-back steps (chosen so a sample lasts at least
+  ``--min-sample-ms``). Median, min/max, quartiles, and the ratio to
+  ``jax.custom_vjp`` (of the medians, and the median of the per-round ratios);
+* memory of the compiled step, from XLA's ``memory_analysis()``: temporaries,
+  arguments and outputs (each part, and their sum). It is per program and
+  deterministic; the process-wide ``device.memory_stats()`` is recorded once,
+  as context only;
+* largest batch: the largest multiple of ``--granule`` whose compiled step
+  (temp + arguments + outputs) fits in the budget (``bytes_limit`` of the
+  device's ``memory_stats()``, or ``--budget-gib``). Compile-only: lowered
+  from ``jax.ShapeDtypeStruct`` arguments, nothing is allocated or run at that
+  batch. The step compiled for timing gives one point; a line
+  ``memory = a + b * batch`` through the points nearest the budget predicts
+  each next probe (the first from that one point and the batch-independent
+  bytes: parameters in, gradients out), then bisection in granules if the
+  line misses. Each search reports its compiles.
+
+Compiles run in a thread pool (``--compile-workers``; XLA compiles without
+the GIL), lowering stays on the main thread; timing runs only once no compile
+is in flight. The JSON (``--out``) is rewritten after every finished
+measurement (temporary file + rename), so a run cut off keeps what it
+finished; ``--deadline`` stops starting new measurements after that many
+seconds and marks the rest as skipped. ``--from-json`` prints the tables (and
+with ``--markdown`` a table for the README) from a saved file.
+
+Run on a GPU:  python benchmarks/gpu_mlp.py [--hidden 4096 8192] [--deadline 300]
+Smoke test:    python benchmarks/gpu_mlp.py --smoke   (tiny shapes, interpret
+               mode, a 1 MiB budget; CPU ok; JSON to a temporary file)
+Tables only:   python benchmarks/gpu_mlp.py --from-json FILE.json --markdown
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
+import datetime
+import hashlib
+import inspect
 import json
+import math
 import os
+import platform
+import socket
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(1, ROOT)   # smartvjp from this checkout where it is not installed
 import pallas_gelu_matmul as PG  # noqa: E402
 import pallas_rmsnorm_gelu as RG  # noqa: E402
 
+SCHEMA = "smartvjp/gpu_mlp/2"
 IMPLS = ("jax.custom_vjp", "optimize_remat", "smartvjp", "smartvjp+fused")
-# H200 SXM: ~989 TFLOP/s dense bf16, 4.8 TB/s HBM3e (vendor figures)
-PEAK = {"tflops": 989.0, "gbps": 4800.0}
+BASE = IMPLS[0]
+WORKLOADS = ("gelu_matmul", "rmsnorm_gelu")
+UNITS = {"gelu_matmul": "TFLOP/s", "rmsnorm_gelu": "GB/s"}
+# H200 SXM vendor figures (dense bf16, HBM3e), for the fraction-of-peak column
+PEAK = {"TFLOP/s": 989.0, "GB/s": 4800.0}
+DEFAULT_OUT = os.path.join(HERE, "results", "gpu_mlp.json")
+MEMORY_PARTS = (("temp_bytes", "temp_size_in_bytes"),
+                ("argument_bytes", "argument_size_in_bytes"),
+                ("output_bytes", "output_size_in_bytes"),
+                ("alias_bytes", "alias_size_in_bytes"),
+                ("generated_code_bytes", "generated_code_size_in_bytes"),
+                ("xla_peak_bytes", "peak_memory_in_bytes"))
 
 
-def build(workload, impl, interpret, block):
-  fused = impl == "smartvjp+fused"
-  if workload == "gelu_matmul":
-    op, rules = PG.make_gelu_matmul(block_m=block, block_n=block,
-                                    interpret=interpret, fused=fused)
-  else:
-    op, rules = RG.make_rmsnorm_gelu(block_m=block, interpret=interpret,
-                                     fused=fused)
+# -- the programs -----------------------------------------------------------------
+
+def _accepts(fn, name):
+  params = inspect.signature(fn).parameters
+  return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def kernel_options(workload, interpret, block=None, block_k=None):
+  """Keyword arguments for the example's builder: ``block`` is ``block_m`` =
+  ``block_n`` for the matmul and ``block_m`` for RMSNorm (None: the builder's
+  default); ``block_k`` only where the matmul builder takes it."""
+  kw = {"interpret": interpret}
+  if block:
+    kw["block_m"] = block
+    if workload == "gelu_matmul":
+      kw["block_n"] = block
+  if block_k and workload == "gelu_matmul" and _accepts(PG.make_gelu_matmul,
+                                                         "block_k"):
+    kw["block_k"] = block_k
+  return kw
+
+
+def build(workload, impl, interpret, block=None, block_k=None):
+  """One layer ``op(x, p)`` of ``workload`` under implementation ``impl``."""
+  maker = PG.make_gelu_matmul if workload == "gelu_matmul" else RG.make_rmsnorm_gelu
+  op, rules = maker(fused=impl == "smartvjp+fused",
+                    **kernel_options(workload, interpret, block, block_k))
   if impl.startswith("smartvjp"):
     return op
   F = jax.custom_vjp(rules["f"])
@@ -57,7 +126,8 @@ def build(workload, impl, interpret, block):
   return F
 
 
-def stack_grad(op, workload):
+def stack_grad(op, workload=None):
+  """``jit(grad(loss))`` of a scanned stack of checkpointed ``op`` layers."""
   layer = jax.checkpoint(op)
 
   def loss(params, x):
@@ -66,6 +136,15 @@ def stack_grad(op, workload):
     x, _ = jax.lax.scan(body, x, params)
     return jnp.sum(x.astype(jnp.float32) ** 2)
   return jax.jit(jax.grad(loss))
+
+
+def param_shape(workload, layers, d):
+  return (layers, d, d) if workload == "gelu_matmul" else (layers, d)
+
+
+def arg_shapes(workload, layers, m, d, dtype):
+  return (jax.ShapeDtypeStruct(param_shape(workload, layers, d), dtype),
+          jax.ShapeDtypeStruct((m, d), dtype))
 
 
 def make_inputs(workload, layers, m, d, dtype):
@@ -78,22 +157,196 @@ def make_inputs(workload, layers, m, d, dtype):
   return params, x
 
 
-def program_memory(compiled):
-  """Bytes the compiled step needs: temporaries (activations, residuals) plus
-  arguments and outputs, from XLA's ``memory_analysis()`` (deterministic,
-  per program; on a GPU the process-wide ``memory_stats()`` peak is also
-  recorded)."""
+def memory_parts(compiled):
+  """XLA's ``memory_analysis()`` of a compiled step, by part, and ``total_bytes``
+  = temp + arguments + outputs (the figure every comparison here uses)."""
   analysis = compiled.memory_analysis()
   if analysis is None:
     return None
-  return sum(getattr(analysis, a, 0) for a in (
-      "temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes"))
+  parts = {k: int(getattr(analysis, a)) for k, a in MEMORY_PARTS
+           if getattr(analysis, a, None) is not None}
+  parts["total_bytes"] = sum(parts.get(k, 0) for k in (
+      "temp_bytes", "argument_bytes", "output_bytes"))
+  return parts
 
 
-def device_peak(device):
-  stats = getattr(device, "memory_stats", lambda: None)()
-  return (stats or {}).get("peak_bytes_in_use")
+def program_memory(compiled):
+  """temp + argument + output bytes of the compiled step (None if unknown)."""
+  parts = memory_parts(compiled)
+  return None if parts is None else parts["total_bytes"]
 
+
+def time_compiled(compiled, args, repeats):
+  """Median wall time of ``compiled(*args)`` after one warm-up call (used by
+  ``scaling.py``; this script interleaves implementations instead)."""
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def useful_work(workload, layers, m, d, itemsize):
+  """(amount, scale) with amount / seconds / scale in ``UNITS[workload]``."""
+  if workload == "gelu_matmul":
+    return 6 * m * d * d * layers, 1e12     # fwd 2MKN + bwd 4MKN, K = N = d
+  return 5 * m * d * itemsize * layers, 1e9  # x, z forward; x, g, dx backward
+
+
+# -- largest batch ------------------------------------------------------------------
+
+class BatchSearch:
+  """The largest multiple of ``granule`` whose step needs at most ``budget``
+  bytes, over probes ``batch -> bytes`` (assumed to grow with the batch).
+
+  Each probe is the granule below the budget on a line ``a + b * batch``
+  through the two points nearest the answer (one on each side once there
+  are), clamped inside the bracket; with one point only, ``a`` is
+  ``const_bytes`` (bytes that do not depend on the batch). After
+  ``model_probes`` such probes it bisects (doubling while nothing is over).
+  """
+
+  def __init__(self, budget, granule, max_batch, const_bytes=None,
+               model_probes=3):
+    self.budget, self.g = budget, granule
+    self.max_k = max_batch // granule
+    self.const_bytes = const_bytes
+    self.points = {}
+    self.compiles = 0
+    self.model_left = model_probes
+
+  def add(self, batch, total, compiled_here=True):
+    self.points[batch] = total
+    self.compiles += bool(compiled_here)
+
+  def bracket(self):
+    """(lo, hi) in granules: the answer is in ``[lo, hi - 1]``; hi None:
+    nothing probed is over the budget."""
+    g, budget = self.g, self.budget
+    lo = max((b // g for b, v in self.points.items() if v <= budget), default=0)
+    hi = min((-(-b // g) for b, v in self.points.items() if v > budget),
+             default=None)
+    return lo, hi
+
+  def done(self):
+    lo, hi = self.bracket()
+    return lo >= self.max_k or (hi is not None and hi - lo <= 1)
+
+  def answer(self):
+    return min(self.bracket()[0], self.max_k) * self.g
+
+  def model(self):
+    """(a, b) of ``bytes = a + b * batch``, or None."""
+    pts = sorted(self.points.items())
+    below = [p for p in pts if p[1] <= self.budget]
+    above = [p for p in pts if p[1] > self.budget]
+    if below and above:
+      pair = (below[-1], above[0])
+    elif len(pts) >= 2:
+      pair = tuple(pts[-2:]) if below else tuple(pts[:2])
+    elif pts and self.const_bytes is not None:
+      (b0, v0), = pts
+      return float(self.const_bytes), (v0 - self.const_bytes) / b0
+    else:
+      return None
+    (b0, v0), (b1, v1) = pair
+    slope = (v1 - v0) / (b1 - b0)
+    return v0 - slope * b0, slope
+
+  def next_probe(self):
+    lo, hi = self.bracket()
+    top = self.max_k if hi is None else hi - 1
+    k = None
+    if self.model_left > 0:
+      fit = self.model()
+      if fit is not None and fit[1] > 0:
+        self.model_left -= 1
+        k = math.floor((self.budget - fit[0]) / fit[1] / self.g)
+    if k is None:
+      k = (lo + hi) // 2 if hi is not None else max(2 * lo, 1)
+    return min(max(k, lo + 1), top) * self.g
+
+  def summary(self):
+    lo, hi = self.bracket()
+    fit = self.model()
+    return dict(
+        batch=self.answer(), granule=self.g, budget_bytes=self.budget,
+        bytes_at_batch=self.points.get(self.answer()),
+        compiles=self.compiles, bracket=[lo * self.g,
+                                         None if hi is None else hi * self.g],
+        capped=lo >= self.max_k, monotonic=hi is None or lo < hi,
+        fit=None if fit is None else dict(a_bytes=fit[0],
+                                          b_bytes_per_row=fit[1]),
+        probes=[[b, v] for b, v in sorted(self.points.items())])
+
+  def partial(self):
+    """``summary()`` of a search that has not finished: its answer so far is
+    a lower bound, ``batch_at_least``."""
+    summary = self.summary()
+    summary["batch_at_least"] = summary.pop("batch")
+    return summary
+
+
+# -- the results document ------------------------------------------------------------
+
+def now():
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def file_sha256(path):
+  try:
+    with open(path, "rb") as fh:
+      return hashlib.sha256(fh.read()).hexdigest()[:16]
+  except OSError:
+    return None
+
+
+def machine_info():
+  import jaxlib
+  devices = jax.devices()
+  stats = getattr(devices[0], "memory_stats", lambda: None)() or {}
+  return (dict(device_kind=devices[0].device_kind, platform=devices[0].platform,
+               device_count=len(devices), host=socket.gethostname(),
+               cpu_count=os.cpu_count(), bytes_limit=stats.get("bytes_limit")),
+          dict(jax=jax.__version__, jaxlib=jaxlib.__version__,
+               python=platform.python_version()))
+
+
+def save(doc, path):
+  """Writes ``doc`` to ``path`` atomically (temporary file, then rename)."""
+  derive(doc)
+  doc["updated"] = now()
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=".gpu_mlp.", suffix=".tmp", dir=folder)
+  with os.fdopen(fd, "w") as fh:
+    json.dump(doc, fh, indent=1)
+  os.replace(tmp, path)
+
+
+def _ok(section):
+  return isinstance(section, dict) and section.get("status") == "ok"
+
+
+def derive(doc):
+  """Fills in the ratios to ``jax.custom_vjp`` (step time, memory, largest
+  batch) for every record whose baseline is there."""
+  index = {(r["workload"], r["hidden"], r["impl"]): r for r in doc["results"]}
+  for r in doc["results"]:
+    base = index.get((r["workload"], r["hidden"], BASE))
+    for name, field in (("step", "median_s"), ("memory", "total_bytes"),
+                        ("largest_batch", "batch")):
+      mine = r.get(name)
+      if not _ok(mine):
+        continue
+      theirs = base.get(name) if base else None
+      mine["ratio_to_custom_vjp"] = (
+          mine[field] / theirs[field] if _ok(theirs) and theirs[field] else None)
+
+
+# -- tables ------------------------------------------------------------------------
 
 def fmt_bytes(n):
   if n is None:
@@ -104,84 +357,540 @@ def fmt_bytes(n):
   return f"{n} B"
 
 
-def time_compiled(compiled, args, repeats):
-  """Median wall time of ``compiled(*args)`` after one warm-up call."""
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+def memory_unit(doc):
+  """GiB, or MiB where every figure (and the budget) is under 1 GiB."""
+  sizes = [r["memory"]["total_bytes"] for r in doc["results"] if _ok(r.get("memory"))]
+  sizes.append(doc["config"].get("budget_bytes") or 0)
+  return ("GiB", 2**30) if max(sizes) >= 2**30 else ("MiB", 2**20)
 
 
-def run(workload, layers, m, d, dtype, repeats, interpret, block):
-  params, x = make_inputs(workload, layers, m, d, dtype)
-  device = jax.devices()[0]
-  rows = []
-  for impl in IMPLS:
-    fn = stack_grad(build(workload, impl, interpret, block), workload)
-    compiled = fn.lower(params, x).compile()
-    t = time_compiled(compiled, (params, x), repeats)
-    mem = program_memory(compiled)
-    if workload == "gelu_matmul":
-      work = 6 * m * d * d * layers
-      rate = work / t / 1e12
-      unit, peak = "TFLOP/s", PEAK["tflops"]
-    else:
-      work = 5 * m * d * jnp.dtype(dtype).itemsize * layers
-      rate = work / t / 1e9
-      unit, peak = "GB/s", PEAK["gbps"]
-    rows.append(dict(workload=workload, impl=impl, step_s=t, rate=rate,
-                     unit=unit, fraction_of_peak=rate / peak,
-                     program_memory_bytes=mem,
-                     device_peak_bytes=device_peak(device)))
-  return rows
+def _ratio(x):
+  return "" if x is None else f"{x:.3f}x"
+
+
+def _cell(r, name, fmt):
+  s = r.get(name)
+  if not isinstance(s, dict):
+    return "-"
+  if s.get("status") != "ok":
+    return s.get("status", "-")
+  return fmt(s)
+
+
+def row_cells(r, scale):
+  """The printed cells of one record (a section's status where it is not ok)."""
+  ratio = lambda s: _ratio(s.get("ratio_to_custom_vjp"))
+  rate = r.get("throughput") or {}
+  diff = r.get("grad_max_rel_diff")
+  return dict(
+      step=_cell(r, "step", lambda s: f"{s['median_s'] * 1e3:.3f}"),
+      spread=_cell(r, "step", lambda s: f"[{s['min_s'] * 1e3:.3f}-"
+                   f"{s['max_s'] * 1e3:.3f}]"),
+      step_ratio=_cell(r, "step", ratio),
+      rate=_cell(r, "step", lambda s: f"{rate['value']:.2f}"),
+      peak=_cell(r, "step",
+                 lambda s: f"{100 * rate['fraction_of_h200_peak']:.1f}%"),
+      memory=_cell(r, "memory", lambda s: f"{s['total_bytes'] / scale:.3f}"),
+      memory_ratio=_cell(r, "memory", ratio),
+      largest=_cell(r, "largest_batch", lambda s: f"{s['batch']}"),
+      largest_ratio=_cell(r, "largest_batch", ratio),
+      compiles=_cell(r, "largest_batch", lambda s: f"{s['compiles']}"),
+      diff="-" if diff is None else f"{diff:.1e}")
+
+
+def tables(doc):
+  """Human-readable tables, one per workload, with ratios to jax.custom_vjp."""
+  cfg, lines = doc["config"], []
+  m, v = doc["machine"], doc["versions"]
+  unit_m, scale = memory_unit(doc)
+  lines.append(f"jax {v['jax']} (jaxlib {v['jaxlib']}, Python {v['python']}) on "
+               f"{m['device_kind']} x{m['device_count']} ({m['platform']}), "
+               f"host {m['host']}, {m['cpu_count']} CPUs; status {doc['status']}")
+  lines.append(
+      f"{cfg['layers']} checkpointed layers in a scan, batch {cfg['batch']}, "
+      f"{cfg['dtype']}; step: median [min-max] of {cfg['rounds']} interleaved "
+      f"rounds; memory: compiled step temp + args + outputs ({unit_m}); largest "
+      f"batch: under {fmt_bytes(cfg['budget_bytes'])} ({cfg['budget_source']}), "
+      f"granule {cfg['granule']}" + (" (interpret mode)" if cfg["interpret"] else ""))
+  for workload in cfg["workloads"]:
+    unit = UNITS[workload]
+    lines.append(f"\n{workload} ({unit} of the useful work; "
+                 "grad diff: max |g - g_custom_vjp| / max |g_custom_vjp|)")
+    head = (f"{'hidden':>6s} {'implementation':15s} {'step ms':>9s} "
+            f"{'[min-max]':>19s} {'vs jax':>7s} {unit:>8s} {'%H200':>6s} "
+            f"{'mem ' + unit_m:>8s} {'vs jax':>7s} {'max batch':>9s} {'vs jax':>7s} "
+            f"{'compiles':>8s} {'grad diff':>9s}")
+    lines += [head, "-" * len(head)]
+    for r in doc["results"]:
+      if r["workload"] != workload:
+        continue
+      c = row_cells(r, scale)
+      lines.append(
+          f"{r['hidden']:6d} {r['impl']:15s} {c['step']:>9s} {c['spread']:>19s} "
+          f"{c['step_ratio']:>7s} {c['rate']:>8s} {c['peak']:>6s} "
+          f"{c['memory']:>8s} {c['memory_ratio']:>7s} {c['largest']:>9s} "
+          f"{c['largest_ratio']:>7s} {c['compiles']:>8s} {c['diff']:>9s}")
+  if doc.get("skipped"):
+    lines.append(f"\nskipped (deadline): {len(doc['skipped'])} measurements")
+  if doc.get("errors"):
+    lines.append(f"errors: {len(doc['errors'])} (see the JSON)")
+  return "\n".join(lines)
+
+
+def markdown(doc):
+  """The README table: one row per (workload, hidden, implementation)."""
+  cfg, m, v = doc["config"], doc["machine"], doc["versions"]
+  unit_m, scale = memory_unit(doc)
+  out = [f"{m['device_kind']}, jax {v['jax']}; {cfg['layers']} checkpointed "
+         f"layers, batch {cfg['batch']}, {cfg['dtype']}; median [min-max] of "
+         f"{cfg['rounds']} interleaved rounds; largest batch under "
+         f"{fmt_bytes(cfg['budget_bytes'])} by compiled memory (temp + arguments "
+         "+ outputs).", "",
+         "| workload | hidden | implementation | step (ms) | vs `jax.custom_vjp` "
+         f"| throughput | memory ({unit_m}) | vs `jax.custom_vjp` | largest batch "
+         "| vs `jax.custom_vjp` |",
+         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in doc["results"]:
+    c = row_cells(r, scale)
+    rate = f"{c['rate']} {UNITS[r['workload']]}" if _ok(r.get("step")) else c["rate"]
+    out.append(f"| {r['workload']} | {r['hidden']} | `{r['impl']}` | {c['step']} "
+               f"{c['spread']} | {c['step_ratio']} | {rate} | {c['memory']} | "
+               f"{c['memory_ratio']} | {c['largest']} | {c['largest_ratio']} |")
+  return "\n".join(out)
+
+
+# -- the run ------------------------------------------------------------------------
+
+class Bench:
+  def __init__(self, args, cfg, doc, out, t0):
+    self.args, self.cfg, self.doc, self.out, self.t0 = args, cfg, doc, out, t0
+    self.deadline, self.said_late = args.deadline, False
+    self.dtype = jnp.dtype(cfg["dtype"])
+    self.pool = concurrent.futures.ThreadPoolExecutor(cfg["compile_workers"])
+    self.fns = {}
+    self.records = {}
+    for workload in cfg["workloads"]:
+      for hidden in cfg["hiddens"]:
+        for impl in IMPLS:
+          r = dict(workload=workload, hidden=hidden, impl=impl,
+                   memory=dict(status="pending"), step=dict(status="pending"),
+                   largest_batch=dict(status="pending" if cfg["largest_batch"]
+                                      else "not requested"))
+          doc["results"].append(r)
+          self.records[workload, hidden, impl] = r
+
+  # bookkeeping
+  def elapsed(self):
+    return time.perf_counter() - self.t0
+
+  def out_of_time(self):
+    late = self.deadline is not None and self.elapsed() >= self.deadline
+    if late and not self.said_late:
+      self.said_late = True
+      self.log(f"deadline ({self.deadline:g} s) reached: no new measurements")
+    return late
+
+  def log(self, msg):
+    print(f"[{self.elapsed():7.1f}s] {msg}", flush=True)
+
+  def save(self):
+    save(self.doc, self.out)
+
+  def skip(self, key, what):
+    self.records[key][what] = dict(status="skipped", reason="deadline")
+    self.doc["skipped"].append(dict(zip(("workload", "hidden", "impl"), key),
+                                    what=what))
+
+  def fail(self, key, what, err):
+    msg = f"{type(err).__name__}: {err}"[:2000]
+    self.records[key][what] = dict(status="error", error=msg)
+    self.doc["errors"].append(dict(zip(("workload", "hidden", "impl"), key),
+                                   what=what, error=msg))
+    self.log(f"{'/'.join(map(str, key))} {what}: ERROR {msg[:300]}")
+
+  # compiling
+  def lower(self, key, batch):
+    workload, hidden, impl = key
+    if (workload, impl) not in self.fns:
+      block = self.cfg["kernel_block"][workload]
+      self.fns[workload, impl] = stack_grad(build(
+          workload, impl, self.cfg["interpret"], block, self.cfg["block_k"]))
+    return self.fns[workload, impl].lower(*arg_shapes(
+        workload, self.cfg["layers"], batch, hidden, self.dtype))
+
+  def submit(self, key, batch):
+    """Lowers here, compiles in the pool; the future gives (compiled, parts,
+    lower_s, compile_s)."""
+    t = time.perf_counter()
+    lowered = self.lower(key, batch)
+    lower_s = time.perf_counter() - t
+
+    def work():
+      t = time.perf_counter()
+      compiled = lowered.compile()
+      parts = memory_parts(compiled)
+      if parts is None:
+        raise RuntimeError("this backend gives no memory_analysis()")
+      return compiled, parts, lower_s, time.perf_counter() - t
+    return self.pool.submit(work)
+
+  def const_bytes(self, key, parts):
+    """Bytes of the step that do not depend on the batch: parameters in,
+    gradients out (the one-point slope's intercept)."""
+    workload, hidden, _ = key
+    params = math.prod(param_shape(workload, self.cfg["layers"], hidden))
+    return params * self.dtype.itemsize + parts["output_bytes"]
+
+  # phase 1: compile at the timing batch, then time
+  def phase_compile(self):
+    batch, futures = self.cfg["batch"], {}
+    for key in self.records:
+      if self.out_of_time():
+        self.skip(key, "memory")
+        self.skip(key, "step")
+        continue
+      try:
+        futures[self.submit(key, batch)] = key
+      except Exception as e:   # noqa: BLE001 -- recorded, the run goes on
+        self.fail(key, "memory", e)
+        self.records[key]["step"] = dict(status="error", error="did not lower")
+    self.save()
+    compiled = {}
+    for fut in concurrent.futures.as_completed(futures):
+      key = futures[fut]
+      try:
+        exe, parts, lower_s, compile_s = fut.result()
+      except Exception as e:   # noqa: BLE001
+        self.fail(key, "memory", e)
+        self.records[key]["step"] = dict(status="error", error="did not compile")
+        self.save()
+        continue
+      compiled[key] = exe
+      self.records[key]["memory"] = dict(status="ok", batch=batch, **parts)
+      self.records[key]["compile"] = dict(lower_s=lower_s, compile_s=compile_s)
+      self.log(f"compiled {'/'.join(map(str, key))} at batch {batch}: lower "
+               f"{lower_s:.1f} s, compile {compile_s:.1f} s; memory "
+               f"{fmt_bytes(parts['total_bytes'])} (temp "
+               f"{fmt_bytes(parts['temp_bytes'])} + args "
+               f"{fmt_bytes(parts['argument_bytes'])} + out "
+               f"{fmt_bytes(parts['output_bytes'])})")
+      self.save()
+    return compiled
+
+  def phase_time(self, compiled):
+    cfg = self.cfg
+    for workload in cfg["workloads"]:
+      for hidden in cfg["hiddens"]:
+        keys = [(workload, hidden, impl) for impl in IMPLS]
+        ready = [k for k in keys if k in compiled]
+        if not ready:
+          continue
+        if self.out_of_time():
+          for k in ready:
+            self.skip(k, "step")
+          self.save()
+          continue
+        try:
+          self.time_group(workload, hidden, ready, compiled)
+        except Exception as e:   # noqa: BLE001
+          for k in ready:
+            self.fail(k, "step", e)
+        for k in ready:
+          del compiled[k]
+        self.save()
+        print(tables_for(self.doc, workload, hidden), flush=True)
+
+  def time_group(self, workload, hidden, keys, compiled):
+    cfg = self.cfg
+    params, x = make_inputs(workload, cfg["layers"], cfg["batch"], hidden,
+                            self.dtype)
+    fns = {k: compiled[k] for k in keys}
+    grads, warm = {}, {}
+    for k, fn in fns.items():   # warm-up, and one gradient for the check
+      grads[k] = jax.block_until_ready(fn(params, x))
+      for _ in range(max(cfg["warmup"] - 1, 0)):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(params, x))
+        warm[k] = time.perf_counter() - t
+    base_key = (workload, hidden, BASE)
+    if base_key in grads:
+      g0 = grads[base_key].astype(jnp.float32)
+      scale = float(jnp.max(jnp.abs(g0)))
+      for k, g in grads.items():
+        diff = float(jnp.max(jnp.abs(g.astype(jnp.float32) - g0)))
+        self.records[k]["grad_max_rel_diff"] = diff / scale if scale else None
+    del grads
+    shortest = min(warm.values()) if warm else 0.0
+    inner = max(1, math.ceil(cfg["min_sample_s"] / shortest)) if shortest else 1
+    samples = collections.defaultdict(list)
+    order = list(keys)
+    rounds = 0
+    for r in range(cfg["rounds"]):
+      if rounds >= 3 and self.out_of_time():
+        break
+      for k in order[r % len(order):] + order[:r % len(order)]:
+        fn = fns[k]
+        t = time.perf_counter()
+        for _ in range(inner):
+          out = fn(params, x)
+        jax.block_until_ready(out)
+        samples[k].append((time.perf_counter() - t) / inner)
+      rounds += 1
+    work, scale = useful_work(workload, cfg["layers"], cfg["batch"], hidden,
+                              self.dtype.itemsize)
+    unit = UNITS[workload]
+    for k in keys:
+      s = samples[k]
+      q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+      step = dict(status="ok", median_s=statistics.median(s), min_s=min(s),
+                  max_s=max(s), q1_s=q[0], q3_s=q[2], iqr_s=q[2] - q[0],
+                  rounds=rounds, inner=inner, samples_s=s)
+      if base_key in samples:
+        step["paired_ratio_median"] = statistics.median(
+            a / b for a, b in zip(s, samples[base_key]))
+      rate = work / step["median_s"] / scale
+      self.records[k]["step"] = step
+      self.records[k]["throughput"] = dict(
+          value=rate, unit=unit, useful_work=work,
+          fraction_of_h200_peak=rate / PEAK[unit])
+    self.log(f"timed {workload}/{hidden}: {rounds} rounds x {inner} steps")
+
+  # phase 2: largest batch
+  def phase_largest(self):
+    cfg, searches, futures = self.cfg, {}, {}
+    for key, r in self.records.items():
+      if r["largest_batch"]["status"] != "pending":
+        continue
+      mem = r["memory"]
+      if not _ok(mem):
+        r["largest_batch"] = dict(status="skipped", reason=f"no memory at "
+                                  f"batch {cfg['batch']} ({mem['status']})")
+        continue
+      s = BatchSearch(cfg["budget_bytes"], cfg["granule"], cfg["max_batch"],
+                      const_bytes=self.const_bytes(key, mem))
+      s.add(mem["batch"], mem["total_bytes"], compiled_here=False)
+      searches[key] = s
+    self.save()
+
+    def launch(key):
+      s = searches[key]
+      if s.done():
+        return self.finish_search(key, s)
+      if self.out_of_time():
+        self.records[key]["largest_batch"] = dict(status="skipped",
+                                                  reason="deadline", **s.partial())
+        self.doc["skipped"].append(dict(zip(("workload", "hidden", "impl"), key),
+                                        what="largest_batch"))
+        return self.save()
+      batch = s.next_probe()
+      try:
+        futures[self.submit(key, batch)] = (key, batch)
+      except Exception as e:   # noqa: BLE001
+        self.fail(key, "largest_batch", e)
+        self.records[key]["largest_batch"].update(s.partial())
+
+    # searches run in the order of the records, at most one compile each in
+    # flight and workers + 1 at a time: under a deadline the first ones finish
+    waiting = collections.deque(searches)
+
+    def fill():
+      while waiting and len(futures) <= cfg["compile_workers"]:
+        launch(waiting.popleft())
+
+    fill()
+    while futures:
+      done, _ = concurrent.futures.wait(
+          futures, return_when=concurrent.futures.FIRST_COMPLETED)
+      for fut in done:
+        key, batch = futures.pop(fut)
+        s = searches[key]
+        try:
+          _, parts, _, compile_s = fut.result()
+        except Exception as e:   # noqa: BLE001
+          self.fail(key, "largest_batch", e)
+          self.records[key]["largest_batch"].update(s.partial())
+          self.save()
+          fill()
+          continue
+        s.add(batch, parts["total_bytes"])
+        self.log(f"probe {'/'.join(map(str, key))} batch {batch}: "
+                 f"{fmt_bytes(parts['total_bytes'])} "
+                 f"({'fits' if parts['total_bytes'] <= s.budget else 'over'}; "
+                 f"compile {compile_s:.1f} s)")
+        r = self.records[key]["largest_batch"]
+        r.update(status="searching", **s.partial())
+        self.save()
+        launch(key)
+        fill()
+
+  def finish_search(self, key, s):
+    self.records[key]["largest_batch"] = dict(status="ok", **s.summary())
+    self.log(f"largest batch {'/'.join(map(str, key))}: {s.answer()} "
+             f"({s.compiles} compiles)")
+    self.save()
+
+
+def tables_for(doc, workload, hidden):
+  sub = dict(doc, results=[r for r in doc["results"] if r["workload"] == workload
+                           and r["hidden"] == hidden])
+  sub["config"] = dict(doc["config"], workloads=[workload])
+  return tables(sub).split("\n", 2)[2]
+
+
+def parse(argv):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny shapes, Pallas interpret mode, 1 MiB budget (CPU ok)")
+  p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=None)
+  p.add_argument("--hidden", "--width", nargs="+", type=int, default=None,
+                 help="hidden sizes (default: 4096 8192; smoke: 32)")
+  p.add_argument("--layers", type=int, default=None, help="default 8 (smoke 2)")
+  p.add_argument("--batch", type=int, default=None,
+                 help="batch for timing (default 8192; smoke 64)")
+  p.add_argument("--rounds", "--repeats", type=int, default=None,
+                 help="interleaved timing rounds (default 10; smoke 3)")
+  p.add_argument("--warmup", type=int, default=2,
+                 help="warm-up calls of each implementation (default 2)")
+  p.add_argument("--min-sample-ms", type=float, default=None,
+                 help="back-to-back steps per sample so one lasts this long "
+                 "(default 20; smoke 0)")
+  p.add_argument("--block", type=int, default=None,
+                 help="matmul block_m = block_n (default 128; smoke 16; "
+                 "RMSNorm's block_m is passed in smoke mode only)")
+  p.add_argument("--block-k", type=int, default=None,
+                 help="matmul block_k, where the builder takes it (default: "
+                 "the builder's; smoke 16)")
+  p.add_argument("--no-largest-batch", action="store_true")
+  p.add_argument("--budget-gib", type=float, default=None,
+                 help="memory budget for the largest batch (default: the "
+                 "device's bytes_limit; smoke: 1/1024 = 1 MiB)")
+  p.add_argument("--granule", type=int, default=None,
+                 help="largest batch is a multiple of this (default 256; smoke 16)")
+  p.add_argument("--max-batch", type=int, default=2 ** 23)
+  p.add_argument("--compile-workers", type=int,
+                 default=max(1, min(8, (os.cpu_count() or 2) // 2)))
+  p.add_argument("--deadline", type=float, default=None,
+                 help="seconds after start (of main(), backend start-up "
+                 "included) past which no new measurement starts")
+  p.add_argument("--out", default=None,
+                 help=f"JSON (default {os.path.relpath(DEFAULT_OUT)}; smoke: "
+                 "a temporary file)")
+  p.add_argument("--from-json", metavar="PATH",
+                 help="only print the tables from a saved JSON")
+  p.add_argument("--markdown", action="store_true",
+                 help="also print a markdown table (for the README)")
+  return p.parse_args(argv)
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--smoke", action="store_true",
-                 help="tiny shapes, Pallas interpret mode (runs on a CPU)")
-  p.add_argument("--layers", type=int, default=8)
-  p.add_argument("--batch", type=int, default=8192)
-  p.add_argument("--width", type=int, default=4096)
-  p.add_argument("--repeats", type=int, default=10)
-  p.add_argument("--out", default=None, help="write raw results as JSON")
-  args = p.parse_args(argv)
+  """Runs the benchmark (or prints a saved one); returns the JSON document."""
+  t0 = time.perf_counter()   # --deadline counts from here
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse(argv)
+  if args.from_json:
+    with open(args.from_json) as fh:
+      doc = json.load(fh)
+    derive(doc)
+    print(tables(doc))
+    if args.markdown:
+      print("\n" + markdown(doc))
+    return doc
+
   on_gpu = jax.default_backend() == "gpu"
-  if args.smoke:
-    layers, m, d, repeats, block = 2, 64, 32, 2, 16
+  smoke = args.smoke
+  if not (smoke or on_gpu):
+    print("gpu_mlp.py: no GPU here; use --smoke for a CPU run of tiny shapes. "
+          "Exiting.")
+    return None
+  pick = lambda given, full, small: given if given is not None else (
+      small if smoke else full)
+  machine, versions = machine_info()
+  if args.budget_gib is not None:
+    budget, source = int(args.budget_gib * 2**30), "--budget-gib"
+  elif smoke:
+    budget, source = 2**20, "smoke default (1 MiB)"
+  elif machine["bytes_limit"]:
+    budget, source = int(machine["bytes_limit"]), "memory_stats()['bytes_limit']"
+  elif not args.no_largest_batch:
+    print("gpu_mlp.py: the device has no memory_stats()['bytes_limit']; give "
+          "--budget-gib or --no-largest-batch.")
+    return None
   else:
-    if not on_gpu:
-      print("gpu_mlp.py: no GPU here; use --smoke for a CPU run of tiny "
-            "shapes. Exiting.")
-      return []
-    layers, m, d, repeats, block = (args.layers, args.batch, args.width,
-                                    args.repeats, 128)
-  interpret = not on_gpu
-  dtype = jnp.bfloat16
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; "
-        f"{layers} checkpointed layers, x {m}x{d} bf16; median of {repeats}"
-        f"{' (smoke: interpret mode)' if interpret else ''}\n")
-  results = []
-  for workload in ("gelu_matmul", "rmsnorm_gelu"):
-    rows = run(workload, layers, m, d, dtype, repeats, interpret, block)
-    results += rows
-    base = rows[0]["step_s"]
-    print(f"{workload}:")
-    for r in rows:
-      print(f"  {r['impl']:16s} {r['step_s'] * 1e3:9.2f} ms  "
-            f"{r['step_s'] / base:5.3f}x  {r['rate']:9.2f} {r['unit']:8s} "
-            f"({100 * r['fraction_of_peak']:5.1f}% of peak)  program memory "
-            f"{fmt_bytes(r['program_memory_bytes'])}")
-  if args.out:
-    with open(args.out, "w") as fh:
-      json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                     layers=layers, batch=m, width=d, results=results), fh,
-                indent=1)
-  return results
+    budget, source = None, None
+  block = pick(args.block, 128, 16)
+  cfg = dict(
+      workloads=list(args.workload or WORKLOADS),
+      hiddens=list(pick(args.hidden, [4096, 8192], [32])),
+      layers=pick(args.layers, 8, 2), batch=pick(args.batch, 8192, 64),
+      dtype="bfloat16", impls=list(IMPLS), rounds=pick(args.rounds, 10, 3),
+      warmup=max(args.warmup, 1),
+      min_sample_s=pick(args.min_sample_ms, 20.0, 0.0) / 1e3,
+      interpret=not on_gpu, smoke=smoke,
+      kernel_block={"gelu_matmul": block,
+                    "rmsnorm_gelu": block if smoke else None},
+      block_k=pick(args.block_k, None, 16),
+      largest_batch=not args.no_largest_batch, budget_bytes=budget,
+      budget_source=source, granule=pick(args.granule, 256, 16),
+      max_batch=args.max_batch, compile_workers=max(1, args.compile_workers),
+      deadline_s=args.deadline)
+  cfg["kernel_kwargs"] = {
+      w: {k: v for k, v in kernel_options(w, cfg["interpret"],
+                                          cfg["kernel_block"][w],
+                                          cfg["block_k"]).items()
+          if k != "interpret"} for w in cfg["workloads"]}
+  cfg["builders"] = {
+      "gelu_matmul": dict(signature=str(inspect.signature(PG.make_gelu_matmul)),
+                          sha256_16=file_sha256(PG.__file__)),
+      "rmsnorm_gelu": dict(signature=str(inspect.signature(RG.make_rmsnorm_gelu)),
+                           sha256_16=file_sha256(RG.__file__))}
+  if cfg["block_k"] and "block_k" not in cfg["kernel_kwargs"].get("gelu_matmul", {}):
+    cfg["block_k_note"] = "this make_gelu_matmul takes no block_k; not passed"
+  out = args.out or (os.path.join(tempfile.gettempdir(),
+                                  f"gpu_mlp_smoke_{os.getpid()}.json")
+                     if smoke else DEFAULT_OUT)
+  doc = dict(schema=SCHEMA, status="running", started=now(), updated=None,
+             machine=machine, versions=versions, argv=argv, args=vars(args),
+             config=cfg, results=[], skipped=[], errors=[], device_memory_stats=None)
+  print(f"jax {versions['jax']} on {machine['device_kind']} "
+        f"({'interpret mode' if cfg['interpret'] else 'Triton'}); "
+        f"{cfg['layers']} checkpointed layers, batch {cfg['batch']}, hidden "
+        f"{cfg['hiddens']}, {cfg['compile_workers']} compile workers; JSON: {out}",
+        flush=True)
+  bench = Bench(args, cfg, doc, out, t0)
+  try:
+    compiled = bench.phase_compile()
+    bench.phase_time(compiled)
+    del compiled
+    if cfg["largest_batch"]:
+      bench.phase_largest()
+    doc["status"] = "deadline" if doc["skipped"] else "complete"
+  except KeyboardInterrupt:
+    doc["status"] = "interrupted"
+    raise
+  except Exception:
+    doc["status"] = "error"
+    raise
+  finally:
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    doc["device_memory_stats"] = stats   # process-wide; context only
+    doc["elapsed_s"] = bench.elapsed()
+    bench.pool.shutdown(wait=False, cancel_futures=True)
+    save(doc, out)
+  print("\n" + tables(doc))
+  if args.markdown:
+    print("\n" + markdown(doc))
+  print(f"\nJSON: {out}; finished in {bench.elapsed():.1f} s.")
+  return doc
 
 
 if __name__ == "__main__":
-  main()
+  import signal
+
+  def _terminate(signum, frame):   # a timeout's SIGTERM: save, then leave
+    raise KeyboardInterrupt
+  signal.signal(signal.SIGTERM, _terminate)
+  try:
+    main()
+  except KeyboardInterrupt:
+    print("interrupted; the JSON holds every finished measurement", flush=True)
+    os._exit(130)   # compiles still running in the pool would delay exit

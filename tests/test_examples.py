@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -64,13 +65,80 @@ def test_counts_benchmark_smartvjp_column():
       assert cells[counts.REMAT3_SMART] == cells["smartvjp"], row
 
 
-def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path):
+def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
   gpu = load_from("benchmarks", "gpu_mlp")
   out = tmp_path / "smoke.json"
-  rows = gpu.main(["--smoke", "--out", str(out)])
-  assert {r["impl"] for r in rows} == set(gpu.IMPLS)
-  assert all(r["step_s"] > 0 and r["program_memory_bytes"] for r in rows)
-  assert out.exists()
+  gpu.main(["--smoke", "--out", str(out)])
+  doc = json.loads(out.read_text())
+  assert doc["schema"] == gpu.SCHEMA and doc["status"] == "complete"
+  assert {"machine", "versions", "argv", "args", "started", "updated", "config",
+          "results", "skipped", "errors", "device_memory_stats"} <= set(doc)
+  assert {"device_kind", "platform", "device_count", "host",
+          "cpu_count"} <= set(doc["machine"])
+  assert {"jax", "jaxlib", "python"} <= set(doc["versions"])
+  assert doc["argv"] == ["--smoke", "--out", str(out)]
+  assert not doc["skipped"] and not doc["errors"]
+  cfg = doc["config"]
+  assert {(r["workload"], r["hidden"], r["impl"]) for r in doc["results"]} == {
+      (w, h, i) for w in gpu.WORKLOADS for h in cfg["hiddens"] for i in gpu.IMPLS}
+  for r in doc["results"]:
+    step, mem, big = r["step"], r["memory"], r["largest_batch"]
+    assert step["status"] == mem["status"] == big["status"] == "ok", r
+    assert 0 < step["min_s"] <= step["median_s"] <= step["max_s"]
+    assert len(step["samples_s"]) == step["rounds"] == cfg["rounds"]
+    assert r["throughput"]["value"] > 0
+    assert r["throughput"]["unit"] == gpu.UNITS[r["workload"]]
+    assert mem["total_bytes"] == (mem["temp_bytes"] + mem["argument_bytes"]
+                                  + mem["output_bytes"]) > 0
+    # the largest batch: a multiple of the granule that fits, the next one not
+    probes = dict(big["probes"])
+    assert big["batch"] > 0 and big["batch"] % cfg["granule"] == 0
+    assert probes[big["batch"]] <= cfg["budget_bytes"]
+    assert probes[big["batch"] + cfg["granule"]] > cfg["budget_bytes"]
+    assert 1 <= big["compiles"] <= 6
+    for section in (step, mem, big):
+      assert section["ratio_to_custom_vjp"] > 0
+      if r["impl"] == gpu.BASE:
+        assert section["ratio_to_custom_vjp"] == 1.0
+    assert r["grad_max_rel_diff"] < 0.05
+  # the tables again from the file, with the README's markdown table
+  capsys.readouterr()
+  gpu.main(["--from-json", str(out), "--markdown"])
+  printed = capsys.readouterr().out
+  assert "| workload | hidden | implementation |" in printed
+  assert all(f"`{impl}`" in printed for impl in gpu.IMPLS)
+  # past the deadline nothing starts, and the JSON says what was skipped
+  late = tmp_path / "late.json"
+  gpu.main(["--smoke", "--deadline", "0", "--out", str(late)])
+  doc = json.loads(late.read_text())
+  assert doc["status"] == "deadline"
+  assert len(doc["skipped"]) == 2 * len(doc["results"])
+  assert all(r[s]["status"] == "skipped" for r in doc["results"]
+             for s in ("memory", "step", "largest_batch"))
+
+
+def test_gpu_benchmark_batch_search_matches_brute_force():
+  """The largest-batch search against memory curves that are not lines."""
+  gpu = load_from("benchmarks", "gpu_mlp")
+  budget, granule, top = 200_000, 16, 2 ** 16
+  curves = {
+      "linear": lambda b: 1000 + 37 * b,
+      "kink": lambda b: 1000 + 37 * b + (20_000 if b > 3000 else 0),
+      "sublinear": lambda b: 1000 + int(1500 * b ** 0.5),
+      "steps": lambda b: 1000 + 4096 * -(-b // 256),
+      "nothing fits": lambda b: budget + b,
+      "everything fits": lambda b: 5,
+  }
+  for name, memory in curves.items():
+    search = gpu.BatchSearch(budget, granule, top, const_bytes=1000)
+    search.add(64, memory(64), compiled_here=False)
+    while not search.done():
+      batch = search.next_probe()
+      assert batch % granule == 0 and batch not in search.points, name
+      search.add(batch, memory(batch))
+    fits = [b for b in range(granule, top + 1, granule) if memory(b) <= budget]
+    assert search.answer() == max(fits, default=0), name
+    assert search.compiles <= 20, (name, search.compiles)
 
 
 def test_architecture_walkthrough_is_current():
