@@ -163,7 +163,8 @@ def bench(session, args, py, env):
   """``benchmarks/gpu_mlp.py``, told to stop starting work in time."""
   out_json = os.path.join(args.out, "gpu_mlp.json")
   argv = [py, "benchmarks/gpu_mlp.py", "--out", out_json]
-  argv += ["--smoke"] if args.smoke else []
+  argv += ["--smoke"] if args.smoke else ["--compile-workers", "8",
+                                          "--markdown"]
   argv += args.bench_args.split()
   limit = 300 if not args.smoke else 600
   if "--deadline" not in args.bench_args:
