@@ -205,7 +205,8 @@ class BatchSearch:
   through the two points nearest the answer (one on each side once there
   are), clamped inside the bracket; with one point only, ``a`` is
   ``const_bytes`` (bytes that do not depend on the batch). After
-  ``model_probes`` such probes it bisects (doubling while nothing is over).
+  ``model_probes`` such probes it tries the granule above the largest fit
+  once, then bisects (doubling while nothing is over).
   """
 
   def __init__(self, budget, granule, max_batch, const_bytes=None,
@@ -216,6 +217,7 @@ class BatchSearch:
     self.points = {}
     self.compiles = 0
     self.model_left = model_probes
+    self.stepped = False
 
   def add(self, batch, total, compiled_here=True):
     self.points[batch] = total
@@ -265,7 +267,12 @@ class BatchSearch:
         self.model_left -= 1
         k = math.floor((self.budget - fit[0]) / fit[1] / self.g)
     if k is None:
-      k = (lo + hi) // 2 if hi is not None else max(2 * lo, 1)
+      if hi is not None:
+        k = (lo + hi) // 2
+      elif not self.stepped:   # the line was close: try one granule above
+        self.stepped, k = True, lo + 1
+      else:
+        k = max(2 * lo, 1)
     return min(max(k, lo + 1), top) * self.g
 
   def summary(self):
