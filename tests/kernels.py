@@ -201,10 +201,18 @@ def matmul_tanh_rules(extra_unnamed=False):
 
 # -- GPU kernels: launches counted by the profiler ---------------------------
 
+def kernel_name_pattern(name):
+  """Matches ``name`` as a whole word of a kernel's name, allowing a numeric
+  suffix that a compiler may add: ``gelu_matmul_f`` matches
+  ``gelu_matmul_f`` and ``gelu_matmul_f_1``, not ``gelu_matmul_fwd``."""
+  return re.compile(rf"(?<![\w]){re.escape(name)}(?:[._]\d+)?(?![\w])")
+
+
 def gpu_kernel_launches(fn, *args, names):
   """Runs ``fn(*args)`` once to compile and warm up, then once more under
   ``jax.profiler.trace``, and returns ``{name: launches}``: how many GPU
-  kernel executions of that run had ``name`` as a whole word of their name.
+  kernel executions of that run had a name that ``kernel_name_pattern(name)``
+  matches.
 
   A host counter cannot run inside a GPU kernel, and compiled-HLO counts are
   static under ``scan``; the profiler sees each execution. A device plane
@@ -220,8 +228,7 @@ def gpu_kernel_launches(fn, *args, names):
                       recursive=True)
     assert len(paths) == 1, f"expected one profile, found {paths}"
     data = jax.profiler.ProfileData.from_file(paths[0])
-  patterns = {n: re.compile(rf"(?<![\w]){re.escape(n)}(?![\w])")
-              for n in names}
+  patterns = {n: kernel_name_pattern(n) for n in names}
   launches = dict.fromkeys(names, 0)
   for plane in data.planes:
     if "GPU" not in plane.name:

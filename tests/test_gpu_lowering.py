@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import kernels as K
+
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # JAX 0.11 deprecates Pallas' Triton backend (design/limitations.md).
 pytestmark = pytest.mark.filterwarnings(
@@ -126,3 +128,15 @@ def test_tiles_must_be_powers_of_two():
     PG.make_gelu_matmul(block_m=48)
   with pytest.raises(ValueError, match="power of two"):
     RG.make_rmsnorm_gelu(block_m=12)
+
+
+def test_profiler_kernel_names_tell_the_kernels_apart():
+  """The GPU launch counter (``kernels.gpu_kernel_launches``) matches each
+  example's kernel names as whole words: no name counts another's launches."""
+  names = [n for ns in PG.KERNEL_NAMES.values() for n in ns]
+  names += list(RG.KERNEL_NAMES.values())
+  for name in names:
+    pattern = K.kernel_name_pattern(name)
+    assert pattern.search(name) and pattern.search(f"{name}_1")
+    assert pattern.search(f"void {name}(float*)")
+    assert [other for other in names if pattern.search(other)] == [name]
