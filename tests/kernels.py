@@ -199,7 +199,23 @@ def matmul_tanh_rules(extra_unnamed=False):
   return f, fwd, bwd
 
 
-# -- GPU kernels: launches counted by the profiler ---------------------------
+# -- matmul examples (Pallas and Triton): data, loss, launches on a GPU --------
+
+def matmul_data(m, k, n, dtype):
+  """``x: [m, k]`` standard normal and ``w: [k, n]`` scaled by
+  ``1 / sqrt(k)``, in ``dtype``, from a fixed key."""
+  kx, kw = jax.random.split(jax.random.key(3))
+  x = jax.random.normal(kx, (m, k), dtype)
+  w = (jax.random.normal(kw, (k, n)) / np.sqrt(k)).astype(dtype)
+  return x, w
+
+
+def square_loss(F, remat):
+  """``(x, w) -> sum(F(x, w) ** 2)`` in f32, ``F`` checkpointed if ``remat``."""
+  G = jax.checkpoint(F) if remat else F
+  return lambda x, w: jnp.sum(G(x, w).astype(jnp.float32) ** 2)
+
+
 
 def kernel_name_pattern(name):
   """Matches ``name`` as a whole word of a kernel's name, allowing a numeric

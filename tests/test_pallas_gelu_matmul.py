@@ -4,7 +4,6 @@ kernel launches (a callback in each kernel in interpret mode, the profiler
 on a GPU)."""
 
 import importlib.util
-import math
 import os
 
 import jax
@@ -21,16 +20,7 @@ PG = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(PG)
 
 
-def data(m, k, n, dtype):
-  kx, kw = jax.random.split(jax.random.key(3))
-  x = jax.random.normal(kx, (m, k), dtype)
-  w = (jax.random.normal(kw, (k, n)) / math.sqrt(k)).astype(dtype)
-  return x, w
-
-
-def loss(F, remat):
-  G = jax.checkpoint(F) if remat else F
-  return lambda x, w: jnp.sum(G(x, w).astype(jnp.float32) ** 2)
+data, loss = K.matmul_data, K.square_loss
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])

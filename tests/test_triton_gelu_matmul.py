@@ -9,7 +9,6 @@ in Triton's interpreter (``--interpret``) and counts them in the exported
 gradient (``--lower``)."""
 
 import importlib.util
-import math
 import os
 
 import jax
@@ -37,16 +36,7 @@ SMALL = dict(block_m=32, block_n=32, block_k=16, num_warps=4, num_stages=2)
 BENCH = dict()   # make_gelu_matmul's defaults: 128 x 128 x 64, 8 warps, 3 stages
 
 
-def data(m, k, n, dtype):
-  kx, kw = jax.random.split(jax.random.key(3))
-  x = jax.random.normal(kx, (m, k), dtype)
-  w = (jax.random.normal(kw, (k, n)) / math.sqrt(k)).astype(dtype)
-  return x, w
-
-
-def loss(F, remat):
-  G = jax.checkpoint(F) if remat else F
-  return lambda x, w: jnp.sum(G(x, w).astype(jnp.float32) ** 2)
+data, loss = K.matmul_data, K.square_loss
 
 
 def close(got, want, tol):
