@@ -290,17 +290,21 @@ def _rule_jvp(prim, impl, role, primals, tangents, /, **params):
     outs, out_tangents = jax.jvp(
         on_moving, tuple(p for p, m in zip(primals, moving) if m),
         tuple(t for t, m in zip(tangents, moving) if m))
-  except Exception as e:  # noqa: BLE001 - re-raised naming the rule
+  except Exception as e:  # noqa: BLE001 - JAX's error, with a note added
+    # JAX's own exception goes on (its type and message, as with
+    # jax.custom_vjp, which differentiates its rules the same way); the note
+    # names the rule.
     name = call.rules.rule_name(role)
     what = ("differentiation with respect to values it closes over"
             if role == "fun" else "higher-order differentiation")
-    raise TypeError(
-        f"{what} of smart_custom_vjp function "
+    e.add_note(
+        f"smartvjp: {what} of smart_custom_vjp function "
         f"{call.name} needs the derivative of its {role} rule ({name}), "
-        f"which JAX could not differentiate ({type(e).__name__}: {e}). "
-        "Rules that are opaque kernels support one level of reverse mode; "
-        "write the rule in differentiable JAX code, or give it a "
-        "custom_vjp of its own, for higher orders.") from e
+        f"which JAX could not differentiate. Rules that are opaque kernels "
+        "support one level of reverse mode; write the rule in "
+        "differentiable JAX code, or give it a custom_vjp of its own, for "
+        "higher orders.")
+    raise
   return list(outs), list(out_tangents)
 
 
