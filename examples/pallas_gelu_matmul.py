@@ -245,31 +245,39 @@ def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
     bm, bn, bk = _tile(block_m, m), _tile(block_n, n), _tile(bk, k)
     return bm, bn, bk, _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
 
-  def forward(rule, kernel, x, w, out_dtypes):
-    bm, bn, bk, mp, np_, kp = tiles(x, w)
-    xp, wp = _pad(x, mp, kp), _pad(w, kp, np_)
+  def operands(x, w):
+    """``tiles(x, w)`` and ``x``, ``w`` zero-padded to them."""
+    t = tiles(x, w)
+    _, _, _, mp, np_, kp = t
+    return t, _pad(x, mp, kp), _pad(w, kp, np_)
+
+  def tile_kernel(rule, kernel, ops, out_dtypes, *extra):
+    """``kernel`` over the ``M x N`` tiles of ``x @ w`` (``K`` in chunks),
+    with ``extra`` padded ``M x N`` inputs read tile by tile."""
+    (bm, bn, bk, mp, np_, kp), xp, wp = ops
     tile = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
     return call(rule, KERNEL_NAMES[rule][0],
                 functools.partial(kernel, bk=bk), (mp // bm, np_ // bn),
                 [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                 pl.BlockSpec((kp, bn), lambda i, j: (0, j))],
+                 pl.BlockSpec((kp, bn), lambda i, j: (0, j))]
+                + [tile] * len(extra),
                 [tile] * len(out_dtypes),
-                [jax.ShapeDtypeStruct((mp, np_), d) for d in out_dtypes], xp, wp)
+                [jax.ShapeDtypeStruct((mp, np_), d) for d in out_dtypes],
+                xp, wp, *extra)
 
   def f(x, w):
-    [z] = forward("f", _f_kernel, x, w, [x.dtype])
+    [z] = tile_kernel("f", _f_kernel, operands(x, w), [x.dtype])
     return z[:x.shape[0], :w.shape[1]]
 
   def fwd(x, w):
-    z, y = forward("fwd", _fwd_kernel, x, w,
-                   [x.dtype, residual_dtype or x.dtype])
+    z, y = tile_kernel("fwd", _fwd_kernel, operands(x, w),
+                       [x.dtype, residual_dtype or x.dtype])
     return z[:x.shape[0], :w.shape[1]], (x, w, y)   # y stays padded
 
-  def dx_dw(rule, x, w, g, y):
+  def dx_dw(rule, x, w, ops, g, y):
     """``dx, dw`` from ``g`` and ``y`` (``bwd``) or from ``dy`` (``y=None``);
-    ``g`` and ``y`` are padded to the tiles."""
-    bm, bn, bk, mp, np_, kp = tiles(x, w)
-    xp, wp = _pad(x, mp, kp), _pad(w, kp, np_)
+    ``ops`` is ``operands(x, w)``; ``g`` and ``y`` are padded to the tiles."""
+    (bm, bn, bk, mp, np_, kp), xp, wp = ops
     from_y = y is not None
     ys = [y] if from_y else []
     names = KERNEL_NAMES[rule][-2:]
@@ -291,18 +299,14 @@ def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
 
   def bwd(res, g):
     x, w, y = res
-    return dx_dw("bwd", x, w, _pad(g, *y.shape), y)
+    return dx_dw("bwd", x, w, operands(x, w), _pad(g, *y.shape), y)
 
   def fwd_bwd(x, w, g):
-    bm, bn, bk, mp, np_, kp = tiles(x, w)
-    tile = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
-    dy = call("fwd_bwd", KERNEL_NAMES["fwd_bwd"][0],
-              functools.partial(_dy_kernel, bk=bk), (mp // bm, np_ // bn),
-              [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-               pl.BlockSpec((kp, bn), lambda i, j: (0, j)), tile],
-              tile, jax.ShapeDtypeStruct((mp, np_), x.dtype),
-              _pad(x, mp, kp), _pad(w, kp, np_), _pad(g, mp, np_))
-    return dx_dw("fwd_bwd", x, w, dy, None)
+    ops = operands(x, w)            # padded once, for all three kernels
+    _, _, _, mp, np_, _ = ops[0]
+    [dy] = tile_kernel("fwd_bwd", _dy_kernel, ops, [x.dtype],
+                       _pad(g, mp, np_))
+    return dx_dw("fwd_bwd", x, w, ops, dy, None)
 
   gelu_matmul = smart_custom_vjp(f)
   gelu_matmul.defvjp(fwd, bwd, fwd_bwd=fwd_bwd if fused else None)
