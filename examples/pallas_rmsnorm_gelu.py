@@ -109,8 +109,11 @@ def _fwd_bwd_kernel(x_ref, gamma_ref, g_ref, dx_ref, dgamma_ref, *, d, bm):
   dgamma_ref[...] = _row_loop(bm, x_ref.shape[0], step, x_ref.shape[1])
 
 
-KERNEL_NAMES = {"f": "rmsnorm_gelu_f", "fwd": "rmsnorm_gelu_fwd",
-                "bwd": "rmsnorm_gelu_bwd", "fwd_bwd": "rmsnorm_gelu_fwd_bwd"}
+# Kernel names, per rule, as a GPU profiler shows them (``pallas_call``'s
+# ``name``); each rule is one kernel.
+KERNEL_NAMES = {"f": ("rmsnorm_gelu_f",), "fwd": ("rmsnorm_gelu_fwd",),
+                "bwd": ("rmsnorm_gelu_bwd",),
+                "fwd_bwd": ("rmsnorm_gelu_fwd_bwd",)}
 # Elements of x a kernel instance holds at once (block_m rows of the padded
 # width) when block_m is left to make_rmsnorm_gelu: a GPU's registers hold
 # them. The gradient kernels loop over GRAD_ROWS rows per instance, block_m
@@ -144,10 +147,11 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
       rows of 4096 elements and more).
 
   Returns ``(rmsnorm_gelu, rules)``. Rows are zero-padded to a multiple of
-  ``block_m`` and columns to a power of two outside the kernels, so that the
-  kernels never read or write out of bounds (Pallas' Triton lowering does not
-  mask block edges). ``dgamma`` is reduced over row blocks outside the
-  kernels.
+  the rows per kernel instance (``block_m``; ``GRAD_ROWS`` or more for the
+  gradient kernels) and columns to a power of two outside the kernels, so
+  that the kernels never read or write out of bounds (Pallas' Triton
+  lowering does not mask block edges). ``dgamma`` is reduced over kernel
+  instances outside the kernels.
 
   Raises:
     ValueError: ``block_m`` is not a power of two.
@@ -183,12 +187,13 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
         inner(*refs)
     params = None if interpret else pl_triton.CompilerParams(
         num_warps=num_warps or (8 if dp >= 4096 else 4), num_stages=1)
-    return pl.pallas_call(kernel, grid=(mp // rows,),
+    instances = mp // rows
+    return pl.pallas_call(kernel, grid=(instances,),
                           in_specs=in_specs(rows, dp),
                           out_specs=out_specs(rows, dp),
-                          out_shape=out_shapes(mp, dp), interpret=interpret,
-                          compiler_params=params,
-                          name=KERNEL_NAMES[rule])(*in_arrays)
+                          out_shape=out_shapes(mp, dp, instances),
+                          interpret=interpret, compiler_params=params,
+                          name=KERNEL_NAMES[rule][0])(*in_arrays)
 
   def pad(a, x, grad=False):   # a: [M, D] or [M, 1] -> padded like x
     _, _, mp, dp = tiles(x, grad)
@@ -208,7 +213,7 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
     (m, d), dt = x.shape, x.dtype
     z = call("f", _f_kernel, x, (pad(x, x), pad_gamma(gamma, x)),
              lambda bm, dp: [row(bm, dp), whole(dp)],
-             lambda mp, dp: jax.ShapeDtypeStruct((mp, dp), dt),
+             lambda mp, dp, _: jax.ShapeDtypeStruct((mp, dp), dt),
              lambda bm, dp: row(bm, dp))
     return z[:m, :d]
 
@@ -216,7 +221,7 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
     (m, d), dt = x.shape, x.dtype
     z, n, r = call("fwd", _fwd_kernel, x, (pad(x, x), pad_gamma(gamma, x)),
                    lambda bm, dp: [row(bm, dp), whole(dp)],
-                   lambda mp, dp: [jax.ShapeDtypeStruct((mp, dp), dt),
+                   lambda mp, dp, _: [jax.ShapeDtypeStruct((mp, dp), dt),
                                    jax.ShapeDtypeStruct((mp, dp), dt),
                                    jax.ShapeDtypeStruct((mp, 1), jnp.float32)],
                    lambda bm, dp: [row(bm, dp), row(bm, dp), row(bm, 1)])
@@ -226,9 +231,9 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
     (m, d), dt = x.shape, x.dtype
     dx, dgamma = call(
         rule, kernel, x, arrays, specs,
-        lambda mp, dp: [jax.ShapeDtypeStruct((mp, dp), dt),
-                        jax.ShapeDtypeStruct((mp // tiles(x, True)[1], dp),
-                                             jnp.float32)],
+        lambda mp, dp, instances: [
+            jax.ShapeDtypeStruct((mp, dp), dt),
+            jax.ShapeDtypeStruct((instances, dp), jnp.float32)],
         lambda bm, dp: [row(bm, dp), per_block(dp)])
     return dx[:m, :d], jnp.sum(dgamma, axis=0)[:d].astype(gamma.dtype)
 

@@ -258,3 +258,20 @@ def gpu_kernel_launches(fn, *args, names):
     for n in names:
       launches[n] += most[n]
   return launches
+
+
+def per_rule(counts, kernel_names):
+  """``{rule: launches}``, for the rules that launched, from ``{kernel:
+  launches}`` and an example's ``KERNEL_NAMES`` (``{rule: (kernel, ...)}``)."""
+  out = {}
+  for rule, names in kernel_names.items():
+    if n := sum(counts[name] for name in names):
+      out[rule] = n
+  return out
+
+
+def gpu_rule_launches(fn, *args, kernel_names):
+  """``per_rule`` of ``gpu_kernel_launches`` over every kernel that
+  ``kernel_names`` lists."""
+  names = [name for names in kernel_names.values() for name in names]
+  return per_rule(gpu_kernel_launches(fn, *args, names=names), kernel_names)

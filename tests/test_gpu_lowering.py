@@ -63,15 +63,6 @@ def lowered_kernels(fn, *avals):
   return collections.Counter(calls)
 
 
-def per_rule(counts, kernel_names):
-  out = {}
-  for rule, names in kernel_names.items():
-    names = (names,) if isinstance(names, str) else names
-    if n := sum(counts[name] for name in names):
-      out[rule] = n
-  return out
-
-
 def step(F, remat):
   G = jax.checkpoint(F) if remat else F
   return jax.value_and_grad(
@@ -99,7 +90,7 @@ def test_gelu_matmul_lowers_for_h200(dtype, shape, impl, remat, expected):
   m, k, n = shape
   counts = lowered_kernels(step(F, remat), sds((m, k), dtype),
                            sds((k, n), dtype))
-  assert per_rule(counts, PG.KERNEL_NAMES) == expected
+  assert K.per_rule(counts, PG.KERNEL_NAMES) == expected
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
@@ -120,7 +111,7 @@ def test_rmsnorm_gelu_lowers_for_h200(dtype, shape, impl, remat, expected):
   m, d = shape
   counts = lowered_kernels(step(op, remat), sds((m, d), dtype),
                            sds((d,), dtype))
-  assert per_rule(counts, RG.KERNEL_NAMES) == expected
+  assert K.per_rule(counts, RG.KERNEL_NAMES) == expected
 
 
 def test_tiles_must_be_powers_of_two():
@@ -133,8 +124,8 @@ def test_tiles_must_be_powers_of_two():
 def test_profiler_kernel_names_tell_the_kernels_apart():
   """The GPU launch counter (``kernels.gpu_kernel_launches``) matches each
   example's kernel names as whole words: no name counts another's launches."""
-  names = [n for ns in PG.KERNEL_NAMES.values() for n in ns]
-  names += list(RG.KERNEL_NAMES.values())
+  names = [n for example in (PG, RG)
+           for ns in example.KERNEL_NAMES.values() for n in ns]
   for name in names:
     pattern = K.kernel_name_pattern(name)
     assert pattern.search(name) and pattern.search(f"{name}_1")

@@ -90,16 +90,6 @@ def test_gpu_values_and_gradients(dtype, tol, shape, remat, fused):
                                atol=tol * scale)
 
 
-def rule_launches(counts):
-  """``{rule: kernel launches}`` from ``{kernel name: launches}``."""
-  out = {}
-  for rule, names in PG.KERNEL_NAMES.items():
-    n = sum(counts[name] for name in names)
-    if n:
-      out[rule] = n
-  return out
-
-
 @needs_gpu
 @pytest.mark.parametrize("impl,remat,expected", [
     ("jax", True, {"fwd": 2, "bwd": 2}),
@@ -115,8 +105,8 @@ def test_gpu_kernel_launches(impl, remat, expected):
   F = PG.custom_vjp_version(rules) if impl == "jax" else gm
   x, w = data(256, 128, 256, jnp.bfloat16)
   step = jax.jit(jax.value_and_grad(loss(F, remat), (0, 1)))
-  names = [n for ns in PG.KERNEL_NAMES.values() for n in ns]
-  assert rule_launches(K.gpu_kernel_launches(step, x, w, names=names)) == expected
+  assert K.gpu_rule_launches(step, x, w,
+                             kernel_names=PG.KERNEL_NAMES) == expected
 
 
 @needs_gpu
@@ -132,9 +122,8 @@ def test_gpu_kernel_launches_in_a_scan():
       y, _ = jax.lax.scan(lambda h, w: (jax.checkpoint(F)(h, w), None), x, ws)
       return jnp.sum(y.astype(jnp.float32) ** 2)
     return jax.jit(jax.value_and_grad(total, (0, 1)))
-  names = [n for ns in PG.KERNEL_NAMES.values() for n in ns]
-  smart = rule_launches(K.gpu_kernel_launches(stack(gm), x, ws, names=names))
-  plain = rule_launches(K.gpu_kernel_launches(
-      stack(PG.custom_vjp_version(rules)), x, ws, names=names))
+  smart = K.gpu_rule_launches(stack(gm), x, ws, kernel_names=PG.KERNEL_NAMES)
+  plain = K.gpu_rule_launches(stack(PG.custom_vjp_version(rules)), x, ws,
+                              kernel_names=PG.KERNEL_NAMES)
   assert smart == {"f": 4, "fwd": 4, "bwd": 8}
   assert plain == {"fwd": 8, "bwd": 8}
