@@ -468,6 +468,15 @@ def markdown(doc):
 
 # -- the run ------------------------------------------------------------------------
 
+def _fields(key):
+  """``{"workload", "hidden", "impl"}`` of a record's key."""
+  return dict(zip(("workload", "hidden", "impl"), key))
+
+
+def _name(key):
+  return "/".join(map(str, key))
+
+
 class Bench:
   def __init__(self, args, cfg, doc, out, t0):
     self.args, self.cfg, self.doc, self.out, self.t0 = args, cfg, doc, out, t0
@@ -505,15 +514,13 @@ class Bench:
 
   def skip(self, key, what):
     self.records[key][what] = dict(status="skipped", reason="deadline")
-    self.doc["skipped"].append(dict(zip(("workload", "hidden", "impl"), key),
-                                    what=what))
+    self.doc["skipped"].append(dict(_fields(key), what=what))
 
   def fail(self, key, what, err):
     msg = f"{type(err).__name__}: {err}"[:2000]
     self.records[key][what] = dict(status="error", error=msg)
-    self.doc["errors"].append(dict(zip(("workload", "hidden", "impl"), key),
-                                   what=what, error=msg))
-    self.log(f"{'/'.join(map(str, key))} {what}: ERROR {msg[:300]}")
+    self.doc["errors"].append(dict(_fields(key), what=what, error=msg))
+    self.log(f"{_name(key)} {what}: ERROR {msg[:300]}")
 
   # compiling
   def lower(self, key, batch):
@@ -575,7 +582,7 @@ class Bench:
       compiled[key] = exe
       self.records[key]["memory"] = dict(status="ok", batch=batch, **parts)
       self.records[key]["compile"] = dict(lower_s=lower_s, compile_s=compile_s)
-      self.log(f"compiled {'/'.join(map(str, key))} at batch {batch}: lower "
+      self.log(f"compiled {_name(key)} at batch {batch}: lower "
                f"{lower_s:.1f} s, compile {compile_s:.1f} s; memory "
                f"{fmt_bytes(parts['total_bytes'])} (temp "
                f"{fmt_bytes(parts['temp_bytes'])} + args "
@@ -684,10 +691,8 @@ class Bench:
       if s.done():
         return self.finish_search(key, s)
       if self.out_of_time():
-        self.records[key]["largest_batch"] = dict(status="skipped",
-                                                  reason="deadline", **s.partial())
-        self.doc["skipped"].append(dict(zip(("workload", "hidden", "impl"), key),
-                                        what="largest_batch"))
+        self.skip(key, "largest_batch")
+        self.records[key]["largest_batch"].update(s.partial())
         return self.save()
       batch = s.next_probe()
       try:
@@ -720,7 +725,7 @@ class Bench:
           fill()
           continue
         s.add(batch, parts["total_bytes"])
-        self.log(f"probe {'/'.join(map(str, key))} batch {batch}: "
+        self.log(f"probe {_name(key)} batch {batch}: "
                  f"{fmt_bytes(parts['total_bytes'])} "
                  f"({'fits' if parts['total_bytes'] <= s.budget else 'over'}; "
                  f"compile {compile_s:.1f} s)")
@@ -732,7 +737,7 @@ class Bench:
 
   def finish_search(self, key, s):
     self.records[key]["largest_batch"] = dict(status="ok", **s.summary())
-    self.log(f"largest batch {'/'.join(map(str, key))}: {s.answer()} "
+    self.log(f"largest batch {_name(key)}: {s.answer()} "
              f"({s.compiles} compiles)")
     self.save()
 
