@@ -27,7 +27,9 @@ from smartvjp import _compat
 from smartvjp import _jax_api
 from smartvjp._bwd import run_bwd, run_fwd_bwd
 from smartvjp._errors import expect_used_up
-from smartvjp._spec import (check_aliased_refs, check_fwd_output_types,
+from smartvjp._spec import (blame_eager_fwd, check_aliased_refs,
+                            check_f_output_invariance,
+                            check_fwd_output_types,
                             eager_f, eager_fwd, select_outputs)
 from smartvjp._primitives import (
     bind_primal_and_residuals, call_p, eval_scoped, fused_lin_p, fwd_eval,
@@ -96,6 +98,7 @@ def _call_jvp(primals, tangents, *, call):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return outs, expand_tangents(call, [])
   check_aliased_refs(call, primals)
+  check_f_output_invariance(call)
   fwd, fwd_consts = call.fwd_for(in_nz)
   check_fwd_output_types(call, fwd)  # f and fwd may both run (remat)
   outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,
@@ -130,6 +133,7 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
     return (outs, [False] * call.num_outs, [],
             lambda _res, *_t: expand_tangents(call, []))
   check_aliased_refs(call, primals)
+  check_f_output_invariance(call)
   eager = _compat.is_eval_trace() and not any(
       isinstance(p, _compat.Tracer) for p in primals_in)
   if call.rules.fwd is None:  # only fwd_bwd: f now, fwd_bwd in the backward pass
@@ -178,7 +182,11 @@ def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   # bwd runs even when every output cotangent is zero, as with
   # jax.custom_vjp: its result need not depend on them (flax's fp8 scales)
   cts_out = expand_tangents(call, cts)
-  cts_in = run_bwd(call, fwd, _reloaded(args[:n_res], reload), cts_out)
+  try:
+    cts_in = run_bwd(call, fwd, _reloaded(args[:n_res], reload), cts_out)
+  except Exception as e:  # noqa: BLE001 - re-raised unless fwd is at fault
+    blame_eager_fwd(call, e)
+    raise
   return [None] * n_res + _nz_inputs(cts_in, in_nz)
 
 

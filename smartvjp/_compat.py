@@ -119,6 +119,13 @@ is_undefined_primal = _ad.is_undefined_primal
 instantiate_zeros = _ad.instantiate_zeros
 get_aval = _core.typeof
 typecompat = _core.typecompat  # shape, dtype, sharding, varying axes; no weak_type
+
+
+def varying_axes(aval) -> frozenset:
+  """The manual mesh axes (``jax.shard_map`` with ``check_vma=True``) along
+  which values of type ``aval`` vary; empty outside such a ``shard_map``."""
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", ()))
 eval_jaxpr = _core.eval_jaxpr
 unmapped_aval = _core.unmapped_aval
 mapped_aval = _core.mapped_aval

@@ -88,7 +88,7 @@ def _without_saved_outputs(staged, n_out, saved):
   outvars, eqns = list(staged.outvars), list(staged.eqns)
   fillers = 0
   for i in range(n_out):
-    if outvars[i] in saved:
+    if type(outvars[i]) is _compat.Var and outvars[i] in saved:
       aval = outvars[i].aval
       zeros = jax.make_jaxpr(lambda: jnp.zeros(aval.shape, aval.dtype))()
       eqns.extend(zeros.jaxpr.eqns)

@@ -137,8 +137,10 @@ class CallSpec:
   out_avals: tuple
   jaxpr: _compat.ClosedJaxpr | None  # None for linear-only and eager specs
   num_consts: int
-  # eager differentiation (see ``eager_call``): what fwd (or f) returned
+  # eager differentiation (see ``eager_call``): what fwd (or f) returned,
+  # and the concrete primal leaves it ran on
   eager: Any = None
+  eager_primals: tuple = ()
   # a call of which dead-code elimination kept only some outputs (see
   # ``pruned``): the whole call, and which of its outputs this one has
   full: Any = None
@@ -307,7 +309,51 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
     raise EagerClosureError
   return dataclasses.replace(
       call, out_tree=out_tree,
-      out_avals=tuple(_compat.get_aval(x) for x in out_leaves), eager=result)
+      out_avals=tuple(_compat.get_aval(x) for x in out_leaves), eager=result,
+      eager_primals=tuple(primals))
+
+
+def blame_eager_fwd(call: CallSpec, error: Exception) -> None:
+  """On the error path of an eagerly differentiated call (``error`` raised
+  while its ``bwd`` ran): when ``fwd``'s primal output differs from ``f``'s
+  in structure, shape or dtype, the cotangents ``bwd`` received had
+  ``fwd``'s wrong types, so ``fwd`` is named as at fault: a ``TypeError`` or
+  ``ValueError`` is raised again, same type, from ``error``, in words naming
+  ``fwd``, the output path and both types; any other exception gets that
+  text as a note. ``f`` is evaluated abstractly (``jax.eval_shape``), and
+  only here: the happy path never traces it. Returns when they agree."""
+  rules = call.rules
+  if call.eager is None or rules.fwd is None:
+    return
+  try:
+    want = jax.eval_shape(lambda *p: rules.fun(*call.full_args(p)),
+                          *call.eager_primals)
+  except Exception:  # noqa: BLE001 - f itself fails: nothing to compare
+    return
+  leaves, tree = tree_util.tree_flatten(want)
+  if tree != call.out_tree:
+    what = (f"whose pytree structure differs from {rules.name}'s output: "
+            f"{rules.name} gives {tree}, fwd gives {call.out_tree}")
+  else:
+    what = None
+    paths = [tree_util.keystr(p) for p in _leaf_paths(tree)]
+    for path, w, got in zip(paths, leaves, call.out_avals):
+      if (w.shape, w.dtype) != (got.shape, got.dtype):
+        want_type = _compat.ShapedArray(w.shape, w.dtype).str_short()
+        what = (f"that differs from {rules.name}'s at "
+                f"{f'output{path}' if path else 'its output'}: {rules.name} "
+                f"gives {want_type}, fwd gives {got.str_short()}")
+        break
+  if what is None:
+    return
+  blame = rule_error(
+      type(error) if type(error) in (TypeError, ValueError) else TypeError,
+      rules, "fwd",
+      f"returned a primal output {what}; the bwd rule then failed on "
+      f"cotangents of fwd's type ({type(error).__name__}: {error})")
+  if type(error) in (TypeError, ValueError):
+    raise blame from error
+  error.add_note(f"smartvjp: {blame}")
 
 
 def eager_f(call: CallSpec, primals) -> list:
@@ -457,7 +503,76 @@ def check_fwd_output_types(call: CallSpec, fwd: FwdSpec | None) -> None:
         f"fwd gives {got.str_short()}. Under jax.checkpoint f runs in the "
         "forward pass and fwd in the backward pass, so the two must agree "
         "in varying manual axes (shard_map) and sharding too; make f and "
-        "fwd return the same type (for instance with jax.lax.pvary).")
+        "fwd return the same type (for instance with "
+        "jax.lax.pcast(x, axis_names, to='varying')).")
+
+
+def _axis_names_in(value, out: set) -> None:
+  """Collects the strings (axis names of collectives) in equation params,
+  looking into nested tuples and jaxprs."""
+  if isinstance(value, str):
+    out.add(value)
+  elif isinstance(value, (tuple, list, frozenset, set)):
+    for v in value:
+      _axis_names_in(v, out)
+  elif isinstance(value, _compat.ClosedJaxpr) or (
+      hasattr(value, "eqns") and hasattr(value, "outvars")):
+    for eqn in getattr(value, "jaxpr", value).eqns:
+      for v in eqn.params.values():
+        _axis_names_in(v, out)
+
+
+def unjustified_invariance(jaxpr) -> list:
+  """Per output of ``jaxpr``, the manual mesh axes its type is invariant
+  along although the values it is computed from vary along them and no
+  collective over those axes (an equation naming them) made it invariant:
+  what a kernel whose result type carries no varying axes (a
+  ``jax.pure_callback``) declares inside ``jax.shard_map(check_vma=True)``."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  honest = {}
+
+  def get(v):
+    if type(v) is not _compat.Var:
+      return frozenset()
+    return honest.get(v, _compat.varying_axes(v.aval))
+
+  for eqn in jaxpr.eqns:
+    inputs = frozenset().union(*(get(v) for v in eqn.invars))
+    named: set = set()
+    for value in eqn.params.values():
+      _axis_names_in(value, named)
+    for v in eqn.outvars:
+      honest[v] = _compat.varying_axes(v.aval) | (inputs - named)
+  return [get(v) - (_compat.varying_axes(v.aval)
+                    if type(v) is _compat.Var else frozenset())
+          for v in jaxpr.outvars]
+
+
+def check_f_output_invariance(call: CallSpec) -> None:
+  """Raises ``TypeError`` when ``f``'s output type is the one its derivative
+  follows (only ``fwd_bwd`` given: no ``fwd`` gives a type to compare with)
+  and an output claims to be invariant along manual mesh axes its inputs
+  vary along with no collective to make it so. With ``check_vma=True`` the
+  cotangent of such an output is summed over those axes before ``fwd_bwd``
+  sees it, so the gradient would silently be wrong."""
+  if call.rules.fwd is not None or call.jaxpr is None:
+    return
+  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
+  for path, aval, missing in zip(paths, call.out_avals,
+                                 unjustified_invariance(call.jaxpr)):
+    if missing:
+      axes = tuple(sorted(missing))
+      raise rule_error(
+          TypeError, call.rules, "fun",
+          f"returns at output{path} a value of type {aval.str_short()}, "
+          f"invariant along the manual mesh axes {axes} of jax.shard_map, "
+          "although it is computed from arguments that vary along them and "
+          "no collective over those axes produced it (a jax.pure_callback "
+          "result inside shard_map(check_vma=True) is typed this way). Only "
+          "fwd_bwd was given, so the derivative follows f's output type, and "
+          "the cotangent of that output would be summed over those axes: the "
+          "gradient would be wrong. Make f's output varying with "
+          f"jax.lax.pcast(out, {axes!r}, to='varying'), or give fwd and bwd.")
 
 
 def _producers(v, producers) -> tuple:

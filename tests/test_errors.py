@@ -219,3 +219,74 @@ def test_errors_never_come_from_bare_asserts():
     tree = ast.parse(path.read_text())
     found = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
     assert not found, f"{path.name}: assert at lines {found}"
+
+
+# -- eager differentiation: fwd named when its primal output is at fault -------
+
+def _eager_case(kind):
+  """``(F, loss, x)``: ``fwd``'s primal output is ``f``'s with a wrong shape
+  (``kind``: the cotangent reaches a ``bwd`` that multiplies by a residual,
+  or one that returns it as it is)."""
+  calls = {"f": 0}
+
+  def my_f(x):
+    calls["f"] += 1
+    return jnp.sin(x)
+
+  def my_fwd(x):
+    return jnp.sin(x[:2]), jnp.cos(x)
+
+  bwds = {"multiplies": lambda c, g: (c * g,), "returns_g": lambda c, g: (g,)}
+  return my_f, my_fwd, bwds[kind], calls
+
+
+@pytest.mark.parametrize("kind,exc", [("multiplies", TypeError),
+                                      ("returns_g", ValueError)])
+def test_eager_grad_names_fwd_when_its_primal_output_differs(kind, exc):
+  my_f, my_fwd, my_bwd, calls = _eager_case(kind)
+  ref = jax.custom_vjp(my_f)
+  ref.defvjp(my_fwd, my_bwd)
+  F = smart_custom_vjp(my_f)
+  F.defvjp(my_fwd, my_bwd)
+  x = jnp.ones(3)
+  with pytest.raises(exc):   # jax.custom_vjp: the same type, naming no rule
+    jax.grad(lambda x: jnp.sum(ref(x)))(x)
+  with pytest.raises(exc, match=r"the fwd rule my_fwd of smart_custom_vjp "
+                     r"function my_f returned a primal output that differs "
+                     r"from my_f's at its output: my_f gives float32\[3\], "
+                     r"fwd gives float32\[2\]") as info:
+    jax.grad(lambda x: jnp.sum(F(x)))(x)
+  assert info.value.__cause__ is not None   # the original error, chained
+
+
+def test_eager_grad_names_fwd_for_a_structure_difference():
+  def my_f(x):
+    return {"a": jnp.sin(x)}
+
+  def my_fwd(x):
+    return (jnp.sin(x),), jnp.cos(x)
+
+  F = smart_custom_vjp(my_f)
+  F.defvjp(my_fwd, lambda c, g: (c * g["a"],))
+  with pytest.raises(TypeError, match=r"fwd rule my_fwd .* pytree structure "
+                     r"differs from my_f's output"):
+    jax.grad(lambda x: jnp.sum(F(x)[0]))(jnp.ones(3))
+
+
+def test_eager_grad_happy_path_never_traces_f():
+  my_f, _, _, calls = _eager_case("multiplies")
+  F = smart_custom_vjp(my_f)
+  F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+  jax.grad(lambda x: jnp.sum(F(x)))(jnp.ones(3))
+  assert calls["f"] == 0
+
+
+def test_eager_bwd_error_is_untouched_when_fwd_agrees_with_f():
+  F = smart_custom_vjp(lambda x: jnp.sin(x))
+
+  def broken_bwd(c, g):
+    raise ZeroDivisionError("bwd's own bug")
+  F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), broken_bwd)
+  with pytest.raises(ZeroDivisionError, match="bwd's own bug") as info:
+    jax.grad(lambda x: jnp.sum(F(x)))(jnp.ones(3))
+  assert not any("smartvjp" in n for n in getattr(info.value, "__notes__", ()))

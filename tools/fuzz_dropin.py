@@ -440,6 +440,104 @@ def apply(G, x):
     return G(x) + jnp.sum(G(x.reshape(-1)[:2])) + G(x[..., :1] * 2.0)
 ''')
 
+_OPAQUE = {
+    "f": ("K(lambda a, b: np.tanh(a * b), lambda a, b: jnp.tanh(a * b), x, w)",
+          "jnp.tanh(x * w)", "d * w", "d * x"),
+    "fwd": ("jnp.tanh(x * w)",
+            "K(lambda a, b: np.tanh(a * b), lambda a, b: jnp.tanh(a * b), x, w)",
+            "d * w", "d * x"),
+    "bwd": ("jnp.tanh(x * w)", "jnp.tanh(x * w)",
+            "K(lambda a, b: a * b, lambda a, b: a * b, d, w)",
+            "K(lambda a, b: a * b, lambda a, b: a * b, d, x)"),
+}
+for _which, (_f, _fwd, _dx, _dw) in _OPAQUE.items():
+    _src = '''
+@DEC
+def F(x, w):
+    return %s
+def F_fwd(x, w):
+    y = %s
+    return y, (x, w, y)
+def F_bwd(res, g):
+    x, w, y = res
+    d = g * (1.0 - y * y)
+    return %s, %s
+def F_fb(x, w, g):
+    y = jnp.tanh(x * w)
+    d = g * (1.0 - y * y)
+    return %s, %s
+''' % (_f, _fwd, _dx, _dw, _dx, _dw)
+    for _how, _defvjp_line in (("", "DEFVJP(F, F_fwd, F_bwd)"),
+                               ("_with_fb", "DEFVJP(F, F_fwd, F_bwd, fwd_bwd=F_fb)"),
+                               ("_fb_only", "DEFVJP(F, F_fwd, F_bwd, fwd_bwd=F_fb, only_fb=True)")):
+        if _which == "fwd" and _how == "_fb_only":
+            continue   # no fwd to make opaque there
+        RULES["opaque_" + _which + _how] = dict(
+            args=["f", "f"], exact=True,
+            src=_src + _defvjp_line + "\ndef apply(G, x, w):\n    return G(x, w)\n")
+
+
+def extras_rule(rng):
+    """A rule set whose outputs hold constants, forwarded inputs and repeated
+    values in random positions: primal outputs, residuals and cotangents.
+    ``y = sin(x) * w`` (or ``sin(x) * 2`` when w only passes through) is the
+    one computed output; bwd is the exact derivative."""
+    w_in_y = rng.random() < 0.6
+    extras = [rng.choice(["0.0", "jnp.float32(1.5)", "x", "w", "y",
+                          "jnp.ones_like(x)"]) for _ in range(rng.randint(0, 3))]
+    k = rng.randint(0, len(extras))
+    outs = extras[:k] + ["y"] + extras[k:]
+    res = ["c", "s", "w"] + [rng.choice(["0.0", "2", "jnp.float32(1.0)", "x",
+                                         "w", "y", "c"])
+                             for _ in range(rng.randint(0, 3))]
+    rng.shuffle(res)
+    ic, is_, iw = res.index("c"), res.index("s"), res.index("w")
+    y_src = "jnp.sin(x) * w" if w_in_y else "jnp.sin(x) * 2.0"
+    single = len(outs) == 1
+    out_src = "y" if single else "(%s,)" % ", ".join(outs)
+
+    def total(name):
+        return " + ".join("g[%d]" % j for j, o in enumerate(outs) if o == name)
+    gy = total("y")
+    dx = "(%s) * c * %s" % (gy, "w_" if w_in_y else "2.0")
+    if total("x"):
+        dx += " + " + total("x")
+    dw = "(%s) * s" % gy if w_in_y else ""
+    if total("w"):
+        dw = (dw + " + " if dw else "") + total("w")
+    if not dw:
+        dw = rng.choice(["None", "jnp.zeros_like(w_)"])
+    only_fb = rng.random() < 0.25
+    with_fb = only_fb or rng.random() < 0.4
+    src = '''
+@DEC
+def F(x, w):
+    y = %(y)s
+    return %(out)s
+def F_fwd(x, w):
+    y = %(y)s
+    c, s = jnp.cos(x), jnp.sin(x)
+    return %(out)s, (%(res)s,)
+def F_bwd(res, g):
+    g = (g,) if %(single)s else g
+    c, s, w_ = res[%(ic)d], res[%(is_)d], res[%(iw)d]
+    return %(dx)s, %(dw)s
+def F_fb(x, w, g):
+    g = (g,) if %(single)s else g
+    c, s, w_ = jnp.cos(x), jnp.sin(x), w
+    return %(dx)s, %(dw)s
+DEFVJP(F, F_fwd, F_bwd%(fb)s)
+def apply(G, x, w):
+    o = G(x, w)
+    o = (o,) if %(single)s else o
+    return sum(0.5 * jnp.broadcast_to(jnp.asarray(v, x.dtype), x.shape) for v in o)
+''' % dict(y=y_src, out=out_src, res=", ".join(res), single=single, ic=ic,
+           is_=is_, iw=iw, dx=dx, dw=dw,
+           fb=(", fwd_bwd=F_fb, only_fb=True" if only_fb else
+               ", fwd_bwd=F_fb" if with_fb else ""))
+    return dict(args=["f", "f"], exact=True, src=src)
+
+
 POLICIES = [
     "None",
     "jax.checkpoint_policies.nothing_saveable",
@@ -469,6 +567,12 @@ def _defvjp(kind):
             F.defvjp(fwd_bwd=fwd_bwd, symbolic_zeros=symbolic_zeros)
         elif kind == "smart" and fwd_bwd is not None:
             F.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros, fwd_bwd=fwd_bwd)
+        elif kind == "jax" and only_fb:
+            # the schedule smartvjp has with fwd_bwd alone, in jax.custom_vjp's
+            # terms: f forward (the inputs are the residuals), fwd_bwd backward
+            F.defvjp(lambda *a: (F.fun(*a), a),
+                     lambda res, g: fwd_bwd(*res, g),
+                     symbolic_zeros=symbolic_zeros)
         else:
             F.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros)
     return DEFVJP
@@ -486,6 +590,15 @@ def plain_dec(fun=None, nondiff_argnums=()):
 KIND = "smart"   # "jax", "smart" or "plain"
 DEC = {"jax": jax.custom_vjp, "smart": smartvjp.smart_custom_vjp, "plain": plain_dec}[KIND]
 DEFVJP = _defvjp(KIND)
+def K(np_fn, jnp_fn, *args):
+    """An opaque kernel (a host callback, with no derivative and a result
+    type without varying manual axes); the plain program computes jnp_fn."""
+    if KIND == "plain":
+        return jnp_fn(*args)
+    like = jax.ShapeDtypeStruct(jnp.shape(args[0]), jnp.result_type(args[0]))
+    return jax.pure_callback(
+        lambda *a: np.asarray(np_fn(*a), like.dtype), like, *args,
+        vmap_method="sequential")
 '''
 
 
@@ -495,13 +608,16 @@ def _arr_src(a):
     return "np.array(%r, dtype=np.%s)" % (a.tolist(), a.dtype.name)
 
 
-def gen_program(seed, flags):
-    """Return (meta, source).  The source defines ARGS and run()."""
+def gen_program(seed, flags, place="any"):
+    """Return (meta, source).  The source defines ARGS and run().
+
+    ``place="shard_map"`` puts every program inside ``jax.shard_map`` with
+    ``check_vma=True`` (a batch of 4 over 4 devices, ``vmap`` per shard)."""
     import numpy as np
     rng = random.Random(seed)
     nrng = np.random.RandomState(seed)
-    rule = rng.choice(sorted(RULES))
-    spec = RULES[rule]
+    rule = rng.choice(sorted(RULES) + ["extras"] * 4)
+    spec = RULES[rule] if rule != "extras" else extras_rule(rng)
     shape = rng.choice([(3,), (2, 3)])
     kinds = spec["args"]
 
@@ -575,10 +691,14 @@ def gen_program(seed, flags):
             lines.append("h = (lambda h: lambda *xs: jax.vmap(h, in_axes=%r)(%s)"
                          "[0] * 0.5 + 0.0)(h)" % (axes, stk))
     # ---- outer ----------------------------------------------------------
-    outer = rng.choice(["value", "grad", "grad", "vag", "vjp", "vjp", "jvp",
-                        "linearize", "hessian", "gradgrad", "vmap_grad",
-                        "grad_vmap", "shard_map", "shard_map_in", "jacrev",
-                        "gradgrad_ckpt", "grad_aux"])
+    outers = ["value", "grad", "grad", "vag", "vjp", "vjp", "jvp",
+              "linearize", "hessian", "gradgrad", "vmap_grad",
+              "grad_vmap", "shard_map", "shard_map_in", "jacrev",
+              "gradgrad_ckpt", "grad_aux", "hvp", "jacfwd_jacrev", "vmap_hvp"]
+    if place == "shard_map":   # the program is inside one shard_map already
+        outers = [o for o in outers if o not in (
+            "vmap_grad", "grad_vmap", "shard_map", "shard_map_in")]
+    outer = rng.choice(outers)
     argnums = tuple(sorted(rng.sample(float_idx, rng.randint(1, len(float_idx)))))
     allow_int = ""
     if "i" in kinds and rng.random() < 0.2:
@@ -588,8 +708,9 @@ def gen_program(seed, flags):
     lines.append("def loss(*xs):\n    return %s" % lossf)
     batch = ()
     axes = None
-    if outer in ("vmap_grad", "grad_vmap", "shard_map", "shard_map_in"):
-        bsz = 4 if outer.startswith("shard_map") else 2
+    if (outer in ("vmap_grad", "grad_vmap", "shard_map", "shard_map_in")
+            or place == "shard_map"):
+        bsz = 4 if (outer.startswith("shard_map") or place == "shard_map") else 2
         batch = (bsz,)
         axes = tuple(0 if (i == 0 or rng.random() < 0.6) else None for i in range(n))
     args = [mk(k, batch if (axes and axes[i] == 0) else ())
@@ -599,6 +720,15 @@ def gen_program(seed, flags):
         axes = tuple(None if kinds[i] == "p" else ax for i, ax in enumerate(axes))
         args = [mk(k, batch if axes[i] == 0 else ()) if kinds[i] == "p" else a
                 for i, (k, a) in enumerate(zip(kinds, args))]
+    if place == "shard_map":
+        ax = tuple(None if kinds[i] == "p" else a for i, a in enumerate(axes))
+        specs = ", ".join("P('i')" if a == 0 else "P()" for a in ax)
+        tags.append("in_shard_map%r" % (ax,))
+        lines.append(
+            "h = (lambda h: lambda *xs: jax.shard_map(lambda *ys: jax.vmap(h, "
+            "in_axes=%r)(*ys), mesh=jax.sharding.Mesh(np.array(jax.devices()[:4]), "
+            "('i',)), in_specs=(%s,), out_specs=P('i'), check_vma=True)(*xs))(h)"
+            % (ax, specs))
     jit_outer = rng.random() < 0.4
     if outer == "value":
         body = "return h(*xs)"
@@ -628,6 +758,20 @@ def gen_program(seed, flags):
                 "return jax.grad(g, argnums=%d)(*xs)" % (a, b))
     elif outer == "jacrev":
         body = "return jax.jacrev(h, argnums=%r%s)(*xs)" % (argnums, allow_int)
+    elif outer in ("hvp", "vmap_hvp", "jacfwd_jacrev"):
+        a = rng.choice(float_idx)
+        grad_a = ("lambda y: jax.grad(loss, argnums=%d)(*xs[:%d], y, *xs[%d:])"
+                  % (a, a, a + 1))
+        if outer == "hvp":
+            body = ("return jax.jvp(%s, (xs[%d],), (jnp.cos(3.0 * xs[%d]),))"
+                    % (grad_a, a, a))
+        elif outer == "vmap_hvp":
+            body = ("v = jnp.stack([jnp.ones_like(xs[%d]), jnp.cos(xs[%d])])\n    "
+                    "return jax.vmap(lambda t: jax.jvp(%s, (xs[%d],), (t,))[1])(v)"
+                    % (a, a, grad_a, a))
+        else:
+            body = ("return jax.jacfwd(jax.jacrev(lambda y: loss(*xs[:%d], y, "
+                    "*xs[%d:])))(xs[%d])" % (a, a + 1, a))
     elif outer == "gradgrad_ckpt":
         a = rng.choice(float_idx)
         b = rng.choice(float_idx)
@@ -673,7 +817,7 @@ def gen_program(seed, flags):
         src.append("run = jax.jit(run)")
         tags.append("jit_outer")
     meta = dict(seed=seed, rule=rule, shape=list(shape), tags=tags, outer=outer,
-                jit_outer=jit_outer, flags=flags, exact=spec["exact"])
+                jit_outer=jit_outer, flags=flags, exact=spec["exact"], place=place)
     return meta, "\n".join(src) + "\n"
 
 
@@ -732,14 +876,30 @@ def _cmp(ra, rb):
     return None
 
 
-def check(seed, flags):
-    meta, src = gen_program(seed, flags)
+# smartvjp's refusal of a rule whose types cannot be made right (an opaque
+# f's output type inside shard_map(check_vma=True): smartvjp/_spec.py)
+REFUSALS = ("invariant along the manual mesh axes",)
+
+
+def check(seed, flags, place="any"):
+    meta, src = gen_program(seed, flags, place)
     rj = _run_one(src, "jax")
     rs = _run_one(src, "smart")
     res = dict(meta)
     res["jax"] = rj[0] if rj[0] == "ok" else "err:%s:%s" % (rj[1], rj[2])
     res["smart"] = rs[0] if rs[0] == "ok" else "err:%s:%s" % (rs[1], rs[2])
-    if rj[0] == "ok":
+    if rs[0] == "err" and any(r in rs[2] for r in REFUSALS):
+        # smartvjp refuses; that is right only where jax.custom_vjp raises too
+        # or gives a value that differs from the plain function's
+        rp = _run_one(src, "plain")
+        res["plain"] = rp[0] if rp[0] == "ok" else "err:%s:%s" % (rp[1], rp[2])
+        if rj[0] == "err":
+            res["verdict"] = "refused (jax.custom_vjp raises %s)" % rj[1]
+        elif rp[0] == "ok" and _cmp(rj, rp) is not None:
+            res["verdict"] = "refused (jax.custom_vjp differs from plain)"
+        else:
+            res["verdict"] = "DIFF smart refuses, jax.custom_vjp is right"
+    elif rj[0] == "ok":
         d = _cmp(rs, rj)
         res["verdict"] = "same" if d is None else "DIFF vs jax: " + d
     else:
@@ -767,9 +927,9 @@ def _differs(src):
     return not (rs[0] == "err" and rs[1] == rj[1])
 
 
-def minimize(seed, flags):
+def minimize(seed, flags, place="any"):
     """Greedily remove wrapper lines while smartvjp still differs from jax.custom_vjp."""
-    _, src = gen_program(seed, flags)
+    _, src = gen_program(seed, flags, place)
     if not _differs(src):
         return "# seed %d: no discrepancy with jax.custom_vjp here" % seed
     lines = src.split("\n")
@@ -794,16 +954,18 @@ def main():
     p.add_argument("--minutes", type=float, default=1e9)
     p.add_argument("--minimize", type=int, default=None,
                    help="drop wrappers of this seed's program while the discrepancy stays")
+    p.add_argument("--place", choices=("any", "shard_map"), default="any",
+                   help="shard_map: every program inside shard_map(check_vma=True)")
     a = p.parse_args()
     if a.minimize is not None:
         import jax
         if a.flags:
             jax.config.update("jax_remat3", True)
             jax.config.update("jax_custom_vjp3", True)
-        print(minimize(a.minimize, a.flags))
+        print(minimize(a.minimize, a.flags, a.place))
         return
     if a.show is not None:
-        meta, src = gen_program(a.show, a.flags)
+        meta, src = gen_program(a.show, a.flags, a.place)
         print("# " + json.dumps(meta))
         if a.flags:
             print('import jax\njax.config.update("jax_remat3", True)\n'
@@ -822,7 +984,7 @@ def main():
             break
         t0 = time.time()
         try:
-            res = check(seed, a.flags)
+            res = check(seed, a.flags, a.place)
         except Exception:  # harness bug
             res = dict(seed=seed, flags=a.flags, verdict="HARNESS " + traceback.format_exc()[-300:])
         res["secs"] = round(time.time() - t0, 2)
