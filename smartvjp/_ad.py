@@ -29,6 +29,7 @@ from smartvjp._bwd import run_bwd, run_fwd_bwd
 from smartvjp._errors import expect_used_up
 from smartvjp._spec import (blame_eager_fwd, check_aliased_refs,
                             check_f_output_invariance,
+                            check_fwd_output_invariance,
                             check_fwd_output_types,
                             eager_f, eager_fwd, select_outputs)
 from smartvjp._primitives import (
@@ -98,7 +99,6 @@ def _call_jvp(primals, tangents, *, call):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return outs, expand_tangents(call, [])
   check_aliased_refs(call, primals)
-  check_f_output_invariance(call)
   fwd, fwd_consts = call.fwd_for(in_nz)
   check_fwd_output_types(call, fwd)  # f and fwd may both run (remat)
   outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,
@@ -133,7 +133,6 @@ def _call_linearize(is_vjp, nonzeros, *primals_in, call):
     return (outs, [False] * call.num_outs, [],
             lambda _res, *_t: expand_tangents(call, []))
   check_aliased_refs(call, primals)
-  check_f_output_invariance(call)
   eager = _compat.is_eval_trace() and not any(
       isinstance(p, _compat.Tracer) for p in primals_in)
   if call.rules.fwd is None:  # only fwd_bwd: f now, fwd_bwd in the backward pass
@@ -192,6 +191,8 @@ def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
 
 def _fused_lin_transpose(cts, *args, call, in_nz):
   n = call.num_primals
+  if any(type(ct) is not _compat.Zero for ct in cts):
+    check_f_output_invariance(call)   # f's type is the cotangent's here
   cts_out = expand_tangents(call, cts)
   cts_in = run_fwd_bwd(call, args[:n], in_nz, cts_out)
   return [None] * n + _nz_inputs(cts_in, in_nz)
@@ -207,14 +208,22 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
   # inside shard_map, and that cast transposes into a psum
   ct_avals = tangent_avals(out_avals, call.out_nz)
 
+  rule_failed = []
+
   def nz_map(*nz_cts):
-    return [_compat.instantiate_zeros(c) for c in
-            _nz_inputs(cotangent_map(expand_tangents(call, nz_cts)), in_nz)]
+    try:
+      cts = cotangent_map(expand_tangents(call, nz_cts))
+    except Exception as e:  # noqa: BLE001 - the rule's own error, as is
+      rule_failed.append(e)
+      raise
+    return [_compat.instantiate_zeros(c) for c in _nz_inputs(cts, in_nz)]
 
   try:
     transposed = jax.linear_transpose(nz_map, *ct_avals)
     return list(transposed(list(nz_tangents)))
   except Exception as e:  # noqa: BLE001 - re-raised with context below
+    if rule_failed and e is rule_failed[0]:
+      raise   # the rule failed (or returned bad cotangents): its own error
     name = call.rules.rule_name(which)
     raise TypeError(
         f"forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) "
@@ -225,6 +234,7 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
 
 
 def _lin_forward(*args, call, fwd, in_nz, reload):
+  check_fwd_output_invariance(call, fwd)   # the tangent follows fwd's types
   n_res = len(fwd.res_avals)
   res, nz_t = _reloaded(args[:n_res], reload), args[n_res:]
   return _transpose_cotangent_map(
@@ -233,6 +243,7 @@ def _lin_forward(*args, call, fwd, in_nz, reload):
 
 
 def _fused_lin_forward(*args, call, in_nz):
+  check_f_output_invariance(call)   # the tangent follows f's output type
   n = call.num_primals
   primals, nz_t = args[:n], args[n:]
   return _transpose_cotangent_map(

@@ -225,7 +225,7 @@ def linear_only_call(call, in_dims, axis_data):
       in_tree=tree_util.tree_structure(tuple(range(len(in_avals)))),
       in_avals=in_avals,
       out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))),
-      out_avals=out_avals, jaxpr=None, num_consts=0)
+      out_avals=out_avals, jaxpr=None, num_consts=0, origin=call)
   call.batch_cache.put(key, spec)
   return spec
 

@@ -145,6 +145,9 @@ class CallSpec:
   # ``pruned``): the whole call, and which of its outputs this one has
   full: Any = None
   kept: tuple | None = None
+  # a batched spec for the linear primitives (no f of its own): the call it
+  # batches, whose f's output types its derivative follows
+  origin: Any = None
   # traced rules, each valid within one outer trace (see _cache.py)
   fwd_cache: TraceLocalCache = dataclasses.field(default_factory=TraceLocalCache)
   batch_cache: TraceLocalCache = dataclasses.field(
@@ -473,14 +476,18 @@ def _ref_argument(rules, leaf, primals):
 
 
 def fwd_output_type_mismatches(call: CallSpec, fwd: FwdSpec | None) -> list:
-  """``(path, f's type, fwd's type)`` for each primal output whose full type
-  (varying manual axes, sharding, memory space; not weak type) differs
-  between ``f`` and ``fwd``."""
+  """``(path, f's type, fwd's type)`` for each primal output of the same
+  shape and dtype whose full type (varying manual axes, sharding, memory
+  space; not weak type) differs between ``f`` and ``fwd``. (Shapes and
+  dtypes are checked where ``fwd`` is traced; a batched ``fwd`` keeps the
+  unbatched call's types beside its own.)"""
   if fwd is None or not fwd.out_avals:
     return []
   paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
   return [(path, a, b) for path, a, b in
-          zip(paths, call.out_avals, fwd.out_avals) if not _compat.typecompat(a, b)]
+          zip(paths, call.out_avals, fwd.out_avals)
+          if (a.shape, a.dtype) == (b.shape, b.dtype)
+          and not _compat.typecompat(a, b)]
 
 
 def _leaf_paths(tree) -> list:
@@ -548,6 +555,32 @@ def unjustified_invariance(jaxpr) -> list:
           for v in jaxpr.outvars]
 
 
+def check_fwd_output_invariance(call: CallSpec, fwd) -> None:
+  """Raises ``TypeError`` where forward mode follows ``fwd``'s primal output
+  types and an output claims to be invariant along manual mesh axes its
+  inputs vary along with no collective to make it so (an opaque kernel's
+  result): the tangent would be summed over those axes. (Reverse mode follows
+  the same types, as ``jax.custom_vjp`` does, and is left as it.)"""
+  if fwd is None or fwd.jaxpr is None:
+    return
+  outs = fwd.jaxpr.jaxpr.outvars[:call.num_outs]
+  missing = unjustified_invariance(fwd.jaxpr)[:call.num_outs]
+  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
+  for path, v, axes in zip(paths, outs, missing):
+    if axes:
+      axes = tuple(sorted(axes))
+      raise rule_error(
+          TypeError, call.rules, "fwd",
+          f"returns at output{path} a primal output of type "
+          f"{v.aval.str_short()}, invariant along the manual mesh axes "
+          f"{axes} of jax.shard_map, although it is computed from arguments "
+          "that vary along them and no collective over those axes produced "
+          "it (a jax.pure_callback result inside shard_map(check_vma=True) "
+          "is typed this way). Forward-mode differentiation follows that "
+          "type, so the tangent would be summed over those axes. Make the "
+          f"output varying with jax.lax.pcast(out, {axes!r}, to='varying').")
+
+
 def check_f_output_invariance(call: CallSpec) -> None:
   """Raises ``TypeError`` when ``f``'s output type is the one its derivative
   follows (only ``fwd_bwd`` given: no ``fwd`` gives a type to compare with)
@@ -555,6 +588,8 @@ def check_f_output_invariance(call: CallSpec) -> None:
   vary along with no collective to make it so. With ``check_vma=True`` the
   cotangent of such an output is summed over those axes before ``fwd_bwd``
   sees it, so the gradient would silently be wrong."""
+  while call.origin is not None:
+    call = call.origin
   if call.rules.fwd is not None or call.jaxpr is None:
     return
   paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]

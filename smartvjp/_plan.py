@@ -1,0 +1,183 @@
+"""The one decision: where each rule of a differentiated call runs.
+
+Every path that differentiates a ``smart_custom_vjp`` call asks this module:
+the policy-driven partial evaluation of ``jax.checkpoint`` (``_jvp.py``), the
+remat3 rule (``_call.py``), linearization (``jax.grad``/``jax.vjp`` under
+``jit`` or eagerly, ``_call.py``) and the trace-time partial evaluation of
+the rematerialized backward region (``_jvp.py``). Those adapters gather the
+facts (``Facts``) and the remat policy's answers (``Answers``) and carry out
+the ``Plan``; nothing here traces or touches JAX, so the decision is tested
+as a table (``tests/test_plan.py``).
+
+The schedule is the one jax-ml/jax#21303 asks for: under remat the forward
+pass runs ``f`` and only the rematerialized backward region runs ``fwd`` (or
+the fused ``fwd_bwd``), unless the policy saves what ``fwd`` computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable
+
+
+class Answer(enum.Enum):
+  """What a remat policy says about one value."""
+  SAVE = "save"
+  RECOMPUTE = "recompute"
+  OFFLOAD = "offload"
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+  """One policy answer; ``space`` is the memory space of an ``OFFLOAD``."""
+  answer: Answer
+  space: Any = None
+
+
+SAVE = Asked(Answer.SAVE)
+RECOMPUTE = Asked(Answer.RECOMPUTE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+  """What the decision needs to know about one call (none of it a policy's).
+
+  ``num_computed``: residual leaves ``fwd`` computes (not inputs of the call,
+  not Python scalars); ``None`` when ``fwd`` has not been traced (eager
+  differentiation runs it on values instead). ``always_save``: the rules are
+  ``defremat``'s, whose ``fwd`` keeps its residuals whatever the policy
+  says. ``remat_rules``: ``defremat`` rules given beside ``defvjp``'s, usable
+  (their ``fwd`` closes over no traced value) where the policy recomputes.
+  ``splittable``: ``fwd`` is traced JAX code the policy may split equation
+  by equation (no references among the inputs or effects). ``keeps_effects``:
+  ``f`` or ``fwd`` has effects JAX keeps (a debug print), so which of them
+  runs is observable. ``f_matches_fwd``: ``f``'s outputs have ``fwd``'s full
+  types (sharding, varying manual axes), so ``f`` may stand in for a ``fwd``
+  that computes nothing more.
+  """
+  has_fwd: bool
+  has_fwd_bwd: bool
+  num_computed: int | None = 1
+  always_save: bool = False
+  remat_rules: bool = False
+  splittable: bool = True
+  keeps_effects: bool = False
+  f_matches_fwd: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Answers:
+  """The remat policy's answers for one call: ``call`` for the call's own
+  equation, ``residuals`` one per residual ``fwd`` computes (asked for the
+  equation of ``fwd`` producing it, through ``checkpoint_name``), and
+  ``split``: called at most once, the split of ``fwd`` by the policy when
+  one is worth doing (see ``_policy.split_fwd``), else ``None``."""
+  call: Asked
+  residuals: tuple = ()
+  split: Callable[[], Any] = lambda: None
+
+
+class Kind(enum.Enum):
+  FWD = "fwd forward, bwd backward"
+  F_FOR_FWD = "f forward (fwd computes nothing more), bwd backward"
+  RECOMPUTE = "f forward, fwd + bwd (or fwd_bwd) in the backward region"
+  SPLIT = "part of fwd forward, the rest of it rebuilt backward"
+  REMAT_RULES = "the defremat rules instead"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The decision. ``spaces`` (for ``FWD``): one memory space, or ``None``
+  for device memory, per residual ``fwd`` computes; ``split`` (for
+  ``SPLIT``): what ``Answers.split`` returned."""
+  kind: Kind
+  spaces: tuple = ()
+  split: Any = None
+
+  @property
+  def offloads(self) -> bool:
+    return any(s is not None for s in self.spaces)
+
+
+def _fwd_or_f(facts: Facts, spaces: tuple) -> Plan:
+  """``fwd`` forward with its residuals kept, or ``f`` in its place when
+  ``fwd`` computes nothing ``f`` does not and neither has effects."""
+  if (facts.num_computed == 0 and not facts.keeps_effects
+      and facts.f_matches_fwd):
+    return Plan(Kind.F_FOR_FWD)
+  return Plan(Kind.FWD, spaces)
+
+
+def plan(facts: Facts, answers: Answers | None) -> Plan:
+  """Where the rules of one differentiated call run.
+
+  ``answers`` is ``None`` where no remat policy applies (``jax.grad``,
+  ``jax.vjp``, ``jax.linearize``, inside ``jit`` or not): ``fwd`` runs now
+  and ``bwd`` in the transpose, as with ``jax.custom_vjp``; with ``fwd_bwd``
+  alone, ``f`` now and ``fwd_bwd`` in the transpose.
+
+  Under remat (a ``jax.checkpoint`` policy, on JAX's default path or its
+  remat3 path), in this order:
+
+  * only ``fwd_bwd`` given: recompute (``f`` forward, ``fwd_bwd`` backward);
+  * ``defremat`` rules: ``fwd`` forward, residuals kept;
+  * a residual the policy does not save, or the call recomputed when it
+    computes no residual: some value is to be recomputed. Otherwise every
+    residual is kept (offloaded where the policy says);
+  * unless something is offloaded, a JAX-coded ``fwd`` is split by the
+    policy when the split is worth it (saved values and the primal outputs
+    forward, the rest rebuilt backward: primal outputs follow the policy
+    like any other value);
+  * something recomputed and ``defremat`` rules usable: those instead;
+  * everything kept: ``fwd`` forward (``f`` in its place when ``fwd``
+    computes nothing more); else recompute the whole call.
+  """
+  if not facts.has_fwd:
+    return Plan(Kind.RECOMPUTE)
+  if answers is None:
+    return Plan(Kind.FWD, (None,) * (facts.num_computed or 0))
+  if facts.always_save:
+    return _fwd_or_f(facts, (None,) * (facts.num_computed or 0))
+  if facts.num_computed == 0:
+    kept = None if answers.call.answer is Answer.RECOMPUTE else ()
+  elif any(a.answer is Answer.RECOMPUTE for a in answers.residuals):
+    kept = None
+  else:
+    kept = tuple(a.space if a.answer is Answer.OFFLOAD else None
+                 for a in answers.residuals)
+  offloads = kept is not None and any(s is not None for s in kept)
+  if (not offloads and facts.splittable and not facts.remat_rules
+      and facts.num_computed):
+    split = answers.split()
+    if split is not None:
+      return Plan(Kind.SPLIT, split=split)
+  if kept is None and facts.remat_rules:
+    return Plan(Kind.REMAT_RULES)
+  if kept is not None:
+    return _fwd_or_f(facts, kept)
+  return Plan(Kind.RECOMPUTE)
+
+
+def backward_rule(facts: Facts, recomputed: bool) -> str:
+  """Which rule a call's backward side runs: ``"fwd_bwd"`` (the primal
+  inputs in, the cotangents out, nothing kept) when it is the only rule, or
+  when the call is recomputed and it is given; else ``"bwd"``, after
+  ``fwd`` (or after nothing, when ``fwd``'s residuals were kept)."""
+  if not facts.has_fwd or (recomputed and facts.has_fwd_bwd):
+    return "fwd_bwd"
+  return "bwd"
+
+
+def answer_for_chain(call: Asked, chain_answers) -> Asked:
+  """A residual's answer: the call's own, unless it recomputes; then the
+  first answer along the residual's producers (its ``checkpoint_name``
+  equation, then the named value's producer) that does not recompute, or the
+  last one asked. ``chain_answers`` is an iterable, asked lazily."""
+  answer, chain = call, iter(chain_answers)
+  while answer.answer is Answer.RECOMPUTE:
+    asked = next(chain, None)
+    if asked is None:
+      break
+    answer = asked
+  return answer
