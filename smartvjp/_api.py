@@ -16,8 +16,8 @@ from smartvjp import _jax_api
 from smartvjp._errors import rule_error
 from smartvjp._primitives import call_p
 from smartvjp._cache import TraceLocalCache
-from smartvjp._spec import (EagerClosureError, Rules, check_aliased_arguments,
-                            eager_call, trace_call)
+from smartvjp._refs import check_aliased_arguments, check_f_output
+from smartvjp._spec import EagerClosureError, Rules, eager_call, trace_call
 from smartvjp._static import static_key
 
 _CACHE_SIZE = 256
@@ -249,6 +249,10 @@ class smart_custom_vjp:
         when the rule is traced, naming it).
       jax.errors.UnexpectedTracerError: when a tracer is passed at a nondiff
         position (a subclass of ``TypeError``).
+      ValueError: with JAX's mutable array checks on (the default), as
+        ``jax.custom_vjp``: when one mutable array is passed through two
+        differentiable arguments (naming both), or when ``f`` returns a
+        mutable array reference (see ``_refs.py``).
     """
     rules = self._rules
     if rules is None:
@@ -262,10 +266,16 @@ class smart_custom_vjp:
     dyn = tuple(a for i, a in enumerate(args) if i not in self.nondiff_argnums)
     leaves, in_tree = tree_util.tree_flatten(dyn)
     avals = tuple(_aval(rules, dyn, i, x) for i, x in enumerate(leaves))
-    if _compat.ALIASED_REFS_CHECKED_AT_CALL:  # references: as jax.custom_vjp
-      check_aliased_arguments(rules, "fun", in_tree, leaves)
-    if _compat.is_eval_trace() and not any(isinstance(x, _compat.Tracer) for x in leaves):
-      return self.fun(*args)  # plain eager evaluation, as jax.custom_vjp
+    plain = _compat.is_eval_trace() and not any(
+        isinstance(x, _compat.Tracer) for x in leaves)
+    # references, as jax.custom_vjp checks them: aliasing at every call (jax
+    # 0.12) or where f or fwd runs on the arguments themselves (before)
+    if _compat.ALIASED_REFS_CHECKED_AT_CALL or plain:
+      check_aliased_arguments(rules, "fun", len(args), in_tree, leaves)
+    if plain:   # plain eager evaluation, as jax.custom_vjp
+      out = self.fun(*args)
+      check_f_output(rules, out)
+      return out
     eager = _compat.eager_linearize_inputs(leaves)
     if eager is not None:   # eager grad/vjp: fwd on concrete values, f untraced
       parent, primals, nonzero = eager

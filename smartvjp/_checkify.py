@@ -12,9 +12,11 @@ interprets that code the same way:
   carries the updated error) and whose ``fwd``/``bwd``/``fwd_bwd`` are the
   user's rules around it, so the result stays differentiable with the same
   rules. As ``jax.custom_vjp`` does, ``fwd`` is not checked there: where
-  ``fwd`` runs in place of ``f``, the error that comes out is the one that
-  went in (and a check in ``fwd`` or ``bwd`` of a call that is differentiated
-  after ``checkify`` raises when it runs, as with ``jax.custom_vjp``).
+  the call is differentiated after ``checkify`` (``jax.vjp`` of a checkified
+  function, eager or under ``jit``), the error that comes out is the one
+  that went in, with none of ``f``'s checks added (``err._metadata`` as
+  ``jax.custom_vjp`` leaves it), and a check in ``fwd`` or ``bwd`` raises
+  when it runs, as with ``jax.custom_vjp``.
 * ``smartvjp_fwd`` and ``smartvjp_bwd`` (``fwd``, ``bwd``, ``fwd_bwd``, as
   they appear in ``checkify(jax.grad(...))``, where ``jax.custom_vjp`` has
   inlined them) run their traced rule checked, as a ``smartvjp_bwd``
@@ -128,6 +130,12 @@ def _call_checkify(ctx, error, enabled, *args, call):
   new_call, consts = trace_call(rules, (), len(leaves), in_tree, avals)
   outs = call_p.bind(*consts, *leaves, call=new_call)
   n_out_err = store["tree"].num_leaves
+  if store.get("fwd_ran"):
+    # differentiated after checkify (jax.vjp of a checkified function): the
+    # call's rule is fwd, which adds no checks, so the error that comes out
+    # is the one that went in, as jax.custom_vjp's checkify rule returns it
+    # (f's checks are not added, not even as checks that never fire)
+    return error, list(outs[n_out_err:])
   return (tree_util.tree_unflatten(store["tree"], outs[:n_out_err]),
           list(outs[n_out_err:]))
 
@@ -149,6 +157,7 @@ def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
     return [*err_leaves, *outs]
 
   def fwd(*leaves):
+    store["fwd_ran"] = True   # traced or run for this call: it is its rule
     in_err = tree_util.tree_unflatten(err_tree,
                                       [_value(e) for e in leaves[:n_err]])
     out, res = user.fwd(*call.full_args(leaves[n_err:]))

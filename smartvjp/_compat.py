@@ -51,7 +51,7 @@ _REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jax._src.debugging", ("DebugEffect",)),
     ("jax._src.ad_checkpoint", ("name_p",)),
     ("jax._src.checkify", ("error_checks", "checkify_jaxpr_flat", "Error")),
-    ("jax._src.state.types", ("AbstractRef",)),
+    ("jax._src.state.types", ("AbstractRef", "ReadEffect")),
     ("jax._src.state.discharge", ("discharge_state", "register_discharge_rule")),
     ("jax._src.ad_util", ("Zero", "SymbolicZero")),
     ("jax._src.dtypes", ("float0",)),
@@ -587,6 +587,7 @@ def widen_error(error, effects):
 # -- mutable array references -------------------------------------------------
 
 from jax._src.state.types import AbstractRef as _AbstractRef  # noqa: E402
+from jax._src.state.types import ReadEffect as _ReadEffect  # noqa: E402
 
 
 def is_ref(x) -> bool:
@@ -611,11 +612,21 @@ _EFFECTS_NAME_VARS = hasattr(_core, "positional_effects")
 
 def positional_effects(jaxpr) -> set:
   """The effects of a traced rule (no constants of its own) as its
-  primitive's abstract evaluation returns them."""
+  primitive's abstract evaluation returns them.
+
+  A reference the rule receives but neither reads nor writes counts as read:
+  an equation that takes a reference must have an effect on it, or jit,
+  meeting it as a constant (a reference the jitted function closes over),
+  would lower it as a constant instead of discharging it."""
   jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
   if _EFFECTS_NAME_VARS:
-    return _core.positional_effects(jaxpr)
-  return set(jaxpr.effects)
+    effs = set(_core.positional_effects(jaxpr))
+  else:
+    effs = set(jaxpr.effects)
+  touched = {_input_position(e) for e in effs
+             if isinstance(e, _effects.JaxprInputEffect)}
+  return effs | {_ReadEffect(i) for i, v in enumerate(jaxpr.invars)
+                 if is_ref_aval(v.aval) and i not in touched}
 
 
 def eqn_effects(jaxpr, invars) -> set:
@@ -690,11 +701,17 @@ def effects_keep_alive(effects) -> bool:
   return any(not _pe.dceable_effects.contains(e) for e in effects)
 
 
+def mutable_array_checks_enabled() -> bool:
+  """Whether JAX's mutable array checks (``jax_mutable_array_checks``) are
+  on: then ``jax.custom_vjp`` refuses references it cannot differentiate."""
+  return _config.mutable_array_checks.value
+
+
 def aliased_refs(leaves):
   """Pairs ``(i, j)``, ``i < j``, of positions in ``leaves`` holding
   references to the same mutable array, when JAX's mutable array checks are
   on (``jax_mutable_array_checks``); empty otherwise."""
-  if not _config.mutable_array_checks.value:
+  if not mutable_array_checks_enabled():
     return []
   first, pairs = {}, []
   for j, x in enumerate(leaves):

@@ -411,9 +411,30 @@ def _discharged(jaxpr, should, args, prefix=0):
   return [next(it) if d else None for d in should], list(outs[:n])
 
 
+def discharged_on(jaxpr, should, args, positions):
+  """:func:`_discharged` for a rule that reads only ``args[i]`` for ``i`` in
+  ``positions`` (a primitive whose inputs also feed another rule): final
+  reference values at those positions, ``None`` elsewhere."""
+  sub_new, outs = _discharged(jaxpr, [should[i] for i in positions],
+                              [args[i] for i in positions])
+  new_args = [None] * len(args)
+  for i, v in zip(positions, sub_new):
+    new_args[i] = v
+  return new_args, outs
+
+
 def _call_discharge(should, *args, call):
   with jax.named_scope(f"smartvjp/{call.name}/f"):
     return _discharged(call.jaxpr, should, args)
+
+
+def _primal_discharge(should, *args, call, fwd):
+  """``f`` on its own inputs (``fwd``'s constants are not read): ``f`` may
+  create and free references of its own (``jax.new_ref`` inside ``f``)."""
+  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
+  with jax.named_scope(f"smartvjp/{call.name}/f"):
+    return discharged_on(call.jaxpr, should, args,
+                         [*range(n1), *range(n2, len(args))])
 
 
 def _fwd_discharge(should, *args, call, fwd, offload):

@@ -42,8 +42,8 @@ from smartvjp._batching import (
 from smartvjp._jax_api import remat_call
 from smartvjp._policy import plan_split
 from smartvjp._primitives import (
-    bind_primal, bwd_eval, bwd_p, call_p, eval_scoped, fwd_p, jvp_p,
-    uses_references)
+    bind_primal, bwd_eval, bwd_p, call_p, discharged_on, eval_scoped, fwd_p,
+    jvp_p, uses_references)
 from smartvjp._spec import check_fwd_output_types, select_outputs
 
 rem_p = _compat.new_primitive("smartvjp_rem")
@@ -287,6 +287,20 @@ def _rem_jvp(primals, tangents, *, call, fwd, remat):
   outs = jvp_p.bind(*f_consts, *fwd_consts, *args, *nz_t, call=call, fwd=fwd,
                     in_nz=in_nz, remat=remat)
   return outs[:call.num_outs], expand_tangents(call, outs[call.num_outs:])
+
+
+def _rem_discharge(should, *args, call, fwd, remat):
+  """:func:`_rem_eval` with the rule's references discharged (``f`` or
+  ``fwd`` creating references of their own)."""
+  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
+  if _uses_f(call, fwd, remat):
+    with jax.named_scope(f"smartvjp/{call.name}/f"):
+      return discharged_on(call.jaxpr, should, args,
+                           [*range(n1), *range(n2, len(args))])
+  with jax.named_scope(f"smartvjp/{call.name}/fwd"):
+    new_args, outs = discharged_on(fwd.jaxpr, should, args,
+                                   list(range(n1, len(args))))
+  return new_args, outs[:call.num_outs]
 
 
 def _rem_dce(used_outputs, eqn):

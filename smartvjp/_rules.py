@@ -33,7 +33,7 @@ register_rules(
     lowering=P.primal_eval,
     jvp=_ad._primal_jvp,
     dce=P._dce_whole, batching=_batching._primal_batch, pp=P._pp_rule,
-    checkify=_checkify._primal_checkify)
+    checkify=_checkify._primal_checkify, discharge=P._primal_discharge)
 
 # smartvjp_fwd: evaluates fwd (primal outputs and the residuals that are not
 # inputs).
@@ -106,5 +106,5 @@ register_rules(
     impl=_remat3._rem_eval, abstract_eval=_remat3._rem_abstract_eval,
     lowering=_remat3._rem_eval,
     jvp=_remat3._rem_jvp, dce=_remat3._rem_dce, pp=_remat3._rem_pp,
-    batching=_remat3._rem_batch,
+    batching=_remat3._rem_batch, discharge=_remat3._rem_discharge,
     remat3=_remat3._rem_remat3)

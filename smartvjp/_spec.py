@@ -19,6 +19,8 @@ from smartvjp import _compat
 from smartvjp._cache import TraceLocalCache
 from smartvjp._errors import (
     check_jax_leaves, describe_tree, expect_used_up, rule_error)
+from smartvjp._refs import (
+    argument_position, check_aliased_refs, check_f_output, check_fwd_output)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -244,6 +246,7 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
     out = rules.fun(*args)
     leaves, tree = tree_util.tree_flatten(out)
     check_jax_leaves(out, rules, "fun", "output")
+    check_f_output(rules, out)
     store["out_tree"] = tree
     return leaves
 
@@ -272,6 +275,7 @@ def _call_fwd(call: CallSpec, in_nz, primals, pair=None):
         "must return a pair (primal_output, residuals), "
         f"but returned {describe_tree(pair)}.")
   primal_out, res = pair
+  check_fwd_output(rules, primal_out, res, primals)
   _check_primal_out(call, primal_out)
   check_jax_leaves(res, rules, "fwd", "residuals")
   res_leaves, res_tree = tree_util.tree_flatten(res)
@@ -298,6 +302,7 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
     with jax.named_scope(f"smartvjp/{call.name}/f"):
       out = rules.fun(*call.full_args(primals))
     check_jax_leaves(out, rules, "fun", "output")
+    check_f_output(rules, out)
     out_leaves, out_tree = tree_util.tree_flatten(out)
     result = (in_nz, out_leaves, list(primals), None)
   else:
@@ -362,7 +367,9 @@ def blame_eager_fwd(call: CallSpec, error: Exception) -> None:
 def eager_f(call: CallSpec, primals) -> list:
   """``f`` called on concrete values (flat outputs)."""
   with jax.named_scope(f"smartvjp/{call.name}/f"):
-    return tree_util.tree_leaves(call.rules.fun(*call.full_args(primals)))
+    out = call.rules.fun(*call.full_args(primals))
+  check_f_output(call.rules, out)
+  return tree_util.tree_leaves(out)
 
 
 def eager_fwd(call: CallSpec, in_nz, primals, pair=None):
@@ -393,7 +400,8 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
                        for r in res_leaves]
     # a residual that is a mutable array reference must be one of the
     # arguments (as with jax.custom_vjp): it is forwarded, never returned
-    store["ref_src"] = [_ref_argument(rules, r, primals) for r in res_leaves]
+    store["ref_src"] = [None if is_static_residual(r) else
+                        argument_position(r, primals) for r in res_leaves]
     return [*out_leaves,
             *(r for r, s in zip(res_leaves, store["ref_src"])
               if not is_static_residual(r) and s is None)]
@@ -433,46 +441,6 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       new_res_eqns=tuple(_producers(v, producers) for v in new_res),
       out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]))
   return spec, consts
-
-
-def check_aliased_refs(call: CallSpec, primals) -> None:
-  """Two differentiable arguments may not be references to the same mutable
-  array (as with jax.custom_vjp: bwd's cotangents for them would clash)."""
-  check_aliased_arguments(call.rules, "fwd", call.in_tree, primals)
-
-
-def check_aliased_arguments(rules: Rules, role: str, in_tree, primals) -> None:
-  """Raises ``ValueError`` naming ``role`` when two of ``primals`` (the
-  differentiable argument leaves) are references to one mutable array."""
-  pairs = _compat.aliased_refs(primals)
-  if not pairs:
-    return
-  i, j = pairs[0]
-  dyn = tree_util.tree_unflatten(in_tree, list(primals))
-  paths = [tree_util.keystr(p) for p, _ in
-           tree_util.tree_flatten_with_path(dyn)[0]]
-  raise rule_error(
-      ValueError, rules, role,
-      f"received the same mutable array reference at arguments{paths[i]} and "
-      f"arguments{paths[j]}; each mutable array may be passed only once among "
-      "the differentiable arguments.")
-
-
-def _ref_argument(rules, leaf, primals):
-  """For a residual that is a mutable array reference, its position among
-  ``primals``; ``None`` for any other residual. A reference that ``fwd`` did
-  not receive as an argument cannot be a residual (as with jax.custom_vjp)."""
-  if is_static_residual(leaf) or not _compat.is_ref(leaf):
-    return None
-  leaf = leaf.value if isinstance(leaf, _compat.CustomVJPPrimal) else leaf
-  for i, p in enumerate(primals):
-    if (p.value if isinstance(p, _compat.CustomVJPPrimal) else p) is leaf:
-      return i
-  raise rule_error(
-      ValueError, rules, "fwd",
-      f"returned a mutable array reference of type "
-      f"{_compat.get_aval(leaf).str_short()} among its residuals that is not one "
-      "of its arguments; only references passed to fwd can be residuals.")
 
 
 def fwd_output_type_mismatches(call: CallSpec, fwd: FwdSpec | None) -> list:

@@ -1,6 +1,8 @@
 """checkify: checks inside f, fwd and bwd become error values exactly as with
 jax.custom_vjp (compared message by message, with the values)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,3 +134,65 @@ def _inner(name):
   if name == "checkify_jit_grad":
     return lambda F: jax.jit(jax.grad(loss(F)))
   return lambda F: jax.grad(loss(jax.checkpoint(F)))
+
+
+# -- which checks a call adds: jax.vjp of a checkified function adds none (its
+# rule is fwd, which checkify leaves unchecked), checkify of jax.grad adds
+# those inside the rules (JAX's checkify_test.py::test_custom_vjp) ------------
+
+def _sin(impl):
+  F = (jax.custom_vjp if impl == "jax" else smart_custom_vjp)(jnp.sin)
+  F.defvjp(lambda x: (jnp.sin(x), 2. * x),
+           lambda x2, g: (jnp.cos(x2 / 2.) * g,))
+  return F
+
+
+def _vjp_of_checkify(F, errors):
+  return lambda x: jax.vjp(checkify.checkify(F, errors=errors), x)[0][0]
+
+
+def _checkify_of_grad(F, errors):
+  return lambda x: checkify.checkify(jax.grad(lambda x: jnp.sum(F(x))),
+                                     errors=errors)(x)[0]
+
+
+CHECK_SITES = {
+    "vjp_of_checkify": _vjp_of_checkify,
+    "jit_vjp_of_checkify": lambda F, e: jax.jit(_vjp_of_checkify(F, e)),
+    "checkify_of_grad": _checkify_of_grad,
+    "jit_checkify_of_grad": lambda F, e: jax.jit(_checkify_of_grad(F, e)),
+    "checkify_of_jit_grad": lambda F, e: lambda x: checkify.checkify(
+        jax.jit(jax.grad(lambda x: jnp.sum(F(x)))), errors=e)(x)[0],
+}
+
+
+def _checks(err):
+  """The checks an error carries: (kind of error, primitive or message) per
+  entry of its metadata (a pytree definition whose text also holds the
+  traceback where the check was added)."""
+  out = []
+  for v in err._metadata.values():
+    text = str(v)
+    kind = re.search(r"CustomNode\((\w+)\[", text).group(1)
+    out.append((kind, re.findall(r"'([^']*)'\)?\]", text)[-1:]))
+  return sorted(out)
+
+
+@pytest.mark.parametrize("x", [3.0, float("inf")], ids=["finite", "inf"])
+@pytest.mark.parametrize("site", list(CHECK_SITES))
+@pytest.mark.parametrize("where", ["nan", "user"])
+def test_checks_added_as_with_custom_vjp(where, site, x):
+  def run(impl):
+    if where == "nan":
+      F, errors = _sin(impl), checkify.float_checks
+    else:
+      F, errors = make(impl, "f"), checkify.user_checks
+    err = CHECK_SITES[site](F, errors)(jnp.full((3,), x, jnp.float32)
+                                       if where == "user" else jnp.float32(x))
+    return err.get(), _checks(err)
+  want, got = run("jax"), run("smart")
+  assert got == want
+  if site.startswith(("vjp", "jit_vjp")):
+    assert want == (None, [])      # JAX's test: no checks were added
+  elif where == "nan":
+    assert want[1]                 # checks were added, inside the rules
