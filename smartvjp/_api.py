@@ -10,11 +10,13 @@ from typing import Any, Callable, Sequence
 from jax import tree_util
 from jax.errors import UnexpectedTracerError
 
-from smartvjp import _compat
-from smartvjp import _rules  # noqa: F401  (registers the primitives' rules)
+from smartvjp import _facade as jx
+from smartvjp import _versions
+# each primitive's module registers its rules when imported
+from smartvjp import _call, _rem  # noqa: F401  pylint: disable=unused-import
 from smartvjp import _jax_api
 from smartvjp._errors import rule_error
-from smartvjp._primitives import call_p
+from smartvjp._primitive import call_p
 from smartvjp._cache import TraceLocalCache
 from smartvjp._refs import check_aliased_arguments, check_f_output
 from smartvjp._spec import EagerClosureError, Rules, eager_call, trace_call
@@ -266,21 +268,21 @@ class smart_custom_vjp:
     dyn = tuple(a for i, a in enumerate(args) if i not in self.nondiff_argnums)
     leaves, in_tree = tree_util.tree_flatten(dyn)
     avals = tuple(_aval(rules, dyn, i, x) for i, x in enumerate(leaves))
-    plain = _compat.is_eval_trace() and not any(
-        isinstance(x, _compat.Tracer) for x in leaves)
+    plain = jx.is_eval_trace() and not any(
+        isinstance(x, jx.Tracer) for x in leaves)
     # references, as jax.custom_vjp checks them: aliasing at every call (jax
     # 0.12) or where f or fwd runs on the arguments themselves (before)
-    if _compat.ALIASED_REFS_CHECKED_AT_CALL or plain:
+    if _versions.ALIASED_REFS_CHECKED_AT_CALL or plain:
       check_aliased_arguments(rules, "fun", len(args), in_tree, leaves)
     if plain:   # plain eager evaluation, as jax.custom_vjp
       out = self.fun(*args)
       check_f_output(rules, out)
       return out
-    eager = _compat.eager_linearize_inputs(leaves)
+    eager = _eager_linearize_inputs(leaves)
     if eager is not None:   # eager grad/vjp: fwd on concrete values, f untraced
       parent, primals, nonzero = eager
       try:
-        with _compat.set_current_trace(parent):
+        with jx.set_current_trace(parent):
           call = eager_call(rules, nondiff, len(args), in_tree, avals, primals,
                             nonzero)
       except (EagerClosureError, UnexpectedTracerError):
@@ -300,7 +302,7 @@ class smart_custom_vjp:
     static = tuple(static_key(v) for v in nondiff)
     if any(k is None for k in static):   # unhashable: it may be mutated
       return trace_call(rules, nondiff, num_args, in_tree, avals)
-    key = (in_tree, avals, static, num_args, _compat.config_key())
+    key = (in_tree, avals, static, num_args, jx.config_key())
     hit = self._cache.get(key)
     if hit is not None:
       return hit
@@ -412,13 +414,41 @@ class smart_custom_vjp:
     self._cache = TraceLocalCache(_CACHE_SIZE)
 
 
+def _eager_linearize_inputs(leaves):
+  """``(parent_trace, primals, nonzero)`` when ``leaves`` are being
+  differentiated eagerly: the current trace is a linearization (``jax.grad``,
+  ``jax.vjp``) directly over plain evaluation and every leaf is concrete or
+  that trace's tracer over a concrete value, at least one of them; else
+  ``None``."""
+  trace = jx.current_trace()
+  if (not jx.is_linearize_trace(trace)
+      or not jx.is_eval_trace(jx.parent_trace(trace))):
+    return None
+  primals, nonzero = [], []
+  for x in leaves:
+    parts = jx.linearize_parts(x, trace)
+    if parts is not None:
+      if isinstance(parts[0], jx.Tracer):
+        return None
+      primals.append(parts[0])
+      nonzero.append(True)
+    elif isinstance(x, jx.Tracer):
+      return None
+    else:
+      primals.append(x)
+      nonzero.append(False)
+  if not any(nonzero):
+    return None
+  return jx.parent_trace(trace), primals, nonzero
+
+
 def _fname(fun) -> str:
   return getattr(fun, "__name__", repr(fun))
 
 
 def _aval(rules, dyn, i, x):
   try:
-    return _compat.get_aval(x)
+    return jx.get_aval(x)
   except TypeError:
     path = tree_util.keystr(tree_util.tree_flatten_with_path(dyn)[0][i][0])
     raise rule_error(
@@ -430,7 +460,7 @@ def _aval(rules, dyn, i, x):
 
 def _resolve_kwargs(fun, args, kwargs):
   try:
-    return _compat.resolve_kwargs(fun, args, kwargs)
+    return jx.resolve_kwargs(fun, args, kwargs)
   except TypeError as e:
     raise TypeError(
         f"The input arguments to the smart_custom_vjp function {_fname(fun)} "
@@ -439,7 +469,7 @@ def _resolve_kwargs(fun, args, kwargs):
 
 def _check_no_tracers(fun, args, i):
   for leaf in tree_util.tree_leaves(args[i]):
-    if isinstance(leaf, _compat.Tracer):
+    if isinstance(leaf, jx.Tracer):
       from jax.errors import UnexpectedTracerError
       raise UnexpectedTracerError(
           f"Found a JAX Tracer passed to smart_custom_vjp function "

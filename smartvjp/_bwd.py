@@ -1,4 +1,5 @@
-"""Calling the user's ``bwd`` and ``fwd_bwd`` and checking what they return.
+"""``smartvjp_bwd``: the user's ``bwd`` or ``fwd_bwd``, called, checked and
+traced when a transpose runs, with all the primitive's rules.
 
 What a rule may return is what ``jax.custom_vjp`` accepts (``_flatten_bwd``
 in ``jax/_src/custom_derivatives.py``; ``tests/test_cotangents.py`` runs a
@@ -14,17 +15,21 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 
-from smartvjp import _compat
+from smartvjp import _facade as jx
 from smartvjp import _jax_api
+from smartvjp import _vmap
+from smartvjp._checkify import checked_rule
 from smartvjp._errors import describe_tree, rule_error
-from smartvjp._primitives import bwd_p
+from smartvjp._primitive import (
+    bwd_p, dce_whole, define, discharged, eval_scoped, pp_rule, rule_jvp,
+    scope)
 
 
 def _prepare_cts(call, cts_out):
   if call.rules.symbolic_zeros:
-    return [_compat.SymbolicZero(ct.aval) if type(ct) is _compat.Zero else ct
+    return [jx.SymbolicZero(ct.aval) if type(ct) is jx.Zero else ct
             for ct in cts_out]
-  return [_compat.instantiate_zeros(ct) for ct in cts_out]
+  return [jx.instantiate_zeros(ct) for ct in cts_out]
 
 
 def run_bwd(call, fwd, residuals, cts_out) -> list:
@@ -58,12 +63,12 @@ def _bind_rule(call, which, key, user, inputs, cts):
   Only nonzero cotangents are inputs of the traced rule; ``SymbolicZero``
   ones (``symbolic_zeros=True``) are part of the signature.
   """
-  zero_in = tuple(type(c) is _compat.SymbolicZero for c in cts)
+  zero_in = tuple(type(c) is jx.SymbolicZero for c in cts)
   args = [*inputs, *(c for c, z in zip(cts, zero_in) if not z)]
-  if _compat.is_eval_trace() and not any(isinstance(a, _compat.Tracer) for a in args):
+  if jx.is_eval_trace() and not any(isinstance(a, jx.Tracer) for a in args):
     return user(inputs, cts)  # concrete values: run the rule itself, eagerly
-  avals = tuple(_compat.get_aval(a) for a in args)
-  cache_key = (which, key, avals, zero_in, _compat.config_key(),
+  avals = tuple(jx.get_aval(a) for a in args)
+  cache_key = (which, key, avals, zero_in, jx.config_key(),
                bwd_checks_disabled())
   hit = call.rule_cache.get(cache_key)
   if hit is None:
@@ -76,10 +81,10 @@ def _bind_rule(call, which, key, user, inputs, cts):
         outs = user(ins, full)
       log_leaves, store["logs"] = tree_util.tree_flatten(
           _jax_api.merged_logs(sink))
-      store["zero_out"] = tuple(type(o) is _compat.Zero for o in outs)
-      return [o for o in outs if type(o) is not _compat.Zero] + log_leaves
+      store["zero_out"] = tuple(type(o) is jx.Zero for o in outs)
+      return [o for o in outs if type(o) is not jx.Zero] + log_leaves
 
-    jaxpr, consts = _compat.trace_to_closed_jaxpr(
+    jaxpr, consts = jx.trace_to_closed_jaxpr(
         flat, avals, f"smart_custom_vjp {which}", getattr(call.rules, which),
         avals)
     hit = (jaxpr, consts, store["zero_out"], store["logs"])
@@ -91,13 +96,8 @@ def _bind_rule(call, which, key, user, inputs, cts):
     outs, log_leaves = outs[:-n_logs], outs[-n_logs:]
     _jax_api.deposit_logs(tree_util.tree_unflatten(logs_tree, log_leaves))
   outs = iter(outs)
-  return [_compat.Zero(_ct_aval(a)) if z else next(outs)
+  return [jx.Zero(jx.ct_aval(a)) if z else next(outs)
           for a, z in zip(call.in_avals, zero_out)]
-
-
-def _ct_aval(aval):
-  return aval.to_ct_aval() if hasattr(aval, "to_ct_aval") \
-      else aval.to_tangent_aval()
 
 
 def bwd_checks_disabled() -> bool:
@@ -154,11 +154,11 @@ def _same_but_dtype(want, got) -> bool:
   (and sharding), and either the input's cotangent is inexact (a float or
   complex of any precision, even an integer array, passes through as
   returned) or the cotangent has an extended dtype."""
-  if not (isinstance(want, _compat.ShapedArray) and isinstance(got, _compat.ShapedArray)):
+  if not (isinstance(want, jx.ShapedArray) and isinstance(got, jx.ShapedArray)):
     return False
   if want.shape != got.shape:
     return False
-  if not _compat.typecompat(want, got.update(dtype=want.dtype,
+  if not jx.typecompat(want, got.update(dtype=want.dtype,
                                        weak_type=want.weak_type)):
     return False
   return (jax.dtypes.issubdtype(got.dtype, jax.dtypes.extended)
@@ -166,10 +166,10 @@ def _same_but_dtype(want, got) -> bool:
 
 
 def _accepts(want, got) -> bool:
-  if _compat.typecompat(want, got):
+  if jx.typecompat(want, got):
     return True
   inner = getattr(want, "inner_aval", None)   # a mutable array reference
-  if inner is not None and _compat.typecompat(_ct_aval(inner), got):
+  if inner is not None and jx.typecompat(jx.ct_aval(inner), got):
     return True
   return _same_but_dtype(want, got)
 
@@ -190,22 +190,22 @@ def flatten_cotangents(call, out, which: str) -> list:
   unchecked = bwd_checks_disabled()
   results = []
   for path, aval, ct in zip(paths, call.in_avals, flat):
-    ct_aval = _ct_aval(aval)
-    if ct is _NO_CT or ct_aval.dtype == _compat.float0:
-      results.append(_compat.Zero(ct_aval))
+    ct_aval = jx.ct_aval(aval)
+    if ct is _NO_CT or ct_aval.dtype == jx.float0:
+      results.append(jx.Zero(ct_aval))
       continue
-    if type(ct) is _compat.SymbolicZero:
-      if not _compat.typecompat(ct_aval, ct.aval):
+    if type(ct) is jx.SymbolicZero:
+      if not jx.typecompat(ct_aval, ct.aval):
         raise rule_error(
             ValueError, rules, which,
             f"returned a SymbolicZero of type {ct.aval.str_short()} at "
             f"output{path}, but the corresponding input's cotangent type is "
             f"{ct_aval.str_short()} (input {aval.str_short()}); return None "
             "there for a zero cotangent.")
-      results.append(_compat.Zero(ct.aval))
+      results.append(jx.Zero(ct.aval))
       continue
     try:
-      got = _compat.get_aval(ct)
+      got = jx.get_aval(ct)
     except TypeError:
       raise rule_error(
           TypeError, rules, which,
@@ -228,3 +228,68 @@ def _sharding_hint(want, got) -> str:
   return ("; shape and dtype agree, so the sharding or the varying manual "
           "axes (shard_map) differ, and a psum over the missing axes is "
           "usually what is needed")
+
+
+# -- smartvjp_bwd's rules ------------------------------------------------------------
+# ``[*consts, *inputs, *nz_cts] -> nz_cts_in``; ``which`` is "bwd" or
+# "fwd_bwd", ``jaxpr`` the rule traced (constants as leading inputs).
+
+def _abstract_eval(*avals, call, which, jaxpr):
+  return list(jaxpr.out_avals), jx.positional_effects(jaxpr)
+
+
+def bwd_eval(*args, call, which, jaxpr):
+  return eval_scoped(jaxpr, scope(call, which), args)
+
+
+def _jvp(primals, tangents, **params):
+  """Higher order: the rule's code differentiated (JAX's error, with a note
+  naming the rule, for an opaque one)."""
+  return rule_jvp(bwd_eval, params["which"], primals, tangents, **params)
+
+
+def _transpose(cts, *args, call, which, jaxpr):
+  """``bwd``/``fwd_bwd`` are linear in the cotangent; forward mode
+  transposes them (which fails, and forward mode says so, when they are
+  opaque)."""
+  undefined = [jx.is_undefined_primal(a) for a in args]
+  lin_avals = [a.aval for a, u in zip(args, undefined) if u]
+
+  def linear_part(*lin):
+    it = iter(lin)
+    full = [next(it) if u else a for a, u in zip(args, undefined)]
+    return bwd_eval(*full, call=call, which=which, jaxpr=jaxpr)
+
+  transposed = jax.linear_transpose(linear_part, *lin_avals)  # full types
+  out_cts = transposed([jx.instantiate_zeros(c) for c in cts])
+  it = iter(out_cts)
+  return [next(it) if u else None for u in undefined]
+
+
+def _batch(axis_data, args, dims, *, call, which, jaxpr):
+  if _vmap.unbatched(axis_data, dims, jaxpr.effects):
+    return (bwd_p.bind(*args, call=call, which=which, jaxpr=jaxpr),
+            [None] * len(jaxpr.out_avals))
+  new, consts, out_batched = _vmap.batched_jaxpr(jaxpr, axis_data, dims)
+  outs = bwd_p.bind(*consts, *args, call=call, which=which, jaxpr=new)
+  return outs, [0 if b else None for b in out_batched]
+
+
+def _discharge(should, *args, call, which, jaxpr):
+  with jax.named_scope(scope(call, which)):
+    return discharged(jaxpr, should, args)
+
+
+def _checkify(ctx, error, enabled, *args, call, which, jaxpr):
+  return checked_rule(
+      ctx, error, enabled,
+      lambda *xs: bwd_eval(*xs, call=call, which=which, jaxpr=jaxpr), args,
+      call, which)
+
+
+define(bwd_p, impl=bwd_eval, abstract_eval=_abstract_eval, lowering=bwd_eval,
+       jvp=_jvp, transpose=_transpose, batching=_batch, dce=dce_whole,
+       discharge=_discharge, checkify=_checkify, pp=pp_rule,
+       # evaluated inline where the traced rule holds high-level primitives
+       # (checkpoint_name under jax_remat3) and JAX needs low-level ones
+       to_lojax=bwd_eval)

@@ -15,7 +15,19 @@ import collections
 import weakref
 from typing import Any, Hashable
 
-from smartvjp import _compat
+from smartvjp import _facade as jx
+
+
+def outermost_trace():
+  """The outermost transformation trace now active, or ``None`` under plain
+  evaluation. Each ``jax.jit``/``make_jaxpr``/eager ``grad``/``vmap`` call
+  starts a new one; nested traces (scan bodies, linearize inside jit) lead
+  back to it through their parents."""
+  trace, outer = jx.current_trace(), None
+  while trace is not None and not jx.is_eval_trace(trace):
+    outer = trace
+    trace = jx.parent_trace(trace)
+  return outer
 
 
 class TraceLocalCache:
@@ -35,7 +47,7 @@ class TraceLocalCache:
     if hit is None:
       return None
     owner, value = hit
-    outer = _compat.outermost_trace()
+    outer = outermost_trace()
     if outer is None or owner() is not outer:
       del self._entries[key]   # made by an earlier program: trace again
       return None
@@ -46,8 +58,8 @@ class TraceLocalCache:
     """Stores ``value`` unless ``consts`` (the values it closes over) hold a
     tracer: one of a nested trace (a scan body) must not leak into the
     enclosing program."""
-    outer = _compat.outermost_trace()
-    if outer is None or any(isinstance(c, _compat.Tracer) for c in consts):
+    outer = outermost_trace()
+    if outer is None or any(isinstance(c, jx.Tracer) for c in consts):
       return
     self._entries[key] = (weakref.ref(outer), value)
     self._entries.move_to_end(key)

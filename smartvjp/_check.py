@@ -18,10 +18,10 @@ import warnings
 import jax
 import numpy as np
 
-from smartvjp import _compat
-from smartvjp._primitives import call_p
+from smartvjp import _facade as jx
+from smartvjp._primitive import call_p
 
-_option = _compat.define_string_option(
+_option = jx.define_string_option(
     "smartvjp_check_primals",
     "Compare f's and fwd's primal outputs where both run (remat): "
     "'warn' or 'raise', optionally followed by ':rtol:atol'.")

@@ -6,13 +6,13 @@ import os
 
 from jax import tree_util
 
-from smartvjp import _compat
+from smartvjp import _facade as jx
 
 # As with JAX's own files: tracebacks of errors raised in (or through) the
 # user's rules show the user's frames, not smartvjp's, and equations that
 # smartvjp binds (residuals in jax.ad_checkpoint.print_saved_residuals) carry
 # the user's source line.
-_compat.hide_frames_under(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+jx.hide_frames_under(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 _ROLE = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd"}
 
@@ -38,7 +38,7 @@ def check_jax_leaves(tree, rules, which: str, what: str) -> None:
   """Raises ``TypeError`` naming the path of the first non-JAX leaf."""
   for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
     try:
-      _compat.get_aval(leaf)
+      jx.get_aval(leaf)
     except TypeError:
       raise rule_error(
           TypeError, rules, which,

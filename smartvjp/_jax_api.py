@@ -1,7 +1,7 @@
 """``jax.custom_vjp``'s newer definition methods, in terms of ``defvjp``.
 
 Each method exists on ``smart_custom_vjp`` exactly where the installed
-``jax.custom_vjp`` has it (detected by feature in ``_compat``); elsewhere it
+``jax.custom_vjp`` has it (``_versions``); elsewhere it
 raises ``NotImplementedError`` naming the JAX release that introduced it.
 
 * ``defvjp_with_accums(fwd, bwd)``: ``bwd(res, g, *accums)`` pushes each
@@ -22,21 +22,20 @@ raises ``NotImplementedError`` naming the JAX release that introduced it.
   backward pass collects logs, return them as a dict.
 * ``generic_batching`` where JAX accepts it, with JAX's meaning: under
   ``vmap`` ``f`` alone decides which outputs are mapped (see
-  ``_batching._output_batching``).
+  ``_call._output_batching``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 from typing import Callable
 
 from jax import tree_util
 
-from smartvjp import _compat
-from smartvjp._cache import TraceLocalCache
+from smartvjp import _facade as jx
+from smartvjp import _versions
 
 # The JAX release that added each method (or defvjp's parameter).
 INTRODUCED = {
@@ -48,6 +47,16 @@ INTRODUCED = {
 }
 
 
+# Whether the installed jax.custom_vjp has each (``_versions``).
+_HAS = {
+    "defvjp_with_logs": _versions.TRANSPOSE_RETURNS_LOGS,
+    "defvjp_with_accums": _versions.CUSTOM_VJP_METHODS_0_12,
+    "defremat": _versions.CUSTOM_VJP_METHODS_0_12,
+    "defremat_with_logs": _versions.CUSTOM_VJP_METHODS_0_12,
+    "generic_batching": _versions.CUSTOM_VJP_METHODS_0_12,
+}
+
+
 def _fname(fun) -> str:
   return getattr(fun, "__name__", None) or type(fun).__name__
 
@@ -55,7 +64,7 @@ def _fname(fun) -> str:
 def require_method(fun, method: str) -> None:
   """Raises ``NotImplementedError`` unless the installed ``jax.custom_vjp``
   has ``method``."""
-  if not _compat.custom_vjp_has(method):
+  if not _HAS[method]:
     import jax
     raise NotImplementedError(
         f"smart_custom_vjp function {_fname(fun)}: {method} mirrors "
@@ -66,7 +75,7 @@ def require_method(fun, method: str) -> None:
 
 def check_generic_batching(fun, method: str, value) -> None:
   """``generic_batching``: ``None`` (not given) or a bool where JAX has it
-  (its meaning: ``_batching._output_batching``)."""
+  (its meaning: ``_call._output_batching``)."""
   if value is None:
     return
   if not isinstance(value, (bool, int)) or callable(value):
@@ -74,7 +83,7 @@ def check_generic_batching(fun, method: str, value) -> None:
         f"smart_custom_vjp function {_fname(fun)}: {method}'s fifth "
         f"argument is generic_batching (a bool), got {type(value).__name__}"
         "; the fused rule is keyword-only: defvjp(fwd, bwd, fwd_bwd=...).")
-  if not _compat.custom_vjp_defvjp_takes("generic_batching"):
+  if not _HAS["generic_batching"]:
     import jax
     raise NotImplementedError(
         f"smart_custom_vjp function {_fname(fun)}: {method}'s "
@@ -168,8 +177,8 @@ def _merge(nondiff_argnums, nondiff, dyn):
 def _values(args):
   """``fwd``'s arguments without ``CustomVJPPrimal`` wrappers."""
   return tree_util.tree_map(
-      lambda x: x.value if isinstance(x, _compat.CustomVJPPrimal) else x, args,
-      is_leaf=lambda x: isinstance(x, _compat.CustomVJPPrimal))
+      lambda x: x.value if isinstance(x, jx.CustomVJPPrimal) else x, args,
+      is_leaf=lambda x: isinstance(x, jx.CustomVJPPrimal))
 
 
 def with_arguments(fwd: Callable, nondiff_argnums) -> Callable:
@@ -191,13 +200,12 @@ def accums_bwd(fun, bwd: Callable, num_nondiff: int) -> Callable:
   def plain_bwd(*args):
     nondiff, (res, dyn), g = args[:num_nondiff], args[num_nondiff], args[-1]
     accums = tree_util.tree_map(
-        lambda x: _compat.gradient_accumulator(_compat.get_aval(x)), dyn)
+        lambda x: jx.gradient_accumulator(jx.get_aval(x)), dyn)
     logs = bwd(*nondiff, res, g, *accums)
     _check_logs(fun, bwd, "defvjp_with_accums", logs)
     deposit_logs(logs)
-    is_accum = lambda x: not isinstance(x, (tuple, list, dict)) and \
-        hasattr(x, "freeze")
-    return tuple(tree_util.tree_map(_compat.accumulated, a, is_leaf=is_accum)
+    return tuple(tree_util.tree_map(jx.accumulated, a,
+                                    is_leaf=jx.is_accumulator)
                  for a in accums)
   return plain_bwd
 
@@ -223,41 +231,3 @@ def remat_bwd(fun, rem: Callable, bwd: Callable, nondiff_argnums,
           f"returned a {type(pair).__name__}.")
     return rule(*nondiff, pair[1], g)
   return rem_then_bwd
-
-
-def remat_call(call):
-  """``call`` with its ``defremat`` rules in place of its ``defvjp`` ones
-  (the same traced ``f``), or ``None`` when it has none. Cached on ``call``."""
-  rules = call.rules.remat
-  if rules is None:
-    return None
-  key = ("defremat",)
-  hit = call.batch_cache.get(key)
-  if hit is None:
-    hit = dataclasses.replace(call, rules=rules, fwd_cache=TraceLocalCache(),
-                              batch_cache=TraceLocalCache(),
-                              rule_cache=TraceLocalCache())
-    call.batch_cache.put(key, hit)
-  return hit
-
-
-def remat_variant(eqn, inst_in):
-  """A ``smartvjp_jvp`` equation rewritten to use its call's ``defremat``
-  rules, with ``inst_in`` to match; ``None`` when the call has none or when
-  the ``defremat`` ``fwd`` closes over values (they would need new inputs)."""
-  call = eqn.params["call"]
-  alt = remat_call(call)
-  if alt is None:
-    return None
-  in_nz = eqn.params["in_nz"]
-  fwd = eqn.params["fwd"]
-  alt_fwd, alt_consts = alt.fwd_for(in_nz)
-  if alt_consts:
-    return None
-  n1 = call.num_consts
-  n2 = n1 + (fwd.num_consts if fwd is not None else 0)
-  invars = [*eqn.invars[:n1], *eqn.invars[n2:]]
-  inst = [*inst_in[:n1], *inst_in[n2:]]
-  new = eqn.replace(invars=invars,
-                    params=dict(eqn.params, call=alt, fwd=alt_fwd))
-  return new, inst

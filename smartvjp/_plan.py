@@ -49,7 +49,9 @@ class Facts:
   ``defremat``'s, whose ``fwd`` keeps its residuals whatever the policy
   says. ``remat_rules``: ``defremat`` rules given beside ``defvjp``'s, usable
   (their ``fwd`` closes over no traced value) where the policy recomputes.
-  ``splittable``: ``fwd`` is traced JAX code the policy may split equation
+  ``remat_rules_usable``: called at most once, when the ``defremat`` rules
+  are to be used: whether they can be (their ``fwd`` closes over no traced
+  value). ``splittable``: ``fwd`` is traced JAX code the policy may split equation
   by equation (no references among the inputs or effects). ``keeps_effects``:
   ``f`` or ``fwd`` has effects JAX keeps (a debug print), so which of them
   runs is observable. ``f_matches_fwd``: ``f``'s outputs have ``fwd``'s full
@@ -61,6 +63,7 @@ class Facts:
   num_computed: int | None = 1
   always_save: bool = False
   remat_rules: bool = False
+  remat_rules_usable: Callable[[], bool] = lambda: True
   splittable: bool = True
   keeps_effects: bool = False
   f_matches_fwd: bool = True
@@ -100,8 +103,9 @@ class Plan:
     return any(s is not None for s in self.spaces)
 
 
-def _fwd_or_f(facts: Facts, spaces: tuple) -> Plan:
-  """``fwd`` forward with its residuals kept, or ``f`` in its place when
+def fwd_or_f(facts: Facts, spaces: tuple = ()) -> Plan:
+  """Where ``fwd`` is to run with its residuals kept (forward under remat,
+  or in the rematerialized region): ``fwd``, or ``f`` in its place when
   ``fwd`` computes nothing ``f`` does not and neither has effects."""
   if (facts.num_computed == 0 and not facts.keeps_effects
       and facts.f_matches_fwd):
@@ -138,7 +142,7 @@ def plan(facts: Facts, answers: Answers | None) -> Plan:
   if answers is None:
     return Plan(Kind.FWD, (None,) * (facts.num_computed or 0))
   if facts.always_save:
-    return _fwd_or_f(facts, (None,) * (facts.num_computed or 0))
+    return fwd_or_f(facts, (None,) * (facts.num_computed or 0))
   if facts.num_computed == 0:
     kept = None if answers.call.answer is Answer.RECOMPUTE else ()
   elif any(a.answer is Answer.RECOMPUTE for a in answers.residuals):
@@ -152,10 +156,10 @@ def plan(facts: Facts, answers: Answers | None) -> Plan:
     split = answers.split()
     if split is not None:
       return Plan(Kind.SPLIT, split=split)
-  if kept is None and facts.remat_rules:
+  if kept is None and facts.remat_rules and facts.remat_rules_usable():
     return Plan(Kind.REMAT_RULES)
   if kept is not None:
-    return _fwd_or_f(facts, kept)
+    return fwd_or_f(facts, kept)
   return Plan(Kind.RECOMPUTE)
 
 

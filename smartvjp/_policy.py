@@ -1,6 +1,17 @@
-"""Splitting a transparent ``fwd`` by a remat policy, equation by equation.
+"""What the decision (``_plan.py``) is told about a call: its facts, a remat
+policy's answers, and the split of a JAX-coded ``fwd`` by the policy.
 
-When ``fwd`` is JAX code, a remat policy can save some of the values it
+Facts (:func:`facts`) come from the traced rules: effects, references, types.
+Answers (:func:`answers`): the policy is asked about the call's own
+``smartvjp_jvp`` equation (so ``everything_saveable`` saves it and
+``nothing_saveable`` recomputes it) and, for each residual ``fwd`` computes,
+about the equation of ``fwd``'s jaxpr producing it, through
+``checkpoint_name`` (so ``save_only_these_names`` works; under
+``jax_remat3`` the high-level name primitive is asked about as JAX's
+``name_p``), as it would be asked inside ``fwd`` inlined: a ``dot_general``
+output is saveable under ``dots_saveable``, a kernel's output is not.
+
+Splitting (:func:`split_fwd`). When ``fwd`` is JAX code, a remat policy can save some of the values it
 computes and not others, exactly as ``jax.checkpoint`` would if ``fwd`` were
 inlined into its body. :func:`plan_split` asks JAX's own partial evaluator
 to split ``fwd``'s jaxpr that way and decides whether the split is worth it:
@@ -26,7 +37,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from smartvjp import _compat
+from smartvjp import _facade as jx
+from smartvjp import _plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,39 +54,39 @@ class Split:
   saved_outputs: tuple = ()
 
 
-def plan_split(saveable, call, fwd) -> Split | None:
+def split_fwd(saveable, call, fwd) -> Split | None:
   """The split of ``fwd`` by ``saveable``, or ``None`` to recompute whole."""
   if fwd is None or fwd.jaxpr is None or not fwd.num_new_res:
     return None
   jaxpr = fwd.jaxpr.jaxpr
   n_out = call.num_outs
-  known, staged, num_res = _compat.split_by_policy(
+  known, staged, num_res = jx.split_by_policy(
       jaxpr, [False] * n_out + [True] * fwd.num_new_res, True, saveable)
   inputs = set(jaxpr.invars)
   computed = [r for r in staged.invars[:num_res] if r not in inputs]
   staged, fillers = _without_saved_outputs(
-      staged.replace(invars=[*computed, *jaxpr.invars]), n_out, set(computed))
-  _, used = _compat.dce_jaxpr(staged, [True] * len(staged.outvars))
+      jx.jaxpr_with(staged, invars=[*computed, *jaxpr.invars]), n_out, set(computed))
+  _, used = jx.dce_jaxpr(staged, [True] * len(staged.outvars))
   saved = [r for r, u in zip(computed, used) if u]
   if not saved:
     return None   # nothing fwd computes is kept: f forward is never dearer
-  staged, _ = _compat.dce_jaxpr(staged.replace(invars=[*saved, *jaxpr.invars]),
+  staged, _ = jx.dce_jaxpr(jx.jaxpr_with(staged, invars=[*saved, *jaxpr.invars]),
                           [True] * len(staged.outvars), True)
   if len(staged.eqns) == fillers:
     return None   # nothing to recompute: the residuals are simply kept
   outs = list(known.outvars[:n_out])
   saved_outputs = tuple(outs.index(v) if v in outs else None for v in saved)
   extra = [v for v, o in zip(saved, saved_outputs) if o is None]
-  known, _ = _compat.dce_jaxpr(known.replace(outvars=[*outs, *extra]),
+  known, _ = jx.dce_jaxpr(jx.jaxpr_with(known, outvars=[*outs, *extra]),
                          [True] * (n_out + len(extra)), True)
   if not _worth_it(known, staged, call):
     return None
-  names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
-           if e.primitive is _compat.name_p}
+  names = {e.outvars[0]: jx.checkpoint_name_of(e.primitive, e.params)
+           for e in jaxpr.eqns}
   known_spec = dataclasses.replace(
-      fwd, jaxpr=_compat.ClosedJaxpr(known, ()),
+      fwd, jaxpr=jx.ClosedJaxpr(known, ()),
       new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=())
-  staged_spec = fwd.shifted(_compat.ClosedJaxpr(staged, ()), len(saved))
+  staged_spec = fwd.shifted(jx.ClosedJaxpr(staged, ()), len(saved))
   return Split(known_spec, staged_spec, tuple(v.aval for v in saved),
                saved_outputs)
 
@@ -88,13 +100,13 @@ def _without_saved_outputs(staged, n_out, saved):
   outvars, eqns = list(staged.outvars), list(staged.eqns)
   fillers = 0
   for i in range(n_out):
-    if type(outvars[i]) is _compat.Var and outvars[i] in saved:
+    if type(outvars[i]) is jx.Var and outvars[i] in saved:
       aval = outvars[i].aval
       zeros = jax.make_jaxpr(lambda: jnp.zeros(aval.shape, aval.dtype))()
       eqns.extend(zeros.jaxpr.eqns)
       fillers += len(zeros.jaxpr.eqns)
       outvars[i] = zeros.jaxpr.outvars[0]
-  return staged.replace(eqns=eqns, outvars=outvars), fillers
+  return jx.jaxpr_with(staged, eqns=eqns, outvars=outvars), fillers
 
 
 def _worth_it(known, staged, call) -> bool:
@@ -111,7 +123,7 @@ def _worth_it(known, staged, call) -> bool:
 def _sub_jaxprs(eqn):
   for v in eqn.params.values():
     for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, _compat.ClosedJaxpr):
+      if isinstance(x, jx.ClosedJaxpr):
         yield x.jaxpr
       elif hasattr(x, "eqns") and hasattr(x, "outvars"):
         yield x
@@ -141,8 +153,8 @@ def cost(eqns) -> float:
       total += inner * e.params.get("length", 1)
     elif is_opaque(e):
       return math.inf
-    elif e.primitive is _compat.name_p:   # checkpoint_name: an identity
-      continue
+    elif jx.checkpoint_name_of(e.primitive, e.params) is not None:
+      continue   # checkpoint_name: an identity
     elif e.primitive.name == "dot_general":
       (lhs_contract, _), _ = e.params["dimension_numbers"]
       k = math.prod(e.invars[0].aval.shape[d] for d in lhs_contract)
@@ -150,3 +162,95 @@ def cost(eqns) -> float:
     else:
       total += sum(_size(v.aval) for v in e.outvars)
   return total
+
+
+# -- facts and answers --------------------------------------------------------------
+
+def uses_references(call) -> bool:
+  """References are involved: an input, or an effect on one, whose position
+  follows ``f``'s own inputs (so the call is kept whole wherever it goes)."""
+  return ((call.jaxpr is not None and jx.has_input_effects(call.jaxpr))
+          or any(jx.is_ref_aval(a) for a in call.in_avals))
+
+
+def has_effects(call, fwd) -> bool:
+  """``f`` or ``fwd`` (traced) has effects that JAX would not remove (a
+  debug print, a reference written)."""
+  return ((call.jaxpr is not None and jx.effects_keep_alive(call.jaxpr.effects))
+          or (fwd is not None and fwd.jaxpr is not None
+              and jx.effects_keep_alive(fwd.jaxpr.effects)))
+
+
+def f_matches_fwd(call, fwd) -> bool:
+  """``f``'s primal outputs have ``fwd``'s full types."""
+  return fwd is None or not fwd.out_avals or all(
+      jx.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
+
+
+def facts(call, fwd, remat_rules_usable=lambda: True) -> _plan.Facts:
+  """The facts of a call whose ``fwd`` is ``fwd`` (``None`` without one)."""
+  traced = fwd is not None and fwd.jaxpr is not None
+  return _plan.Facts(
+      has_fwd=call.rules.fwd is not None,
+      has_fwd_bwd=call.rules.fwd_bwd is not None,
+      num_computed=(fwd.num_new_res if traced else
+                    None if call.rules.fwd is not None else 0),
+      always_save=call.rules.always_save,
+      remat_rules=call.rules.remat is not None,
+      remat_rules_usable=remat_rules_usable,
+      splittable=(traced and call.jaxpr is not None
+                  and not uses_references(call)),
+      keeps_effects=has_effects(call, fwd),
+      f_matches_fwd=call.jaxpr is not None and f_matches_fwd(call, fwd))
+
+
+def named_policy(policy):
+  """``policy`` asked about a remat3 ``checkpoint_name`` (a high-level
+  primitive) as about JAX's ``name_p`` equation, as the default path asks."""
+  def asked(prim, *avals, **params):
+    name = jx.checkpoint_name_of(prim, params)
+    if name is not None and prim is not jx.name_p:
+      return policy(jx.name_p, *avals, name=name)
+    return policy(prim, *avals, **params)
+  return asked
+
+
+def _asked(policy, prim, avals, params) -> _plan.Asked:
+  answer = jx.policy_answer(policy, prim, avals, params)
+  if jx.is_recompute(answer):
+    return _plan.RECOMPUTE
+  if jx.is_offload(answer):
+    return _plan.Asked(_plan.Answer.OFFLOAD, jx.memory_space(answer.dst))
+  return _plan.SAVE
+
+
+def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers:
+  """The policy's answers for a call: asked about its ``smartvjp_jvp``
+  equation (``jvp_prim`` over ``jvp_avals`` with ``jvp_params``), then for
+  each residual ``fwd`` computes about its producers (see the module)."""
+  policy = named_policy(policy)
+  call_answer = _asked(policy, jvp_prim, jvp_avals, jvp_params)
+  chains = fwd.new_res_eqns or ((),) * fwd.num_new_res
+
+  def along(chain):
+    for e in chain:
+      yield _asked(policy, e.primitive, [v.aval for v in e.invars], e.params)
+  return _plan.Answers(
+      call_answer,
+      tuple(_plan.answer_for_chain(call_answer, along(c)) for c in chains),
+      split=lambda: split_fwd(policy, call, fwd))
+
+
+def producers(v, producers_of) -> tuple:
+  """The equations a policy is asked about for the value ``v`` of a traced
+  ``fwd``: its producer and, through ``checkpoint_name`` equations, the
+  named value's producer (``producers_of`` maps a variable to the equation
+  producing it)."""
+  chain = []
+  while type(v) is jx.Var and v in producers_of:
+    eqn = producers_of[v]
+    chain.append(eqn)
+    if jx.checkpoint_name_of(eqn.primitive, eqn.params) is None:
+      break
+    v = eqn.invars[0]
+  return tuple(chain)

@@ -20,12 +20,12 @@ import inspect
 
 from jax import tree_util
 
-from smartvjp import _compat
+from smartvjp import _facade as jx
 from smartvjp._errors import rule_error
 
 
 def _checks_on() -> bool:
-  return bool(_compat.mutable_array_checks_enabled())
+  return jx.mutable_array_checks_enabled()
 
 
 def argument_leaf_names(rules, num_args: int, in_tree) -> list[str]:
@@ -57,23 +57,39 @@ def _parameter_names(fun, num_args: int) -> list[str]:
           for i in range(num_args)]
 
 
+def aliased_refs(leaves) -> list:
+  """Pairs ``(i, j)``, ``i < j``, of positions in ``leaves`` holding
+  references to one mutable array, when JAX's mutable array checks are on;
+  empty otherwise."""
+  if not _checks_on():
+    return []
+  first, pairs = {}, []
+  for j, x in enumerate(leaves):
+    x = x.value if isinstance(x, jx.CustomVJPPrimal) else x
+    if jx.is_ref(x):
+      i = first.setdefault(jx.referent_id(x), j)
+      if i != j:
+        pairs.append((i, j))
+  return pairs
+
+
 def check_aliased_arguments(rules, role: str, num_args: int, in_tree,
                             primals) -> None:
   """Raises ``ValueError`` naming ``role`` and both arguments when two of
   ``primals`` (the differentiable argument leaves) are references to one
   mutable array (only with JAX's mutable array checks on)."""
-  pairs = _compat.aliased_refs(primals)
+  pairs = aliased_refs(primals)
   if not pairs:
     return
   i, j = pairs[0]
   names = argument_leaf_names(rules, num_args, in_tree)
   leaf = primals[j]
-  leaf = leaf.value if isinstance(leaf, _compat.CustomVJPPrimal) else leaf
+  leaf = leaf.value if isinstance(leaf, jx.CustomVJPPrimal) else leaf
   raise rule_error(
       ValueError, rules, role,
       f"received one mutable array through two differentiable arguments, "
       f"{names[i]} and {names[j]} (a reference of type "
-      f"{_compat.get_aval(leaf).str_short()}); pass each mutable array at "
+      f"{jx.get_aval(leaf).str_short()}); pass each mutable array at "
       "most once among the differentiable arguments, since bwd returns one "
       "cotangent per argument.")
 
@@ -86,7 +102,7 @@ def check_aliased_refs(call, primals) -> None:
 
 def _first_ref(tree):
   for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
-    if _compat.is_ref(leaf):
+    if jx.is_ref(leaf):
       return tree_util.keystr(path), leaf
   return None
 
@@ -105,7 +121,7 @@ def check_f_output(rules, out) -> None:
     raise rule_error(
         ValueError, rules, "fun",
         f"returned a mutable array reference of type "
-        f"{_compat.get_aval(leaf).str_short()}{_at('output', path)}; f must "
+        f"{jx.get_aval(leaf).str_short()}{_at('output', path)}; f must "
         "return values: read the reference (ref[...]) to return its value.")
 
 
@@ -120,18 +136,18 @@ def check_fwd_output(rules, primal_out, res, primals) -> None:
       raise rule_error(
           ValueError, rules, "fwd",
           f"returned a mutable array reference of type "
-          f"{_compat.get_aval(leaf).str_short()} in its primal output"
+          f"{jx.get_aval(leaf).str_short()} in its primal output"
           f"{_at('output', path)}; like f, fwd must return values there "
           "(residuals may hold the references fwd received as arguments).")
-  passed = {id(p.value if isinstance(p, _compat.CustomVJPPrimal) else p)
+  passed = {id(p.value if isinstance(p, jx.CustomVJPPrimal) else p)
             for p in primals}
   for path, leaf in tree_util.tree_flatten_with_path(res)[0]:
-    leaf = leaf.value if isinstance(leaf, _compat.CustomVJPPrimal) else leaf
-    if _compat.is_ref(leaf) and id(leaf) not in passed:
+    leaf = leaf.value if isinstance(leaf, jx.CustomVJPPrimal) else leaf
+    if jx.is_ref(leaf) and id(leaf) not in passed:
       raise rule_error(
           ValueError, rules, "fwd",
           f"returned a mutable array reference of type "
-          f"{_compat.get_aval(leaf).str_short()} among its residuals"
+          f"{jx.get_aval(leaf).str_short()} among its residuals"
           f"{_at('residuals', tree_util.keystr(path))} that is not one of its "
           "differentiable arguments; only references passed to fwd can be "
           "residuals (bwd receives them to write into).")
@@ -141,11 +157,11 @@ def argument_position(leaf, primals):
   """For a residual leaf that is a reference, its position among
   ``primals`` (:func:`check_fwd_output` has made sure it is there);
   ``None`` for any other residual."""
-  leaf = leaf.value if isinstance(leaf, _compat.CustomVJPPrimal) else leaf
-  if not _compat.is_ref(leaf):
+  leaf = leaf.value if isinstance(leaf, jx.CustomVJPPrimal) else leaf
+  if not jx.is_ref(leaf):
     return None
   for i, p in enumerate(primals):
-    if (p.value if isinstance(p, _compat.CustomVJPPrimal) else p) is leaf:
+    if (p.value if isinstance(p, jx.CustomVJPPrimal) else p) is leaf:
       return i
   raise RuntimeError(
       "smartvjp internal error: a residual reference that fwd did not "

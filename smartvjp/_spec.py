@@ -15,12 +15,15 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 
-from smartvjp import _compat
+from smartvjp import _facade as jx
+from smartvjp import _plan
 from smartvjp._cache import TraceLocalCache
 from smartvjp._errors import (
     check_jax_leaves, describe_tree, expect_used_up, rule_error)
 from smartvjp._refs import (
     argument_position, check_aliased_refs, check_f_output, check_fwd_output)
+from smartvjp._policy import producers as policy_producers
+from smartvjp._typecheck import check_primal_out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,10 +66,10 @@ class StaticResidual:
 
 def is_static_residual(leaf) -> bool:
   return isinstance(leaf, (bool, int, float, complex)) and \
-      not isinstance(leaf, _compat.Tracer)
+      not isinstance(leaf, jx.Tracer)
 
 
-@_compat.register_weak_param_type
+@jx.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class FwdSpec:
   """``fwd`` traced for one perturbation pattern.
@@ -79,7 +82,7 @@ class FwdSpec:
   linear primitive carries (``res_avals``) are all but the static ones.
   ``jaxpr`` is ``None`` for a ``fwd`` that ran eagerly (see ``eager_fwd``).
   """
-  jaxpr: _compat.ClosedJaxpr | None
+  jaxpr: jx.ClosedJaxpr | None
   num_consts: int
   res_tree: Any
   res_avals: tuple
@@ -121,7 +124,7 @@ class FwdSpec:
                       for s in self.res_src))
 
 
-@_compat.register_weak_param_type
+@jx.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class CallSpec:
   """``f`` traced for one abstract signature, with the user's rules.
@@ -137,7 +140,7 @@ class CallSpec:
   in_avals: tuple
   out_tree: Any
   out_avals: tuple
-  jaxpr: _compat.ClosedJaxpr | None  # None for linear-only and eager specs
+  jaxpr: jx.ClosedJaxpr | None  # None for linear-only and eager specs
   num_consts: int
   # eager differentiation (see ``eager_call``): what fwd (or f) returned,
   # and the concrete primal leaves it ran on
@@ -187,8 +190,32 @@ class CallSpec:
 
   def fwd_inputs(self, primals, in_nz):
     if self.rules.symbolic_zeros:
-      return [_compat.CustomVJPPrimal(x, nz) for x, nz in zip(primals, in_nz)]
+      return [jx.CustomVJPPrimal(x, nz) for x, nz in zip(primals, in_nz)]
     return list(primals)
+
+  def with_rules(self, rules: Rules) -> "CallSpec":
+    """The same traced ``f`` with other rules (``defremat``'s, checked ones)."""
+    return dataclasses.replace(self, rules=rules, fwd_cache=TraceLocalCache(),
+                               batch_cache=TraceLocalCache(),
+                               rule_cache=TraceLocalCache())
+
+  def split_jvp_args(self, args, fwd) -> tuple[list, list, list, list]:
+    """``[*f_consts, *fwd_consts, *primals, *nz_tangents]`` (the inputs of
+    ``smartvjp_jvp``) as four lists; ``fwd_consts`` is empty without
+    ``fwd``."""
+    n1 = self.num_consts
+    n2 = n1 + (fwd.num_consts if fwd is not None else 0)
+    n3 = n2 + self.num_primals
+    return list(args[:n1]), list(args[n1:n2]), list(args[n2:n3]), \
+        list(args[n3:])
+
+  def expand_tangents(self, nz_outs) -> list:
+    """One tangent per output: the nonzero ones given, ``Zero`` elsewhere."""
+    it = iter(nz_outs)
+    outs = [next(it) if nz else jx.Zero(a.to_tangent_aval())
+            for a, nz in zip(self.out_avals, self.out_nz)]
+    expect_used_up(it, "tangents")
+    return outs
 
   def fwd_for(self, in_nz) -> tuple[FwdSpec | None, list]:
     """``fwd`` traced for this perturbation pattern: ``(spec, consts)``."""
@@ -214,11 +241,10 @@ def pruned(call: CallSpec, kept: tuple) -> CallSpec:
   used = [i in base_kept for i in range(base.num_outs)]
   out_avals = tuple(base.out_avals[i] for i in base_kept)
   return dataclasses.replace(
-      base, jaxpr=_compat.dce_jaxpr_keep_inputs(base.jaxpr, used),
-      out_avals=out_avals,
+      base.with_rules(base.rules),
+      jaxpr=jx.dce_jaxpr_keep_inputs(base.jaxpr, used), out_avals=out_avals,
       out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))),
-      full=base, kept=base_kept, fwd_cache=TraceLocalCache(),
-      batch_cache=TraceLocalCache(), rule_cache=TraceLocalCache())
+      full=base, kept=base_kept)
 
 
 def select_outputs(call: CallSpec, outs) -> list:
@@ -226,9 +252,14 @@ def select_outputs(call: CallSpec, outs) -> list:
   return [outs[i] for i in call.kept]
 
 
+def tangent_avals(avals, nz) -> list:
+  """The tangent types of the avals where ``nz`` is true."""
+  return [a.to_tangent_aval() for a, n in zip(avals, nz) if n]
+
+
 def _has_tangent(aval) -> bool:
   try:
-    return aval.to_tangent_aval().dtype != _compat.float0
+    return aval.to_tangent_aval().dtype != jx.float0
   except AttributeError:
     return False
 
@@ -252,7 +283,7 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
   example = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape")
              else a for a in in_avals]
-  closed, consts = _compat.trace_to_closed_jaxpr(
+  closed, consts = jx.trace_to_closed_jaxpr(
       f_flat, in_avals, "smart_custom_vjp f", rules.fun, example)
   spec = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
                   in_tree=in_tree, in_avals=in_avals,
@@ -276,7 +307,7 @@ def _call_fwd(call: CallSpec, in_nz, primals, pair=None):
         f"but returned {describe_tree(pair)}.")
   primal_out, res = pair
   check_fwd_output(rules, primal_out, res, primals)
-  _check_primal_out(call, primal_out)
+  check_primal_out(call, primal_out)
   check_jax_leaves(res, rules, "fwd", "residuals")
   res_leaves, res_tree = tree_util.tree_flatten(res)
   return tree_util.tree_leaves(primal_out), res_leaves, res_tree
@@ -298,7 +329,11 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
                   out_avals=(), jaxpr=None, num_consts=0)
   in_nz = tuple(nz and possible for nz, possible in
                 zip(nonzero, call.in_nz_possible))
-  if rules.fwd is None:
+  eager_plan = _plan.plan(
+      _plan.Facts(has_fwd=rules.fwd is not None,
+                  has_fwd_bwd=rules.fwd_bwd is not None, num_computed=None),
+      None)
+  if eager_plan.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
     with jax.named_scope(f"smartvjp/{call.name}/f"):
       out = rules.fun(*call.full_args(primals))
     check_jax_leaves(out, rules, "fun", "output")
@@ -313,55 +348,12 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
       out_tree = tree_util.tree_structure(pair[0])
     out_leaves, res, fwd = eager_fwd(call, in_nz, primals, pair)
     result = (in_nz, out_leaves, res, fwd)
-  if any(isinstance(x, _compat.Tracer) for x in (*result[1], *result[2])):
+  if any(isinstance(x, jx.Tracer) for x in (*result[1], *result[2])):
     raise EagerClosureError
   return dataclasses.replace(
       call, out_tree=out_tree,
-      out_avals=tuple(_compat.get_aval(x) for x in out_leaves), eager=result,
+      out_avals=tuple(jx.get_aval(x) for x in out_leaves), eager=result,
       eager_primals=tuple(primals))
-
-
-def blame_eager_fwd(call: CallSpec, error: Exception) -> None:
-  """On the error path of an eagerly differentiated call (``error`` raised
-  while its ``bwd`` ran): when ``fwd``'s primal output differs from ``f``'s
-  in structure, shape or dtype, the cotangents ``bwd`` received had
-  ``fwd``'s wrong types, so ``fwd`` is named as at fault: a ``TypeError`` or
-  ``ValueError`` is raised again, same type, from ``error``, in words naming
-  ``fwd``, the output path and both types; any other exception gets that
-  text as a note. ``f`` is evaluated abstractly (``jax.eval_shape``), and
-  only here: the happy path never traces it. Returns when they agree."""
-  rules = call.rules
-  if call.eager is None or rules.fwd is None:
-    return
-  try:
-    want = jax.eval_shape(lambda *p: rules.fun(*call.full_args(p)),
-                          *call.eager_primals)
-  except Exception:  # noqa: BLE001 - f itself fails: nothing to compare
-    return
-  leaves, tree = tree_util.tree_flatten(want)
-  if tree != call.out_tree:
-    what = (f"whose pytree structure differs from {rules.name}'s output: "
-            f"{rules.name} gives {tree}, fwd gives {call.out_tree}")
-  else:
-    what = None
-    paths = [tree_util.keystr(p) for p in _leaf_paths(tree)]
-    for path, w, got in zip(paths, leaves, call.out_avals):
-      if (w.shape, w.dtype) != (got.shape, got.dtype):
-        want_type = _compat.ShapedArray(w.shape, w.dtype).str_short()
-        what = (f"that differs from {rules.name}'s at "
-                f"{f'output{path}' if path else 'its output'}: {rules.name} "
-                f"gives {want_type}, fwd gives {got.str_short()}")
-        break
-  if what is None:
-    return
-  blame = rule_error(
-      type(error) if type(error) in (TypeError, ValueError) else TypeError,
-      rules, "fwd",
-      f"returned a primal output {what}; the bwd rule then failed on "
-      f"cotangents of fwd's type ({type(error).__name__}: {error})")
-  if type(error) in (TypeError, ValueError):
-    raise blame from error
-  error.add_note(f"smartvjp: {blame}")
 
 
 def eager_f(call: CallSpec, primals) -> list:
@@ -385,7 +377,7 @@ def eager_fwd(call: CallSpec, in_nz, primals, pair=None):
                   for r in res)
   dynamic = [r for r in res if not is_static_residual(r)]
   spec = FwdSpec(jaxpr=None, num_consts=0, res_tree=res_tree,
-                 res_avals=tuple(_compat.get_aval(r) for r in dynamic),
+                 res_avals=tuple(jx.get_aval(r) for r in dynamic),
                  res_src=res_src, new_res_names=(None,) * len(dynamic))
   return outs, dynamic, spec
 
@@ -406,7 +398,7 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
             *(r for r, s in zip(res_leaves, store["ref_src"])
               if not is_static_residual(r) and s is None)]
 
-  closed, consts = _compat.trace_to_closed_jaxpr(
+  closed, consts = jx.trace_to_closed_jaxpr(
       fwd_flat, call.in_avals, "smart_custom_vjp fwd", rules.fwd,
       [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in call.in_avals])
   jaxpr = closed.jaxpr
@@ -414,9 +406,9 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   res_vars = jaxpr.outvars[n_out:]
   in_pos = {v: i for i, v in enumerate(jaxpr.invars)}
   names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
-           if e.primitive is _compat.name_p}
+           if e.primitive is jx.name_p}
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-  dyn_src = [in_pos.get(v) if isinstance(v, _compat.Var) else None
+  dyn_src = [in_pos.get(v) if isinstance(v, jx.Var) else None
              for v in res_vars]
   it = iter(dyn_src)
   res_src = tuple(
@@ -424,188 +416,23 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       (len(consts) + ref if ref is not None else next(it))
       for static, ref in zip(store["static"], store["ref_src"]))
   new_res = [v for v, s in zip(res_vars, dyn_src) if s is None]
-  pruned = jaxpr.replace(outvars=[*jaxpr.outvars[:n_out], *new_res])
+  pruned = jx.jaxpr_with(jaxpr, outvars=[*jaxpr.outvars[:n_out], *new_res])
   res_avals = [jaxpr.invars[s].aval if type(s) is int else None
                for s in res_src if type(s) is not StaticResidual]
   it = iter(res_vars)
-  res_avals = tuple(a if a is not None and _compat.is_ref_aval(a) else next(it).aval
+  res_avals = tuple(a if a is not None and jx.is_ref_aval(a) else next(it).aval
                     for a in res_avals)
   spec = FwdSpec(
-      jaxpr=_compat.ClosedJaxpr(pruned, ()),
+      jaxpr=jx.ClosedJaxpr(pruned, ()),
       num_consts=len(consts),
       res_tree=store["res_tree"],
       res_avals=res_avals,
       res_src=res_src,
-      new_res_names=tuple(names.get(v) if isinstance(v, _compat.Var) else None
+      new_res_names=tuple(names.get(v) if isinstance(v, jx.Var) else None
                           for v in new_res),
-      new_res_eqns=tuple(_producers(v, producers) for v in new_res),
+      new_res_eqns=tuple(policy_producers(v, producers) for v in new_res),
       out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]))
   return spec, consts
 
 
-def fwd_output_type_mismatches(call: CallSpec, fwd: FwdSpec | None) -> list:
-  """``(path, f's type, fwd's type)`` for each primal output of the same
-  shape and dtype whose full type (varying manual axes, sharding, memory
-  space; not weak type) differs between ``f`` and ``fwd``. (Shapes and
-  dtypes are checked where ``fwd`` is traced; a batched ``fwd`` keeps the
-  unbatched call's types beside its own.)"""
-  if fwd is None or not fwd.out_avals:
-    return []
-  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
-  return [(path, a, b) for path, a, b in
-          zip(paths, call.out_avals, fwd.out_avals)
-          if (a.shape, a.dtype) == (b.shape, b.dtype)
-          and not _compat.typecompat(a, b)]
 
-
-def _leaf_paths(tree) -> list:
-  leaves = tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
-  return [p for p, _ in tree_util.tree_flatten_with_path(leaves)[0]]
-
-
-def check_fwd_output_types(call: CallSpec, fwd: FwdSpec | None) -> None:
-  """Raises ``TypeError`` where ``f`` and ``fwd`` disagree on an output's
-  full type: differentiation that runs ``f`` in one place and ``fwd`` in
-  another (remat, forward mode) would mix the two types, as jax.custom_vjp
-  refuses there too."""
-  bad = fwd_output_type_mismatches(call, fwd)
-  if bad:
-    path, want, got = bad[0]
-    raise rule_error(
-        TypeError, call.rules, "fwd",
-        f"returned a primal output whose type differs from that of "
-        f"{call.rules.name} (f) at output{path}: f gives {want.str_short()}, "
-        f"fwd gives {got.str_short()}. Under jax.checkpoint f runs in the "
-        "forward pass and fwd in the backward pass, so the two must agree "
-        "in varying manual axes (shard_map) and sharding too; make f and "
-        "fwd return the same type (for instance with "
-        "jax.lax.pcast(x, axis_names, to='varying')).")
-
-
-def _axis_names_in(value, out: set) -> None:
-  """Collects the strings (axis names of collectives) in equation params,
-  looking into nested tuples and jaxprs."""
-  if isinstance(value, str):
-    out.add(value)
-  elif isinstance(value, (tuple, list, frozenset, set)):
-    for v in value:
-      _axis_names_in(v, out)
-  elif isinstance(value, _compat.ClosedJaxpr) or (
-      hasattr(value, "eqns") and hasattr(value, "outvars")):
-    for eqn in getattr(value, "jaxpr", value).eqns:
-      for v in eqn.params.values():
-        _axis_names_in(v, out)
-
-
-def unjustified_invariance(jaxpr) -> list:
-  """Per output of ``jaxpr``, the manual mesh axes its type is invariant
-  along although the values it is computed from vary along them and no
-  collective over those axes (an equation naming them) made it invariant:
-  what a kernel whose result type carries no varying axes (a
-  ``jax.pure_callback``) declares inside ``jax.shard_map(check_vma=True)``."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  honest = {}
-
-  def get(v):
-    if type(v) is not _compat.Var:
-      return frozenset()
-    return honest.get(v, _compat.varying_axes(v.aval))
-
-  for eqn in jaxpr.eqns:
-    inputs = frozenset().union(*(get(v) for v in eqn.invars))
-    named: set = set()
-    for value in eqn.params.values():
-      _axis_names_in(value, named)
-    for v in eqn.outvars:
-      honest[v] = _compat.varying_axes(v.aval) | (inputs - named)
-  return [get(v) - (_compat.varying_axes(v.aval)
-                    if type(v) is _compat.Var else frozenset())
-          for v in jaxpr.outvars]
-
-
-def check_fwd_output_invariance(call: CallSpec, fwd) -> None:
-  """Raises ``TypeError`` where forward mode follows ``fwd``'s primal output
-  types and an output claims to be invariant along manual mesh axes its
-  inputs vary along with no collective to make it so (an opaque kernel's
-  result): the tangent would be summed over those axes. (Reverse mode follows
-  the same types, as ``jax.custom_vjp`` does, and is left as it.)"""
-  if fwd is None or fwd.jaxpr is None:
-    return
-  outs = fwd.jaxpr.jaxpr.outvars[:call.num_outs]
-  missing = unjustified_invariance(fwd.jaxpr)[:call.num_outs]
-  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
-  for path, v, axes in zip(paths, outs, missing):
-    if axes:
-      axes = tuple(sorted(axes))
-      raise rule_error(
-          TypeError, call.rules, "fwd",
-          f"returns at output{path} a primal output of type "
-          f"{v.aval.str_short()}, invariant along the manual mesh axes "
-          f"{axes} of jax.shard_map, although it is computed from arguments "
-          "that vary along them and no collective over those axes produced "
-          "it (a jax.pure_callback result inside shard_map(check_vma=True) "
-          "is typed this way). Forward-mode differentiation follows that "
-          "type, so the tangent would be summed over those axes. Make the "
-          f"output varying with jax.lax.pcast(out, {axes!r}, to='varying').")
-
-
-def check_f_output_invariance(call: CallSpec) -> None:
-  """Raises ``TypeError`` when ``f``'s output type is the one its derivative
-  follows (only ``fwd_bwd`` given: no ``fwd`` gives a type to compare with)
-  and an output claims to be invariant along manual mesh axes its inputs
-  vary along with no collective to make it so. With ``check_vma=True`` the
-  cotangent of such an output is summed over those axes before ``fwd_bwd``
-  sees it, so the gradient would silently be wrong."""
-  while call.origin is not None:
-    call = call.origin
-  if call.rules.fwd is not None or call.jaxpr is None:
-    return
-  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
-  for path, aval, missing in zip(paths, call.out_avals,
-                                 unjustified_invariance(call.jaxpr)):
-    if missing:
-      axes = tuple(sorted(missing))
-      raise rule_error(
-          TypeError, call.rules, "fun",
-          f"returns at output{path} a value of type {aval.str_short()}, "
-          f"invariant along the manual mesh axes {axes} of jax.shard_map, "
-          "although it is computed from arguments that vary along them and "
-          "no collective over those axes produced it (a jax.pure_callback "
-          "result inside shard_map(check_vma=True) is typed this way). Only "
-          "fwd_bwd was given, so the derivative follows f's output type, and "
-          "the cotangent of that output would be summed over those axes: the "
-          "gradient would be wrong. Make f's output varying with "
-          f"jax.lax.pcast(out, {axes!r}, to='varying'), or give fwd and bwd.")
-
-
-def _producers(v, producers) -> tuple:
-  chain = []
-  while isinstance(v, _compat.Var) and v in producers:
-    eqn = producers[v]
-    chain.append(eqn)
-    if eqn.primitive is not _compat.name_p:
-      break
-    v = eqn.invars[0]
-  return tuple(chain)
-
-
-def _check_primal_out(call: CallSpec, primal_out) -> None:
-  if call.out_tree is None:   # eager differentiation: f has not run
-    return
-  rules = call.rules
-  leaves, tree = tree_util.tree_flatten(primal_out)
-  if tree != call.out_tree:
-    raise rule_error(
-        TypeError, rules, "fwd",
-        "returned a primal output whose pytree structure differs from "
-        f"{rules.name}'s output: expected {call.out_tree}, got {tree}.")
-  paths = [tree_util.keystr(p) for p, _ in
-           tree_util.tree_flatten_with_path(primal_out)[0]]
-  for path, leaf, want in zip(paths, leaves, call.out_avals):
-    got = _compat.get_aval(leaf)
-    if got.shape != want.shape or got.dtype != want.dtype:
-      raise rule_error(
-          TypeError, rules, "fwd",
-          f"returned a primal output that differs from {rules.name}'s output "
-          f"at output{path}: expected {want.str_short()}, "
-          f"got {got.str_short()}.")

@@ -32,7 +32,7 @@ from jax.experimental import io_callback
 from jax.interpreters import mlir
 from jax.extend.core import Primitive
 
-from smartvjp import _compat  # registration adapters (DCE rule signature)
+from smartvjp import _facade  # registration adapters (DCE rule signature)
 
 COUNTS: collections.Counter = collections.Counter()
 
@@ -100,7 +100,7 @@ def _kernel_lower(*args, name, fn, out_avals):
 kernel_p.def_impl(functools.partial(jax._src.dispatch.apply_primitive, kernel_p))
 mlir.register_lowering(kernel_p, mlir.lower_fun(_kernel_lower,
                                                 multiple_results=True))
-_compat.register_dce(kernel_p, lambda used, eqn: ([True] * len(eqn.invars), eqn))
+_facade.register_dce(kernel_p, lambda used, eqn: ([True] * len(eqn.invars), eqn))
 
 
 def kernel(name, fn, out_like, *args, never_dce=False):

@@ -1,8 +1,8 @@
 """``design/architecture.md``'s rule table is the registered rules.
 
 The table lists, for every smartvjp primitive, each rule registered with JAX
-(``_compat.register_rules``, called from ``smartvjp/_rules.py``) and the file
-and function that implements it. This test fails when a listed function does
+(``_primitive.define``, called at the bottom of each primitive's module) and
+the file and function that implements it. This test fails when a listed function does
 not exist, when a registered rule is missing from the table, or when the
 table names a rule or function that is not the registered one.
 """
@@ -13,7 +13,7 @@ import importlib
 import pathlib
 import re
 
-from smartvjp import _compat
+from smartvjp._primitive import RULES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "design" / "architecture.md"
@@ -29,7 +29,7 @@ def _where(fn) -> tuple[str, str]:
 
 def registered_rows() -> set[tuple[str, str, str, str]]:
   return {(prim, kind, *_where(fn))
-          for prim, rules in _compat.RULES.items()
+          for prim, rules in RULES.items()
           for kind, fn in rules.items()}
 
 
@@ -72,7 +72,7 @@ def test_table_is_the_registered_rules():
 
 
 def test_every_primitive_has_core_rules():
-  for prim, rules in _compat.RULES.items():
+  for prim, rules in RULES.items():
     # discharge: any of them may meet a reference (an argument, a residual,
     # or one that a rule creates), and jit discharges every equation then
     for kind in ("impl", "abstract_eval", "lowering", "jvp", "dce", "batching",

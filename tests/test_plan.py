@@ -141,3 +141,9 @@ def test_answer_for_a_residual_follows_its_producers_lazily():
   assert asked == [SAVE]
   assert answer_for_chain(RECOMPUTE, chain(RECOMPUTE, HOST)) is HOST
   assert answer_for_chain(RECOMPUTE, chain()) is RECOMPUTE
+
+
+def test_defremat_rules_that_cannot_be_used_recompute_instead():
+  facts = Facts(has_fwd=True, has_fwd_bwd=False, remat_rules=True,
+                remat_rules_usable=lambda: False)
+  assert plan(facts, Answers(RECOMPUTE, (RECOMPUTE,))).kind is Kind.RECOMPUTE

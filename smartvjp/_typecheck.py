@@ -1,0 +1,228 @@
+"""What the types of the rules' outputs must satisfy, checked where it matters.
+
+* ``fwd``'s primal output has ``f``'s pytree structure, shapes and dtypes
+  (checked where ``fwd`` is traced and ``f`` has been: :func:`check_primal_out`).
+* Where ``f`` runs in one place and ``fwd`` in another (remat: ``f``
+  forward, ``fwd`` in the backward region), they agree in full types,
+  sharding and varying manual axes included (:func:`check_fwd_output_types`).
+* Where a derivative follows a rule's output type, inside
+  ``jax.shard_map(check_vma=True)``, that type is honest: an output invariant
+  along a mesh axis its inputs vary along was made so by a collective, not
+  declared so by a kernel whose result type carries no varying axes
+  (:func:`unjustified_invariance`), or the gradient would silently be summed
+  over that axis.
+* On the error path of an eagerly differentiated call, ``fwd`` is named when
+  its primal output was the cause (:func:`blame_eager_fwd`).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import tree_util
+
+from smartvjp import _facade as jx
+from smartvjp._errors import rule_error
+
+
+def _leaf_paths(tree) -> list:
+  leaves = tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
+  return [p for p, _ in tree_util.tree_flatten_with_path(leaves)[0]]
+
+
+def blame_eager_fwd(call, error: Exception) -> None:
+  """On the error path of an eagerly differentiated call (``error`` raised
+  while its ``bwd`` ran): when ``fwd``'s primal output differs from ``f``'s
+  in structure, shape or dtype, the cotangents ``bwd`` received had
+  ``fwd``'s wrong types, so ``fwd`` is named as at fault: a ``TypeError`` or
+  ``ValueError`` is raised again, same type, from ``error``, in words naming
+  ``fwd``, the output path and both types; any other exception gets that
+  text as a note. ``f`` is evaluated abstractly (``jax.eval_shape``), and
+  only here: the happy path never traces it. Returns when they agree."""
+  rules = call.rules
+  if call.eager is None or rules.fwd is None:
+    return
+  try:
+    want = jax.eval_shape(lambda *p: rules.fun(*call.full_args(p)),
+                          *call.eager_primals)
+  except Exception:  # noqa: BLE001 - f itself fails: nothing to compare
+    return
+  leaves, tree = tree_util.tree_flatten(want)
+  if tree != call.out_tree:
+    what = (f"whose pytree structure differs from {rules.name}'s output: "
+            f"{rules.name} gives {tree}, fwd gives {call.out_tree}")
+  else:
+    what = None
+    paths = [tree_util.keystr(p) for p in _leaf_paths(tree)]
+    for path, w, got in zip(paths, leaves, call.out_avals):
+      if (w.shape, w.dtype) != (got.shape, got.dtype):
+        want_type = jx.ShapedArray(w.shape, w.dtype).str_short()
+        what = (f"that differs from {rules.name}'s at "
+                f"{f'output{path}' if path else 'its output'}: {rules.name} "
+                f"gives {want_type}, fwd gives {got.str_short()}")
+        break
+  if what is None:
+    return
+  blame = rule_error(
+      type(error) if type(error) in (TypeError, ValueError) else TypeError,
+      rules, "fwd",
+      f"returned a primal output {what}; the bwd rule then failed on "
+      f"cotangents of fwd's type ({type(error).__name__}: {error})")
+  if type(error) in (TypeError, ValueError):
+    raise blame from error
+  error.add_note(f"smartvjp: {blame}")
+
+
+
+
+def fwd_output_type_mismatches(call, fwd) -> list:
+  """``(path, f's type, fwd's type)`` for each primal output of the same
+  shape and dtype whose full type (varying manual axes, sharding, memory
+  space; not weak type) differs between ``f`` and ``fwd``. (Shapes and
+  dtypes are checked where ``fwd`` is traced; a batched ``fwd`` keeps the
+  unbatched call's types beside its own.)"""
+  if fwd is None or not fwd.out_avals:
+    return []
+  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
+  return [(path, a, b) for path, a, b in
+          zip(paths, call.out_avals, fwd.out_avals)
+          if (a.shape, a.dtype) == (b.shape, b.dtype)
+          and not jx.typecompat(a, b)]
+
+
+def check_fwd_output_types(call, fwd) -> None:
+  """Raises ``TypeError`` where ``f`` and ``fwd`` disagree on an output's
+  full type: differentiation that runs ``f`` in one place and ``fwd`` in
+  another (remat, forward mode) would mix the two types, as jax.custom_vjp
+  refuses there too."""
+  bad = fwd_output_type_mismatches(call, fwd)
+  if bad:
+    path, want, got = bad[0]
+    raise rule_error(
+        TypeError, call.rules, "fwd",
+        f"returned a primal output whose type differs from that of "
+        f"{call.rules.name} (f) at output{path}: f gives {want.str_short()}, "
+        f"fwd gives {got.str_short()}. Under jax.checkpoint f runs in the "
+        "forward pass and fwd in the backward pass, so the two must agree "
+        "in varying manual axes (shard_map) and sharding too; make f and "
+        "fwd return the same type (for instance with "
+        "jax.lax.pcast(x, axis_names, to='varying')).")
+
+
+def _axis_names_in(value, out: set) -> None:
+  """Collects the strings (axis names of collectives) in equation params,
+  looking into nested tuples and jaxprs."""
+  if isinstance(value, str):
+    out.add(value)
+  elif isinstance(value, (tuple, list, frozenset, set)):
+    for v in value:
+      _axis_names_in(v, out)
+  elif isinstance(value, jx.ClosedJaxpr) or (
+      hasattr(value, "eqns") and hasattr(value, "outvars")):
+    for eqn in getattr(value, "jaxpr", value).eqns:
+      for v in eqn.params.values():
+        _axis_names_in(v, out)
+
+
+def unjustified_invariance(jaxpr) -> list:
+  """Per output of ``jaxpr``, the manual mesh axes its type is invariant
+  along although the values it is computed from vary along them and no
+  collective over those axes (an equation naming them) made it invariant:
+  what a kernel whose result type carries no varying axes (a
+  ``jax.pure_callback``) declares inside ``jax.shard_map(check_vma=True)``."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  honest = {}
+
+  def get(v):
+    if type(v) is not jx.Var:
+      return frozenset()
+    return honest.get(v, jx.varying_axes(v.aval))
+
+  for eqn in jaxpr.eqns:
+    inputs = frozenset().union(*(get(v) for v in eqn.invars))
+    named: set = set()
+    for value in eqn.params.values():
+      _axis_names_in(value, named)
+    for v in eqn.outvars:
+      honest[v] = jx.varying_axes(v.aval) | (inputs - named)
+  return [get(v) - (jx.varying_axes(v.aval)
+                    if type(v) is jx.Var else frozenset())
+          for v in jaxpr.outvars]
+
+
+def check_fwd_output_invariance(call, fwd) -> None:
+  """Raises ``TypeError`` where forward mode follows ``fwd``'s primal output
+  types and an output claims to be invariant along manual mesh axes its
+  inputs vary along with no collective to make it so (an opaque kernel's
+  result): the tangent would be summed over those axes. (Reverse mode follows
+  the same types, as ``jax.custom_vjp`` does, and is left as it.)"""
+  if fwd is None or fwd.jaxpr is None:
+    return
+  outs = fwd.jaxpr.jaxpr.outvars[:call.num_outs]
+  missing = unjustified_invariance(fwd.jaxpr)[:call.num_outs]
+  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
+  for path, v, axes in zip(paths, outs, missing):
+    if axes:
+      axes = tuple(sorted(axes))
+      raise rule_error(
+          TypeError, call.rules, "fwd",
+          f"returns at output{path} a primal output of type "
+          f"{v.aval.str_short()}, invariant along the manual mesh axes "
+          f"{axes} of jax.shard_map, although it is computed from arguments "
+          "that vary along them and no collective over those axes produced "
+          "it (a jax.pure_callback result inside shard_map(check_vma=True) "
+          "is typed this way). Forward-mode differentiation follows that "
+          "type, so the tangent would be summed over those axes. Make the "
+          f"output varying with jax.lax.pcast(out, {axes!r}, to='varying').")
+
+
+def check_f_output_invariance(call) -> None:
+  """Raises ``TypeError`` when ``f``'s output type is the one its derivative
+  follows (only ``fwd_bwd`` given: no ``fwd`` gives a type to compare with)
+  and an output claims to be invariant along manual mesh axes its inputs
+  vary along with no collective to make it so. With ``check_vma=True`` the
+  cotangent of such an output is summed over those axes before ``fwd_bwd``
+  sees it, so the gradient would silently be wrong."""
+  while call.origin is not None:
+    call = call.origin
+  if call.rules.fwd is not None or call.jaxpr is None:
+    return
+  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
+  for path, aval, missing in zip(paths, call.out_avals,
+                                 unjustified_invariance(call.jaxpr)):
+    if missing:
+      axes = tuple(sorted(missing))
+      raise rule_error(
+          TypeError, call.rules, "fun",
+          f"returns at output{path} a value of type {aval.str_short()}, "
+          f"invariant along the manual mesh axes {axes} of jax.shard_map, "
+          "although it is computed from arguments that vary along them and "
+          "no collective over those axes produced it (a jax.pure_callback "
+          "result inside shard_map(check_vma=True) is typed this way). Only "
+          "fwd_bwd was given, so the derivative follows f's output type, and "
+          "the cotangent of that output would be summed over those axes: the "
+          "gradient would be wrong. Make f's output varying with "
+          f"jax.lax.pcast(out, {axes!r}, to='varying'), or give fwd and bwd.")
+
+
+
+
+def check_primal_out(call, primal_out) -> None:
+  if call.out_tree is None:   # eager differentiation: f has not run
+    return
+  rules = call.rules
+  leaves, tree = tree_util.tree_flatten(primal_out)
+  if tree != call.out_tree:
+    raise rule_error(
+        TypeError, rules, "fwd",
+        "returned a primal output whose pytree structure differs from "
+        f"{rules.name}'s output: expected {call.out_tree}, got {tree}.")
+  paths = [tree_util.keystr(p) for p, _ in
+           tree_util.tree_flatten_with_path(primal_out)[0]]
+  for path, leaf, want in zip(paths, leaves, call.out_avals):
+    got = jx.get_aval(leaf)
+    if got.shape != want.shape or got.dtype != want.dtype:
+      raise rule_error(
+          TypeError, rules, "fwd",
+          f"returned a primal output that differs from {rules.name}'s output "
+          f"at output{path}: expected {want.str_short()}, "
+          f"got {got.str_short()}.")

@@ -1,0 +1,295 @@
+"""What the batching rules of smartvjp's primitives share: the user's rules
+under ``jax.vmap``.
+
+A batched call is a new smartvjp call whose rules are the user's rules under
+``vmap``, as ``jax.custom_vjp`` batches its rules: ``f`` and ``fwd`` map
+every output to axis 0; ``bwd`` and ``fwd_bwd`` run under ``vmap`` and the
+cotangent of an argument that was not batched is summed over the batch. The
+rules run as part of the vmap being batched (its trace tag), so values they
+close over from that vmap are batched too. A traced ``fwd`` is batched by
+batching its jaxpr, which keeps its output layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import tree_util
+
+from smartvjp import _facade as jx
+from smartvjp import _jax_api
+from smartvjp._spec import CallSpec, Rules, trace_call
+
+# The vmap (trace tag, axis data) whose batching rule for one of smartvjp's
+# primitives is running (set by the primitives' bind, see _primitive.py).
+_BATCHING: contextvars.ContextVar = contextvars.ContextVar(
+    "smartvjp_batching", default=None)
+
+
+@contextlib.contextmanager
+def batching(key):
+  """Notes ``key``, ``(tag, axis_data)`` of a vmap, while its batching rule
+  for one of smartvjp's primitives runs."""
+  token = _BATCHING.set(key)
+  try:
+    yield
+  finally:
+    _BATCHING.reset(token)
+
+
+def _current_tag(axis_data):
+  now = _BATCHING.get()
+  return now[0] if now is not None and now[1] is axis_data else None
+
+
+def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None):
+  """``jax.vmap(fn, in_axes)`` over ``axis_data`` (every output at axis 0);
+  with the trace ``tag`` of the vmap being batched, as part of that vmap.
+  ``report``, if given, receives which output leaves ``fn`` mapped."""
+  if report is not None:
+    fn = _reporting(fn, report)
+  size, name, spmd_name, _ = jx.vmap_axis(axis_data)
+  if tag is None:
+    return jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_size=size,
+                    axis_name=name, spmd_axis_name=spmd_name)
+
+  def batched(*args):
+    axes = in_axes if isinstance(in_axes, (tuple, list)) else \
+        (in_axes,) * len(args)
+    leaves, in_tree = tree_util.tree_flatten(args)
+    store = {}
+
+    def flat(*xs):
+      out = fn(*tree_util.tree_unflatten(in_tree, list(xs)))
+      out_leaves, store["tree"] = tree_util.tree_flatten(out)
+      store["n"] = len(out_leaves)
+      return out_leaves
+    outs = jx.batch_inner(flat, tag, axis_data, _flat_axes(tuple(axes), args),
+                          lambda: store["n"])(*leaves)
+    return tree_util.tree_unflatten(store["tree"], outs)
+  return batched
+
+
+def _reporting(fn, report):
+  """``fn`` that passes ``report`` which of its output leaves are mapped."""
+  def run(*args):
+    out = fn(*args)
+    report([jx.is_mapped_here(x) for x in tree_util.tree_leaves(out)])
+    return out
+  return run
+
+
+def _flat_axes(in_axes, args):
+  """One axis per leaf of ``args`` from the prefix tree ``in_axes``."""
+  out = []
+  tree_util.tree_map(
+      lambda ax, sub: out.extend([ax] * len(tree_util.tree_leaves(sub))),
+      in_axes, args, is_leaf=lambda x: x is None)
+  return out
+
+
+def _named(fn, like):
+  fn.__name__ = getattr(like, "__name__", "rule")
+  return fn
+
+
+def _none_for_zeros(cts):
+  return [None if type(c) is jx.Zero else c for c in cts]
+
+
+def _sum_unbatched(cts, in_dims):
+  return tuple(None if c is None else (c if d is not None else jnp.sum(c, 0))
+               for c, d in zip(cts, in_dims))
+
+
+def _split_symbolic(g_leaves):
+  """Array leaves to map over, and a function rebuilding the full leaves."""
+  zeros = [type(g) is jx.SymbolicZero for g in g_leaves]
+  arrays = [g for g, z in zip(g_leaves, zeros) if not z]
+  unbatched = [jx.SymbolicZero(jx.mapped_aval(g.aval.shape[0], 0, g.aval))
+               if z else None for g, z in zip(g_leaves, zeros)]
+
+  def rebuild(arrays_in):
+    it = iter(arrays_in)
+    return [u if z else next(it) for u, z in zip(unbatched, zeros)]
+  return arrays, rebuild
+
+
+def _fwd_values(rules, leaves, n):
+  if rules.symbolic_zeros:
+    return [l.value for l in leaves], [l.perturbed for l in leaves]
+  return list(leaves), [True] * n
+
+
+def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
+  """The user's rules under vmap, over flat leaves (batched ones at axis 0);
+  every output is batched (per-example values and cotangents)."""
+  from smartvjp._bwd import flatten_cotangents  # the checks of bwd's outputs
+  rules = call.rules
+  n = call.num_primals
+  tag = _current_tag(axis_data)
+
+  def vmapped(fn, in_axes, report=None):
+    return _vmap_rule(fn, in_axes, axis_data, tag, report)
+
+  seen = {}   # which primal outputs fwd maps, noted when it is traced
+
+  def note(mapped):
+    seen["fwd"] = tuple(mapped[:call.num_outs])
+
+  def fun(*leaves):
+    def one(consts, leaves):
+      return tuple(jx.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
+    return vmapped(one, (list(const_dims), list(in_dims)))(
+        list(consts), list(leaves))
+
+  def fwd(*leaves):
+    vals, perturbed = _fwd_values(rules, leaves, n)
+
+    def one(*vals):
+      out, res = rules.fwd(*call.full_args(call.fwd_inputs(vals, perturbed)))
+      return tuple(tree_util.tree_leaves(out)), res
+    return vmapped(one, list(in_dims), note)(*vals)
+  fwd.mapped_outputs = seen
+
+  def bwd(res, g):
+    arrays, rebuild = _split_symbolic(list(g))
+
+    def one(res, arrays):
+      with _jax_api.collecting_logs() as sink:   # per example, batched out
+        py_g = tree_util.tree_unflatten(call.out_tree, rebuild(arrays))
+        cts = flatten_cotangents(
+            call, rules.bwd(*call.nondiff, res, py_g), "bwd")
+      return _none_for_zeros(cts), _jax_api.merged_logs(sink)
+    out, logs = vmapped(one, (0, 0))(res, arrays)
+    _jax_api.deposit_logs(logs)
+    return _sum_unbatched(out, in_dims)
+
+  def fwd_bwd(*args):
+    vals, perturbed = _fwd_values(rules, args[:n], n)
+    arrays, rebuild = _split_symbolic(list(args[n]))
+
+    def one(vals, arrays):
+      full = call.full_args(call.fwd_inputs(vals, perturbed))
+      py_g = tree_util.tree_unflatten(call.out_tree, rebuild(arrays))
+      cts = flatten_cotangents(call, rules.fwd_bwd(*full, py_g), "fwd_bwd")
+      return _none_for_zeros(cts)
+    return _sum_unbatched(vmapped(one, (list(in_dims), 0))(vals, arrays),
+                          in_dims)
+
+  return Rules(
+      fun=_named(fun, rules.fun),
+      fwd=_named(fwd, rules.fwd) if rules.fwd is not None else None,
+      bwd=_named(bwd, rules.bwd) if rules.bwd is not None else None,
+      fwd_bwd=(_named(fwd_bwd, rules.fwd_bwd)
+               if rules.fwd_bwd is not None else None),
+      symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=(),
+      always_save=rules.always_save, generic_batching=rules.generic_batching,
+      remat=(batched_rules(remat_call(call), consts, const_dims, in_dims,
+                           axis_data) if rules.remat is not None else None))
+
+
+def _batched_avals(avals, in_dims, axis_data):
+  size, _, _, mesh_axis = jx.vmap_axis(axis_data)
+  return tuple(jx.unmapped_aval(size, 0, a, mesh_axis) if d is not None else a
+               for a, d in zip(avals, in_dims))
+
+
+def _tuple_tree(n):
+  return tree_util.tree_structure(tuple(range(n)))
+
+
+def batched_call(call, consts, const_dims, in_dims, axis_data):
+  """``(batched CallSpec, its consts)``; ``in_dims`` are 0 or None."""
+  key = (tuple(const_dims), tuple(in_dims), axis_data)
+  hit = call.batch_cache.get(key)
+  if hit is not None:
+    return hit
+  rules = batched_rules(call, consts, const_dims, in_dims, axis_data)
+  in_avals = _batched_avals(call.in_avals, in_dims, axis_data)
+  out = trace_call(rules, (), len(in_avals), _tuple_tree(len(in_avals)),
+                   in_avals)
+  call.batch_cache.put(key, out, [*consts, *out[1]])
+  return out
+
+
+def linear_only_call(call, in_dims, axis_data):
+  """A batched CallSpec for the linear primitive: rules only, no ``f``."""
+  key = ("linear", tuple(in_dims), axis_data)
+  hit = call.batch_cache.get(key)
+  if hit is not None:
+    return hit
+  rules = batched_rules(call, (), (), in_dims, axis_data)
+  in_avals = _batched_avals(call.in_avals, in_dims, axis_data)
+  out_avals = _batched_avals(call.out_avals, [0] * call.num_outs, axis_data)
+  spec = CallSpec(
+      rules=rules, nondiff=(), num_args=len(in_avals),
+      in_tree=_tuple_tree(len(in_avals)), in_avals=in_avals,
+      out_tree=_tuple_tree(len(out_avals)), out_avals=out_avals, jaxpr=None,
+      num_consts=0, origin=call)
+  call.batch_cache.put(key, spec)
+  return spec
+
+
+def remat_call(call):
+  """``call`` with its ``defremat`` rules in place of its ``defvjp`` ones
+  (the same traced ``f``), or ``None`` when it has none; cached on it."""
+  if call.rules.remat is None:
+    return None
+  hit = call.batch_cache.get(("defremat",))
+  if hit is None:
+    hit = call.with_rules(call.rules.remat)
+    call.batch_cache.put(("defremat",), hit)
+  return hit
+
+
+def batched_fwd(call, fwd, axis_data, dims, out_dims):
+  """``(bfwd, extra, out_batched)``: ``fwd``'s jaxpr batched (inputs at
+  ``dims``, outputs as ``out_dims`` asks), its new constants ``extra`` as
+  leading inputs, and its primal output types the batched ones."""
+  batched, out_batched = jx.batch_jaxpr_axes(fwd.jaxpr, axis_data, dims,
+                                             out_dims)
+  extra = list(batched.consts)
+  jaxpr = jx.convert_constvars_jaxpr(batched.jaxpr)
+  bfwd = fwd.shifted(jx.ClosedJaxpr(jaxpr, ()), len(extra))
+  bfwd = dataclasses.replace(
+      bfwd, out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
+      if fwd.out_avals else ())
+  return bfwd, extra, out_batched
+
+
+def batched_jaxpr(jaxpr, axis_data, dims):
+  """``(jaxpr batched with new constants as leading inputs, constants,
+  out_batched)`` for a traced rule, each output mapped where it must be."""
+  n_out = len(jaxpr.out_avals)
+  batched, out_batched = jx.batch_jaxpr_axes(
+      jaxpr, axis_data, dims, [jx.zero_if_mapped] * n_out)
+  new = jx.ClosedJaxpr(jx.convert_constvars_jaxpr(batched.jaxpr), ())
+  return new, list(batched.consts), out_batched
+
+
+def front(axis_data, x, d):
+  """``x`` with its mapped axis ``d`` at 0 (``None``: a new axis 0)."""
+  size, _, _, mesh_axis = jx.vmap_axis(axis_data)
+  return jx.bdim_at_front(x, d, size, mesh_axis)
+
+
+def to_front_or_none(axis_data, xs, dims):
+  """Mapped values to axis 0; ``"broadcast"`` ones get a new axis 0."""
+  return ([x if d is None else
+           front(axis_data, x, None if d == "broadcast" else d)
+           for x, d in zip(xs, dims)],
+          [None if d is None else 0 for d in dims])
+
+
+def unbatched(axis_data, dims, effects) -> bool:
+  """No input is mapped and the rule names no collective over the mapped
+  axis: the primitive can run once, outside the vmap (a ``psum`` over the
+  axis must see the axis even when its operand is not mapped)."""
+  _, name, _, _ = jx.vmap_axis(axis_data)
+  return (all(d is None for d in dims)
+          and not jx.uses_axis_name(effects, name))

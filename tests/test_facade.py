@@ -1,0 +1,105 @@
+"""The facade over JAX's internals (``smartvjp/_facade.py``).
+
+* A JAX without an internal smartvjp needs fails at import with one error
+  naming it and the installed version.
+* Its declared internals are exactly the ones it uses: a declared name no
+  code uses fails here, and so does one used without being declared (which
+  would also be an ``AttributeError`` when that code runs).
+* No other module reaches into JAX's internals.
+* The registration adapters follow the installed JAX's conventions.
+"""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from smartvjp import _facade, smart_custom_vjp
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "smartvjp"
+FACADE = (PKG / "_facade.py").read_text()
+
+
+def _run(code):
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_import_fails_early_naming_a_missing_internal():
+  # a JAX release that removed one internal smartvjp relies on
+  proc = _run("import jax._src.core as core\n"
+              "del core.typecompat\n"
+              "import smartvjp\n")
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("ImportError: smartvjp does not support")
+  assert "jax._src.core.typecompat" in last and jax.__version__ in last
+
+
+def test_import_fails_early_naming_a_missing_module():
+  proc = _run("import sys\n"
+              "sys.modules['jax._src.interpreters.remat'] = None\n"
+              "import smartvjp\n")
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert "jax._src.interpreters.remat" in last
+
+
+def test_every_declared_internal_is_used():
+  unused = []
+  for alias, module, names in _facade.REQUIRED:
+    for name in names:
+      if not re.search(rf"\b{re.escape(alias)}\.{name}\b", FACADE):
+        unused.append(f"{module}.{name}")
+  assert not unused, f"declared in _facade.py but never used: {unused}"
+
+
+def test_every_used_internal_is_declared():
+  declared = {alias: set(names) for alias, _, names in _facade.REQUIRED}
+  used = set(re.findall(r"\b(_[a-z_]+)\.([A-Za-z_]\w*)", FACADE))
+  undeclared = sorted(f"{alias}.{name}" for alias, name in used
+                      if alias in declared and name not in declared[alias])
+  assert not undeclared, f"used in _facade.py but not declared: {undeclared}"
+
+
+def test_no_other_module_reaches_into_jax_internals():
+  for path in sorted(PKG.glob("*.py")):
+    if path.name == "_facade.py":
+      continue
+    text = path.read_text()
+    for needle in ("jax._src", "jax.extend", "jax.interpreters",
+                   "from jax import core", "jax.core."):
+      assert needle not in text.replace("``jax/_src/", ""), (path.name,
+                                                             needle)
+
+
+def test_no_module_imports_another_modules_private_names():
+  for path in sorted(PKG.glob("*.py")):
+    for m in re.finditer(r"from smartvjp\.\w+ import \(([^)]*)\)|"
+                         r"from smartvjp\.\w+ import ([^\n(]*)",
+                         path.read_text()):
+      names = (m.group(1) or m.group(2)).replace("\n", " ").split(",")
+      private = [n.strip().split(" as ")[0] for n in names
+                 if n.strip().startswith("_")]
+      assert not private, (path.name, private)
+
+
+def test_adapters_follow_the_installed_conventions():
+  # grad without remat goes through the linearization adapter, jit+DCE
+  # through the DCE adapter: both must work on this JAX
+  f = smart_custom_vjp(jnp.sin)
+  f.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+  g = jax.jit(jax.grad(lambda x: f(x) * 2.0))(0.5)
+  assert jnp.allclose(g, 2.0 * jnp.cos(0.5))
+  # JAX's DCE calls our rule with the installed signature (0.12 added
+  # live_ins): an unused call is dropped, a used one kept
+  from jax._src.interpreters import partial_eval as pe  # test-only internal
+  jaxpr = jax.make_jaxpr(lambda x: (f(x), x))(1.0).jaxpr
+  pruned, _ = pe.dce_jaxpr(jaxpr, [False, True])
+  assert not pruned.eqns
+  kept, _ = pe.dce_jaxpr(jaxpr, [True, False])
+  assert [e.primitive.name for e in kept.eqns] == ["smartvjp_call"]
