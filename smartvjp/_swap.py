@@ -368,6 +368,11 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
   * Submodules the copy imports later, lazily, after this call returns, and
     modules found through ``importlib.import_module`` inside the copy, are
     the shared ones.
+  * Parent packages are shared and imported first, as usual. A module that
+    its package's ``__init__`` imports part-way, and that relies on that
+    (reading a submodule from the package before the ``__init__`` rebinds
+    the name, as JAX's ``pallas.ops.tpu.megablox.ops`` does), fails in its
+    own code when copied alone: copy the package instead.
 
   Args:
     name: absolute name of the module (e.g.
@@ -399,6 +404,13 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
     include = (include,)
   prefixes = (name, *(_check_name("include", n) for n in include))
   with _import_lock:
+    # Parent packages are shared: import them first, as usual, so that a
+    # package whose __init__ imports the module binds the shared module's
+    # names, never the copy's.
+    for p in prefixes:
+      parent = p.rpartition(".")[0]
+      if parent and not _covers(prefixes, parent):
+        importlib.import_module(parent)
     finder = _FreshFinder(prefixes)
     saved = {n: m for n, m in list(sys.modules.items())
              if _covers(prefixes, n)

@@ -272,6 +272,46 @@ def test_a_package_is_copied_with_its_submodules(library):
   assert shared.kernels is sys.modules[f"{name}.kernels"]
 
 
+def test_a_package_imported_first_by_the_swap_keeps_its_own_names(library):
+  """The package is not imported yet and its __init__ imports the module to
+  be copied: the package (shared) must bind the shared module's function,
+  never the copy's."""
+  name = library(PACKAGE)
+  assert name not in sys.modules
+  copy = import_swapped(f"{name}.kernels")
+  shared = sys.modules[name]
+  assert swap_report(copy)[f"{name}.kernels.op"]
+  report = swap_report(shared)
+  assert report[f"{name}.op"] is False and report[f"{name}.kernels.op"] is False
+  assert shared.kernels is sys.modules[f"{name}.kernels"] is not copy
+
+
+def test_a_module_that_needs_its_package_mid_init_is_copied_with_it(library):
+  """Like JAX's megablox: ops.py reads the submodule ``backend`` from its
+  package while the package's __init__ runs, before the __init__ rebinds
+  that name to a function. Copying ops.py alone then fails in ops.py's own
+  code; copying the package runs both in the original order."""
+  name = library({
+      "__init__.py": "from .ops import backend\n",
+      "backend.py": "def backend(x):\n  return x\n",
+      "ops.py": """
+          import jax
+          from . import backend as _backend_module
+          op = jax.custom_vjp(_backend_module.backend)
+          op.defvjp(lambda x: (x, None), lambda _, g: (g,))
+          backend = op
+          """,
+  })
+  importlib.import_module(name)
+  with pytest.raises(AttributeError):
+    import_swapped(f"{name}.ops")
+  copy = import_swapped(name)
+  assert swap_report(copy) == {f"{name}.backend": True,
+                               f"{name}.ops.backend": True,
+                               f"{name}.ops.op": True,
+                               f"{name}.ops.jax.custom_vjp": True}
+
+
 def test_custom_vjp_from_a_shared_module_needs_include(library):
   dep = library(PACKAGE)
   user = library(f"""
