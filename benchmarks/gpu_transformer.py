@@ -133,7 +133,7 @@ def measure_policy(cfg, kernels, policy, params, tokens, interpret, args, log):
 
 
 def goals(cfg, rec, bitwise, paired):
-  want = EX.launches_per_call(cfg)
+  want = EX.expected_launches(cfg)
   sh, sw = rec["shipped"], rec["swapped"]
   mem = lambda r: (r["memory"] or {}).get("total_bytes")
   ratio = sw["step"]["median_s"] / sh["step"]["median_s"]

@@ -324,26 +324,34 @@ def _trip_count(op) -> int:
 
 # -- what the kernels are ------------------------------------------------------------
 
-# (kernel name, outputs) -> (what it is, its residual outputs' indices).
-# f: the primal kernel (no residuals); fwd: the primal and its residuals
-# (``attention._mha_forward``: ``lse``; ``rms_norm.rms_norm_forward``:
-# ``rstd``); bwd: the rule computing the gradients.
+# (kernel name, number of outputs) -> (label, rule, residual outputs). The
+# rule is what launches the kernel: the custom_vjp's f (output only), fwd
+# (output and residuals: attention's ``lse``, ``_mha_forward``; RMSNorm's
+# ``rstd``, ``rms_norm_forward``) or bwd.
+KERNELS = {
+    ("mha_forward", 1): ("attention mha_forward (o)", "f", ()),
+    ("mha_forward", 2): ("attention mha_forward (o, lse)", "fwd", (1,)),
+    ("mha_preprocess_backward", 1): ("attention mha_preprocess_backward",
+                                     "bwd", ()),
+    ("mha_backward", 3): ("attention mha_backward (dq, dk, dv)", "bwd", ()),
+    ("rms_norm_forward_kernel", 1): ("rms_norm rms_norm_forward_kernel (o)",
+                                     "f", ()),
+    ("rms_forward", 2): ("rms_norm rms_forward (o, rstd)", "fwd", (1,)),
+    ("ln_backward_dx", 1): ("rms_norm ln_backward_dx", "bwd", ()),
+    ("ln_backward_dw_db", 2): ("rms_norm ln_backward_dw_db", "bwd", ()),
+}
+CALLS_PER_LAYER = {"attention": 1, "rms_norm": 2}
+# Rule calls per checkpointed call and step: jax.custom_vjp runs fwd in the
+# forward pass and again in the backward pass; smartvjp f, then fwd once.
+RULE_CALLS = {"shipped": {"fwd": 2, "bwd": 1},
+              "swapped": {"f": 1, "fwd": 1, "bwd": 1}}
+
+
 def describe(kernel: Kernel) -> tuple[str, str, tuple[int, ...]]:
   """``(label, rule, residual output indices)`` of a kernel of this model."""
   n = len(kernel.outputs)
-  table = {
-      ("mha_forward", 1): ("attention mha_forward (o)", "f", ()),
-      ("mha_forward", 2): ("attention mha_forward (o, lse)", "fwd", (1,)),
-      ("mha_preprocess_backward", 1): ("attention mha_preprocess_backward",
-                                       "bwd", ()),
-      ("mha_backward", 3): ("attention mha_backward (dq, dk, dv)", "bwd", ()),
-      ("rms_norm_forward_kernel", 1): ("rms_norm rms_norm_forward_kernel (o)",
-                                       "f", ()),
-      ("rms_forward", 2): ("rms_norm rms_forward (o, rstd)", "fwd", (1,)),
-      ("ln_backward_dx", 1): ("rms_norm ln_backward_dx", "bwd", ()),
-      ("ln_backward_dw_db", 2): ("rms_norm ln_backward_dw_db", "bwd", ()),
-  }
-  return table.get((kernel.name, n), (f"{kernel.name} ({n} outputs)", "?", ()))
+  return KERNELS.get((kernel.name, n),
+                     (f"{kernel.name} ({n} outputs)", "?", ()))
 
 
 def by_label(launches) -> dict[str, int]:
@@ -359,27 +367,16 @@ def residual_bytes(launches) -> int:
              for i in describe(kernel)[2])
 
 
-def launches_per_call(cfg: Config) -> dict[str, dict[str, int]]:
-  """The launches each schedule needs per step, by label: per layer and
-  step, attention is called once and RMSNorm twice."""
-  L = cfg.layers
-  per_call = {
-      "shipped": {"mha_forward (o, lse)": 2, "rms_forward (o, rstd)": 2},
-      "swapped": {"mha_forward (o)": 1, "mha_forward (o, lse)": 1,
-                  "rms_norm_forward_kernel (o)": 1,
-                  "rms_forward (o, rstd)": 1},
-  }
+def expected_launches(cfg: Config) -> dict[str, dict[str, int]]:
+  """``{schedule: {label: launches per step}}``: every kernel of a rule runs
+  once per rule call, for each call of its module in each layer."""
   out = {}
-  for schedule, kernels in per_call.items():
-    want = {"attention mha_preprocess_backward": L,
-            "attention mha_backward (dq, dk, dv)": L,
-            "rms_norm ln_backward_dx": 2 * L,
-            "rms_norm ln_backward_dw_db": 2 * L}
-    for name, n in kernels.items():
-      calls = L if name.startswith("mha") else 2 * L
-      module = "attention" if name.startswith("mha") else "rms_norm"
-      want[f"{module} {name}"] = n * calls
-    out[schedule] = want
+  for schedule, rule_calls in RULE_CALLS.items():
+    want = collections.Counter()
+    for label, rule, _ in KERNELS.values():
+      calls = cfg.layers * CALLS_PER_LAYER[label.split()[0]]
+      want[label] += rule_calls.get(rule, 0) * calls
+    out[schedule] = {k: v for k, v in want.items() if v}
   return out
 
 
@@ -437,7 +434,7 @@ def main(cfg: Config | None = None):
         f"swapped {report['swapped']}"
         + ("" if report == {"shipped": False, "swapped": True} else "  WRONG"))
 
-  want = launches_per_call(cfg)
+  want = expected_launches(cfg)
   results, launches = {}, {}
   for pname, policy in POLICIES.items():
     launches[pname] = {s: count_step(cfg, kernels[s], policy, params, tokens)

@@ -18,7 +18,7 @@ those files. Two ways in, with different trade-offs, and a way to check:
 * :func:`swap_report` lists the ``custom_vjp`` functions a module holds and
   says for each whether it is smartvjp's.
 
-Only JAX's public names are swapped; ``jax._src`` is never touched.
+Only JAX's public names are swapped; JAX's private modules are never touched.
 """
 
 from __future__ import annotations
@@ -48,15 +48,26 @@ assert isinstance(_JAX_CUSTOM_VJP, type) and _JAX_CUSTOM_VJP is not smart_custom
 _JAX = jax
 _JAX_CD = jax.custom_derivatives
 
-# Modules that a fresh copy must never be made of: JAX's core and private
-# modules (re-running them would register primitives and config flags a
-# second time), jaxlib's binaries, the module holding the public custom_vjp
-# name, and smartvjp itself.
-# ``jax`` alone (its public submodules such as JAX's Pallas ops are fine);
-# the others with everything under them.
-_NEVER_FRESH = ("jax", "jax._src", "jaxlib", "jax.custom_derivatives",
-                "smartvjp")
-_NEVER_FRESH_EXACT = ("jax",)
+# Modules that a fresh copy is never made of: ``jax`` itself (its public
+# submodules, such as JAX's Pallas ops, are fine), JAX's private modules (a
+# name with a component starting with "_"), jaxlib's binaries, the module
+# holding the public custom_vjp name, and smartvjp: running them again would
+# register primitives and configuration a second time.
+_NEVER_FRESH_TREES = ("jaxlib", "jax.custom_derivatives", "smartvjp")
+
+
+def _never_fresh(name: str) -> str | None:
+  """Why ``name`` is never copied, or None."""
+  parts = name.split(".")
+  if name == "jax":
+    return "JAX itself"
+  if parts[0] == "jax" and any(p.startswith("_") for p in parts[1:]):
+    return "one of JAX's private modules"
+  for tree in _NEVER_FRESH_TREES:
+    if name == tree or name.startswith(tree + "."):
+      return {"jaxlib": "jaxlib", "smartvjp": "smartvjp"}.get(
+          tree, "the module holding the public custom_vjp")
+  return None
 
 
 class SwapError(RuntimeError):
@@ -110,8 +121,8 @@ def swap_custom_vjp() -> Iterator[None]:
     creates its ``custom_vjp`` when it is first traced, if that happens after
     the exit (a function traced and cached by ``jax.jit`` inside the block
     keeps its smartvjp rules when called later);
-  * a module that imports ``custom_vjp`` from ``jax._src`` (JAX's private
-    modules are never patched).
+  * a module that imports ``custom_vjp`` from one of JAX's private modules
+    (those are never patched).
 
   Threads: the patch is process-wide, so another thread that looks up
   ``jax.custom_vjp`` while the block is active gets ``smart_custom_vjp``
@@ -120,7 +131,7 @@ def swap_custom_vjp() -> Iterator[None]:
   freely in one thread; only the outermost exit restores). Where other
   threads import or trace code concurrently, prefer :func:`import_swapped`,
   which patches nothing global. JAX's own modules reach ``custom_vjp``
-  through ``jax._src``, so JAX's internals are unaffected.
+  through its private modules, so JAX's internals are unaffected.
 
   While the block is active ``jax.custom_vjp`` is a different class: an
   ``isinstance(obj, jax.custom_vjp)`` test in the block is a test for
@@ -248,6 +259,7 @@ def _reexecutable(spec) -> bool:
   # other file-based loaders with code objects (zip imports, editable
   # installs that load from a source tree)
   return bool(spec.has_location and hasattr(spec.loader, "get_code")
+              and hasattr(spec.loader, "exec_module")
               and (spec.origin or "").endswith((".py", ".pyc")))
 
 
@@ -306,15 +318,14 @@ def _check_name(what: str, name) -> str:
       not part.isidentifier() for part in name.split(".")):
     raise ValueError(f"import_swapped: {what} must be an absolute module name "
                      f"such as 'pkg.module', got {name!r}")
-  for never in _NEVER_FRESH:
-    if name == never or (never not in _NEVER_FRESH_EXACT
-                         and name.startswith(never + ".")):
-      raise SwapError(
-          f"import_swapped: {what} {name!r} is (or lies inside) {never!r}, "
-          "which smartvjp never re-executes: a second copy of JAX's core, "
-          "jaxlib or smartvjp would register primitives and configuration "
-          "a second time. Name the module that calls jax.custom_vjp "
-          "instead (e.g. 'jax.experimental.pallas.ops.gpu.attention').")
+  why = _never_fresh(name)
+  if why:
+    raise SwapError(
+        f"import_swapped: {what} {name!r} is {why}, which smartvjp never "
+        "re-executes: a second copy of JAX's core, jaxlib or smartvjp would "
+        "register primitives and configuration a second time. Name the "
+        "module that calls jax.custom_vjp instead (e.g. "
+        "'jax.experimental.pallas.ops.gpu.attention').")
   if name == "__main__":
     raise SwapError("import_swapped: '__main__' is the running script; it "
                     "cannot be imported again. Move the code into a module.")
