@@ -31,6 +31,7 @@ not expected). The JSON (``--out``) is rewritten after each measurement.
 Run on a GPU:  python benchmarks/gpu_transformer.py [--out FILE.json]
 Smoke test:    python benchmarks/gpu_transformer.py --smoke  (the example's
                tiny sizes, interpret mode, CPU ok; JSON to a temporary file)
+Tables only:   python benchmarks/gpu_transformer.py --from-json FILE.json
 """
 
 from __future__ import annotations
@@ -203,15 +204,22 @@ def parse(argv):
   p.add_argument("--check-steps", type=int, default=None,
                  help="SGD steps compared bit for bit (default 3; smoke 2)")
   p.add_argument("--out", default=None, help="JSON (default: a temporary file)")
+  p.add_argument("--from-json", metavar="PATH",
+                 help="only print the tables of a saved JSON")
   return p.parse_args(argv)
 
 
 def main(argv=None):
-  """Runs the benchmark; returns the JSON document (None without a GPU and
-  without ``--smoke``)."""
+  """Runs the benchmark (or prints a saved one); returns the JSON document
+  (None without a GPU and without ``--smoke``)."""
   t0 = time.perf_counter()
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse(argv)
+  if args.from_json:
+    with open(args.from_json) as fh:
+      doc = json.load(fh)
+    print(table(doc))
+    return doc
   on_gpu = jax.default_backend() == "gpu"
   if not (args.smoke or on_gpu):
     print("gpu_transformer.py: no GPU here; use --smoke for a CPU run of tiny "

@@ -44,7 +44,11 @@ __all__ = ["SwapError", "import_swapped", "swap_custom_vjp", "swap_report"]
 
 # JAX's class, captured before any swap can be active.
 _JAX_CUSTOM_VJP = jax.custom_derivatives.custom_vjp
-assert isinstance(_JAX_CUSTOM_VJP, type) and _JAX_CUSTOM_VJP is not smart_custom_vjp
+if not isinstance(_JAX_CUSTOM_VJP, type) or _JAX_CUSTOM_VJP is smart_custom_vjp:
+  raise ImportError(
+      "smartvjp: jax.custom_derivatives.custom_vjp is not JAX's class at "
+      f"import (found {_JAX_CUSTOM_VJP!r}); import smartvjp before anything "
+      "replaces it")
 _JAX = jax
 _JAX_CD = jax.custom_derivatives
 

@@ -54,6 +54,9 @@ def test_smoke_runs_on_cpu(bench, tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "goal values: losses and parameters bitwise equal: met" in printed
   assert "median [min-max]" in printed and doc["versions"]["jax"] in printed
+  assert bench.table(doc) in printed
+  bench.main(["--from-json", str(out)])   # the same tables from the file
+  assert capsys.readouterr().out.strip() == bench.table(doc)
 
 
 def test_the_gpu_model_lowers_for_an_h200(bench):
