@@ -358,8 +358,9 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
   (``@jax.custom_vjp``, ``functools.partial(jax.custom_vjp,
   nondiff_argnums=...)``, ``from jax import custom_vjp``, ``import
   jax.custom_derivatives``), and ``jax.custom_vjp`` looked up when a function
-  of the copy runs, at any later time. It works by giving the copy an
-  ``__import__`` (in its ``__builtins__``, a mechanism ``exec`` documents)
+  of the copy runs, at any later time. It works by loading the copy through
+  a meta-path finder (PEP 451) that gives it an ``__import__`` of its own
+  (in its ``__builtins__``, a mechanism ``exec`` documents)
   that hands it, for ``jax`` and ``jax.custom_derivatives``, views of those
   modules whose ``custom_vjp`` is smartvjp's; every other attribute is JAX's
   own.
@@ -394,9 +395,13 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
       ``"jax.experimental.pallas.ops.gpu.rms_norm"``, ``"optax"``). Its
       parent packages are imported as usual (shared).
     include: more module names (each with its submodules) whose fresh,
-      swapped copies the copy should use instead of the shared ones, e.g.
-      ``include=("equinox",)`` for a library whose ``custom_vjp`` functions
-      are made by equinox.
+      swapped copies the copy should use instead of the shared ones: where
+      ``name`` imports ``custom_vjp`` functions from another library (the
+      ``SwapError`` says which). A library whose ``custom_vjp`` functions are
+      made by another library's code at its import, such as diffrax through
+      equinox, is better swapped with :func:`swap_custom_vjp` around its
+      first import: a second copy of equinox beside the first is not
+      something that stack supports.
 
   Returns:
     The new module. :func:`swap_report` of it lists its ``custom_vjp``
