@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import importlib
 import math
 import re

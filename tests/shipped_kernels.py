@@ -159,18 +159,18 @@ class ShippedKernel:
     return {k: v for k, v in out.items() if v}
 
 
-def _normal(key, shape):
+def normal(key, shape):
   return jax.random.normal(jax.random.key(key), shape, jnp.float32)
 
 
-def _mha_args():
+def mha_args():
   b, t, h, d = 2, 16, 2, 16
-  return tuple(_normal(i, (b, t, h, d)) for i in range(3))
+  return tuple(normal(i, (b, t, h, d)) for i in range(3))
 
 
-def _norm_args():
-  return (_normal(3, (2, 8, 32)), 1.0 + 0.1 * _normal(4, (32,)),
-          0.1 * _normal(5, (32,)))
+def norm_args():
+  return (normal(3, (2, 8, 32)), 1.0 + 0.1 * normal(4, (32,)),
+          0.1 * normal(5, (32,)))
 
 
 def _rows(kernel, args):
@@ -193,14 +193,14 @@ def _mha(module, q, k, v, interpret):
 KERNELS = {
     "attention": ShippedKernel(
         "attention", "jax.experimental.pallas.ops.gpu.attention", "mha", _mha,
-        _mha_args,
+        mha_args,
         rules={"f": (("mha_forward", 1),), "fwd": (("mha_forward", 2),),
                "bwd": (("mha_preprocess_backward", 1), ("mha_backward", 3))},
         instances=lambda kernel, args: 1),
     "rms_norm": ShippedKernel(
         "rms_norm", "jax.experimental.pallas.ops.gpu.rms_norm", "rms_norm",
         lambda m, x, w, b, interpret: m.rms_norm(x, w, b, interpret=interpret),
-        _norm_args,
+        norm_args,
         rules={"f": (("rms_norm_forward_kernel", 1),),
                "fwd": (("rms_forward", 2),),
                "bwd": (("ln_backward_dx", 1), ("ln_backward_dw_db", 2))},
@@ -210,7 +210,7 @@ KERNELS = {
         "layer_norm",
         lambda m, x, w, b, interpret: m.layer_norm(x, w, b,
                                                    interpret=interpret),
-        _norm_args,
+        norm_args,
         rules={"f": (("layer_norm_forward_kernel", 1),),
                "fwd": (("ln_forward", 3),),
                "bwd": (("ln_backward_dx", 1), ("ln_backward_dw_db", 2))},

@@ -15,7 +15,6 @@ launches with the lowered program's and the gradients of the real kernels.
 from __future__ import annotations
 
 import importlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -183,7 +182,7 @@ def test_tpu_flash_attention_runs_only_on_a_tpu():
   if jax.default_backend() == "tpu":
     pytest.skip("on a TPU: not covered by this CPU/GPU suite")
   module = SK.load("jax.experimental.pallas.ops.tpu.flash_attention", True)
-  q = SK._normal(0, (1, 1, 128, 128))
+  q = SK.normal(0, (1, 1, 128, 128))
   try:
     jax.block_until_ready(module.flash_attention(q, q, q))
   except Exception as e:   # noqa: BLE001 -- the reason, verbatim, for the skip
@@ -198,10 +197,6 @@ def test_tpu_flash_attention_runs_only_on_a_tpu():
 RMS = "jax.experimental.pallas.ops.gpu.rms_norm"
 
 
-def _rms_args():
-  return SK._norm_args()
-
-
 def test_counter_dead_code():
   """A kernel whose outputs are all unused is gone (JAX removes it); one
   with a single used output runs whole; a used one inside a loop counts its
@@ -209,18 +204,18 @@ def test_counter_dead_code():
   rms = SK.load(RMS, False)
   fwd = lambda x, w, b: rms.rms_norm_forward(x, w, b)
   assert SK.static_launches(
-      EX, lambda x, w, b: (fwd(x, w, b), jnp.sum(x))[1], *_rms_args()) == {}
+      EX, lambda x, w, b: (fwd(x, w, b), jnp.sum(x))[1], *SK.norm_args()) == {}
   one_output = lambda x, w, b: jnp.sum(fwd(x, w, b)[1][3])   # rstd only
-  assert SK.static_launches(EX, one_output, *_rms_args()) == {
+  assert SK.static_launches(EX, one_output, *SK.norm_args()) == {
       ("rms_forward", 2): 1}
 
   def loop(x, w, b):
     return jax.lax.fori_loop(0, 5, lambda i, x: fwd(x, w, b)[0], x)
-  assert SK.static_launches(EX, loop, *_rms_args()) == {("rms_forward", 2): 5}
+  assert SK.static_launches(EX, loop, *SK.norm_args()) == {("rms_forward", 2): 5}
 
   def from_three(x, w, b):
     return jax.lax.fori_loop(3, 7, lambda i, x: fwd(x, w, b)[0], x)
-  assert SK.static_launches(EX, from_three, *_rms_args()) == {
+  assert SK.static_launches(EX, from_three, *SK.norm_args()) == {
       ("rms_forward", 2): 4}
 
 
@@ -232,17 +227,17 @@ def test_counter_refuses_what_only_run_time_decides():
     return jax.lax.while_loop(lambda x: jnp.sum(x) < 10.0,
                               lambda x: f(x, w, b) + 1.0, x)
   with pytest.raises(EX.LaunchCountError, match="trip count"):
-    SK.static_launches(EX, while_data, *_rms_args())
+    SK.static_launches(EX, while_data, *SK.norm_args())
 
   def cond_different(x, w, b):
     return jax.lax.cond(jnp.sum(x) > 0, lambda x: f(x, w, b), lambda x: x, x)
   with pytest.raises(EX.LaunchCountError, match="regions launch different"):
-    SK.static_launches(EX, cond_different, *_rms_args())
+    SK.static_launches(EX, cond_different, *SK.norm_args())
 
   def cond_same(x, w, b):
     return jax.lax.cond(jnp.sum(x) > 0, lambda x: f(x, w, b),
                         lambda x: f(-x, w, b), x)
-  assert SK.static_launches(EX, cond_same, *_rms_args()) == {
+  assert SK.static_launches(EX, cond_same, *SK.norm_args()) == {
       ("rms_norm_forward_kernel", 1): 1}
 
 
@@ -256,8 +251,8 @@ def test_counter_agrees_with_a_kernel_that_counts_itself():
   spec = importlib.util.spec_from_file_location("pallas_rmsnorm_gelu", path)
   RG = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(RG)
-  x = SK._normal(0, (32, 24))
-  gammas = 1.0 + 0.1 * SK._normal(1, (3, 24))
+  x = SK.normal(0, (32, 24))
+  gammas = 1.0 + 0.1 * SK.normal(1, (3, 24))
 
   def step(op):
     def loss(x, gammas):
