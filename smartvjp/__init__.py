@@ -14,13 +14,20 @@ Public names:
 * ``filter_custom_vjp``: replaces ``equinox.filter_custom_vjp``.
 * ``check_primals``, ``PrimalMismatchError``: an opt-in check that ``f`` and
   ``fwd`` agree.
+* ``import_swapped``, ``swap_custom_vjp``, ``swap_report``, ``SwapError``:
+  ``smart_custom_vjp`` in code you do not own (a library's module-level
+  ``@jax.custom_vjp``, JAX's shipped Pallas kernels).
 """
 
 from smartvjp._api import smart_custom_vjp
 from smartvjp._check import PrimalMismatchError, check_primals
 from smartvjp._equinox import filter_custom_vjp
+# after smart_custom_vjp is bound: _swap imports it from this package
+from smartvjp._swap import (SwapError, import_swapped, swap_custom_vjp,
+                            swap_report)
 
 __version__ = "0.1.0"
 
 __all__ = ["smart_custom_vjp", "filter_custom_vjp", "check_primals",
-           "PrimalMismatchError", "__version__"]
+           "PrimalMismatchError", "import_swapped", "swap_custom_vjp",
+           "swap_report", "SwapError", "__version__"]

@@ -181,6 +181,10 @@ LABELS = {
     "examples/blackbox_heat.py": ["max |ours - reference| / max |reference|",
                                   "each running every row once in turn",
                                   "median [min-max]", "same schedule"],
+    "examples/pallas_ops_transformer.py": [
+        "Kernel launches per training step", "residual bytes written",
+        "must be equal bit for bit", "losses bitwise equal yes",
+        "parameters after the last step bitwise equal yes"],
     "examples/ffi_kernel.py": ["Rules as", "rule calls",
                                "max |ours - 2 sin(x) cos(x)|"],
 }

@@ -17,6 +17,17 @@ issue's "done when" needs first, each under its own limit):
 ``bench``
     ``benchmarks/gpu_mlp.py`` (step time, compiled memory, largest batch),
     its JSON written as it goes.
+``transformer``
+    ``examples/pallas_ops_transformer.py`` as a user runs it: JAX's shipped
+    Pallas attention and RMSNorm kernels through Triton, as shipped and
+    swapped (``smartvjp.import_swapped``); launches, bitwise loss curves.
+``transformer-bench``
+    ``benchmarks/gpu_transformer.py`` (step time, compiled memory, launches,
+    bitwise values, with a verdict per goal), its JSON written per policy.
+``pallas-ops-tests``
+    the shipped kernels' tests: the profiler's launches against the lowered
+    program's and bitwise gradients of the real kernels (GPU-only tests), and
+    the interpret-mode and lowering tests.
 ``triton-tests``
     the jax_triton example's tests (values, gradients, launches).
 ``triton-example``
@@ -28,8 +39,8 @@ issue's "done when" needs first, each under its own limit):
 
 Files under ``--out`` (the device tool brings back at most 8): ``session.json``
 (every stage: command, status, seconds, the end of its output, and for test
-stages the counts and failing tests), ``log.txt`` (all output) and
-``gpu_mlp.json``.
+stages the counts and failing tests), ``log.txt`` (all output),
+``gpu_mlp.json`` and ``gpu_transformer.json``.
 
 jax-triton is not installed on the GPU machine and it cannot reach a package
 registry: ``tools/gpu_wheels.sh`` downloads the wheel into ``.whl/`` here,
@@ -59,18 +70,22 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-STAGES = ("env", "pallas-tests", "bench", "triton-tests", "triton-example",
-          "offload-tests", "full-tests")
+STAGES = ("env", "pallas-tests", "bench", "transformer", "transformer-bench",
+          "pallas-ops-tests", "triton-tests", "triton-example", "offload-tests",
+          "full-tests")
 # test stage -> (pytest arguments, seconds)
 TEST_STAGES = {
     "pallas-tests": (["tests/test_pallas_gelu_matmul.py",
                       "tests/test_pallas_rmsnorm_gelu.py"], 180),
+    "pallas-ops-tests": (["tests/test_pallas_ops.py",
+                          "tests/test_gpu_transformer.py"], 150),
     "triton-tests": (["tests/test_triton_gelu_matmul.py"], 150),
     "offload-tests": (["-k", "offload or pinned_host", "tests/test_contract.py",
                        "tests/test_shard_map_types.py"], 60),
 }
 # Files that a stage above runs whole: the full-suite stage leaves them out.
-RUN_WHOLE = [f for stage in ("pallas-tests", "triton-tests")
+RUN_WHOLE = [f for stage in ("pallas-tests", "pallas-ops-tests",
+                              "triton-tests")
              for f in TEST_STAGES[stage][0]]
 ENV_SCRIPT = r"""
 import json, platform, sys
@@ -176,6 +191,17 @@ def bench(session, args, py, env):
   session.run("bench", argv, limit, env=env)
 
 
+def transformer_bench(session, args, py, env):
+  """``benchmarks/gpu_transformer.py``; its JSON is saved after each policy,
+  so a run cut off at the limit keeps the policies it finished."""
+  out_json = os.path.join(args.out, "gpu_transformer.json")
+  argv = [py, "benchmarks/gpu_transformer.py", "--out", out_json]
+  argv += ["--smoke"] if args.smoke else []
+  argv += args.transformer_args.split()
+  session.run("transformer-bench", argv, 150 if not args.smoke else 300,
+              env=env)
+
+
 def install_wheels(session):
   """Installs the carried wheels (``.whl/*.whl``) into ``/tmp/site``."""
   wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
@@ -201,6 +227,8 @@ def main(argv=None):
                  help="a CPU dry run: tiny benchmark, a few full-suite files")
   p.add_argument("--bench-args", default="",
                  help="extra arguments for benchmarks/gpu_mlp.py")
+  p.add_argument("--transformer-args", default="",
+                 help="extra arguments for benchmarks/gpu_transformer.py")
   args = p.parse_args(argv)
   stages = [s for s in args.stages.split(",") if s]
   unknown = set(stages) - set(STAGES)
@@ -244,6 +272,11 @@ def main(argv=None):
                                  "--format=csv"], 20)
     elif stage == "bench":
       bench(session, args, py, env)
+    elif stage == "transformer":
+      session.run("transformer", [py, "examples/pallas_ops_transformer.py"],
+                  90 if not args.smoke else 300, env=env)
+    elif stage == "transformer-bench":
+      transformer_bench(session, args, py, env)
     elif stage == "triton-example":
       session.run("triton-example", [py, "examples/triton_gelu_matmul.py"],
                   90, env=env)
@@ -266,7 +299,7 @@ def main(argv=None):
     counts = (f" tests {junit.get('tests')} failures {junit.get('failures')} "
               f"errors {junit.get('errors')} skipped {junit.get('skipped')}"
               if junit else "")
-    print(f"  {name:16s} {entry.get('status'):8s} {entry.get('seconds', '-')}"
+    print(f"  {name:18s} {entry.get('status'):8s} {entry.get('seconds', '-')}"
           f" s{counts}")
   return 0
 

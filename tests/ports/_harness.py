@@ -1,10 +1,12 @@
 """One side of a port comparison, run as a subprocess by ``conftest.py``.
 
 A program script under ``tests/ports/`` calls :func:`start` first thing,
-which reads ``--smart 0|1 --out PATH [--case NAME]`` and, with ``--smart 1``, puts
-``smartvjp.smart_custom_vjp`` in place of ``jax.custom_vjp`` (and of
-``jax.custom_derivatives.custom_vjp``) before the program imports its
-library. The program then records its arrays with :meth:`Recorder.add` and
+which reads ``--smart 0|1 --out PATH [--case NAME]`` and imports the
+program's library; with ``--smart 1`` it imports it inside
+``smartvjp.swap_custom_vjp()`` (the public API: ``jax.custom_vjp`` and
+``jax.custom_derivatives.custom_vjp`` are ``smart_custom_vjp`` while the
+library's decorators run), and checks that the names are JAX's again after
+the block. The program then records its arrays with :meth:`Recorder.add` and
 calls :meth:`Recorder.save`, which writes them to an ``.npz`` file: each
 array as its raw bytes (so that the parent can compare bit for bit, NaN and
 -0.0 included, and dtypes numpy cannot store, such as float8, survive) plus
@@ -21,12 +23,13 @@ import numpy as np
 
 
 def start(*modules_not_yet_imported: str):
-  """Parses the command line and swaps ``jax.custom_vjp`` when asked.
+  """Parses the command line and imports the library, swapped when asked.
 
   Args:
-    modules_not_yet_imported: modules the program imports after the swap;
-      it is an error if one of them is already imported (the swap would then
-      come too late for its module-level ``@custom_vjp`` decorators).
+    modules_not_yet_imported: modules the program uses, imported here (inside
+      ``smartvjp.swap_custom_vjp()`` with ``--smart 1``); it is an error if
+      one of them is already imported (the swap would then come too late for
+      its module-level ``@custom_vjp`` decorators).
 
   Returns:
     A :class:`Recorder`.
@@ -36,16 +39,25 @@ def start(*modules_not_yet_imported: str):
   parser.add_argument("--out", required=True)
   parser.add_argument("--case", default="")
   args = parser.parse_args()
+  import importlib
   import jax
   jax.config.update("jax_platforms", "cpu")
   for name in modules_not_yet_imported:
     if name in sys.modules:
       raise RuntimeError(f"{name} was imported before the swap")
+  jax_custom_vjp = jax.custom_vjp
   if args.smart:
-    import jax.custom_derivatives
     import smartvjp
-    jax.custom_vjp = smartvjp.smart_custom_vjp
-    jax.custom_derivatives.custom_vjp = smartvjp.smart_custom_vjp
+    with smartvjp.swap_custom_vjp():
+      for name in modules_not_yet_imported:
+        importlib.import_module(name)
+    import jax.custom_derivatives
+    if (jax.custom_vjp is not jax_custom_vjp
+        or jax.custom_derivatives.custom_vjp is not jax_custom_vjp):
+      raise RuntimeError("swap_custom_vjp did not restore jax.custom_vjp")
+  else:
+    for name in modules_not_yet_imported:
+      importlib.import_module(name)
   return Recorder(bool(args.smart), args.out, args.case)
 
 

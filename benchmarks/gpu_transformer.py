@@ -1,0 +1,278 @@
+"""GPU benchmark: a transformer on JAX's shipped Pallas kernels, as shipped
+and swapped into smartvjp.
+
+The model is ``examples/pallas_ops_transformer.py``'s: each layer's
+attention and RMSNorm are JAX's Pallas GPU kernels
+(``jax.experimental.pallas.ops.gpu.attention.mha``, ``...rms_norm``), the
+MLP plain JAX, each layer under ``jax.checkpoint`` (``nothing_saveable`` and
+``dots_saveable``), scanned; one step is ``jit(value_and_grad)`` plus SGD.
+Two schedules: the kernels as shipped (``jax.custom_vjp``), and swapped
+(``smartvjp.import_swapped``). For each policy and schedule:
+
+* kernel launches per step and the residual bytes the kernels write, counted
+  in the lowered program (``examples/pallas_ops_transformer.py``);
+* memory of the compiled step (XLA's ``memory_analysis()``: temporaries +
+  arguments + outputs);
+* step time: ``--rounds`` interleaved rounds after a warm-up, round ``r``
+  running each schedule once in an order rotated by ``r``, each sample
+  ``inner`` back-to-back steps (so a sample lasts ``--min-sample-ms``);
+  median with min-max, and the median of the per-round ratios;
+* values: ``--check-steps`` SGD steps from the same start, losses and
+  parameters compared bit for bit.
+
+Goals, each printed with a verdict (met / NOT MET): launches: swapped runs
+the minimum (per checkpointed call: the kernel without residual outputs
+forward, the residual-writing kernel once, backward) and writes half the
+residual bytes of shipped; values: bitwise equal; memory: swapped <= shipped;
+step time: swapped not slower than shipped beyond 2% (the saving is the
+forward pass's residual writes, a small part of a step: a large speed-up is
+not expected). The JSON (``--out``) is rewritten after each measurement.
+
+Run on a GPU:  python benchmarks/gpu_transformer.py [--out FILE.json]
+Smoke test:    python benchmarks/gpu_transformer.py --smoke  (the example's
+               tiny sizes, interpret mode, CPU ok; JSON to a temporary file)
+Tables only:   python benchmarks/gpu_transformer.py --from-json FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(1, HERE)
+sys.path.insert(2, ROOT)   # smartvjp from this checkout where it is not installed
+import gpu_mlp  # noqa: E402  (machine_info, memory_parts, fmt_bytes, now)
+import pallas_ops_transformer as EX  # noqa: E402
+
+SCHEMA = "smartvjp/gpu_transformer/1"
+SCHEDULES = EX.SCHEDULES
+STEP_TOLERANCE = 1.02
+# the model on an H200: 4 layers, 8 x 2048 tokens, 16 heads of 64, bf16
+GPU_CONFIG = EX.Config(layers=4, batch=8, seq=2048, heads=16, head_dim=64,
+                       mlp=4096, vocab=8192, dtype="bfloat16", steps=3,
+                       learning_rate=0.05)
+SMOKE_CONFIG = EX.Config(steps=2)
+
+
+def verdict(ok: bool) -> str:
+  return "met" if ok else "NOT MET"
+
+
+def save(doc, path):
+  doc["updated"] = gpu_mlp.now()
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=".gpu_transformer.", suffix=".tmp",
+                             dir=folder)
+  with os.fdopen(fd, "w") as fh:
+    json.dump(doc, fh, indent=1)
+  os.replace(tmp, path)
+
+
+def measure_policy(cfg, kernels, policy, params, tokens, interpret, args, log):
+  """Launches, memory, values and step times of both schedules."""
+  rec = {s: {} for s in SCHEDULES}
+  steps = {}
+  for s in SCHEDULES:
+    launches = EX.count_step(cfg, kernels[s], policy, params, tokens)
+    rec[s]["launches"] = EX.by_label(launches)
+    rec[s]["residual_bytes"] = EX.residual_bytes(launches)
+    t = time.perf_counter()
+    step = jax.jit(EX.make_step(cfg, *kernels[s], policy, interpret))
+    compiled = step.lower(params, tokens).compile()
+    rec[s]["compile_s"] = time.perf_counter() - t
+    rec[s]["memory"] = gpu_mlp.memory_parts(compiled)
+    steps[s] = compiled
+    log(f"{s}: compiled in {rec[s]['compile_s']:.1f} s, memory "
+        f"{gpu_mlp.fmt_bytes((rec[s]['memory'] or {}).get('total_bytes'))}")
+  # values: the same SGD steps from the same start
+  finals = {}
+  for s in SCHEDULES:
+    p, losses = params, []
+    for _ in range(args.check_steps):
+      loss, p = steps[s](p, tokens)
+      losses.append(loss)
+    finals[s] = (jax.block_until_ready(losses), p)
+    rec[s]["losses"] = [float(x) for x in losses]
+  bitwise = EX.bitwise_equal(finals["shipped"], finals["swapped"])
+  # step time, interleaved
+  warm = {}
+  for s in SCHEDULES:
+    for _ in range(max(args.warmup, 1)):
+      t = time.perf_counter()
+      jax.block_until_ready(steps[s](params, tokens))
+      warm[s] = time.perf_counter() - t
+  inner = max(1, math.ceil(args.min_sample_ms / 1e3 / min(warm.values())))
+  samples = {s: [] for s in SCHEDULES}
+  for r in range(args.rounds):
+    order = SCHEDULES[r % 2:] + SCHEDULES[:r % 2]
+    for s in order:
+      t = time.perf_counter()
+      for _ in range(inner):
+        out = steps[s](params, tokens)
+      jax.block_until_ready(out)
+      samples[s].append((time.perf_counter() - t) / inner)
+  for s in SCHEDULES:
+    xs = samples[s]
+    rec[s]["step"] = dict(median_s=statistics.median(xs), min_s=min(xs),
+                          max_s=max(xs), samples_s=xs, inner=inner)
+  paired = statistics.median(a / b for a, b in zip(samples["swapped"],
+                                                   samples["shipped"]))
+  return rec, bitwise, paired
+
+
+def goals(cfg, rec, bitwise, paired):
+  want = EX.expected_launches(cfg)
+  sh, sw = rec["shipped"], rec["swapped"]
+  mem = lambda r: (r["memory"] or {}).get("total_bytes")
+  ratio = sw["step"]["median_s"] / sh["step"]["median_s"]
+  return {
+      "launches: swapped runs the minimum (shipped as expected too)":
+          sw["launches"] == want["swapped"] and sh["launches"] == want["shipped"],
+      "residual writes: swapped <= 1/2 of shipped":
+          2 * sw["residual_bytes"] <= sh["residual_bytes"],
+      "values: losses and parameters bitwise equal": bitwise,
+      "memory: swapped compiled step <= shipped":
+          mem(sw) is not None and mem(sh) is not None and mem(sw) <= mem(sh),
+      f"step time: swapped median <= {STEP_TOLERANCE:.2f}x shipped "
+      f"(ratio {ratio:.3f}, paired {paired:.3f})":
+          ratio <= STEP_TOLERANCE,
+  }
+
+
+def table(doc):
+  lines = []
+  m, v, cfg = doc["machine"], doc["versions"], doc["config"]
+  lines.append(f"jax {v['jax']} (jaxlib {v['jaxlib']}, Python {v['python']}) "
+               f"on {m['device_kind']} x{m['device_count']} ({m['platform']}), "
+               f"host {m['host']}, {m['cpu_count']} CPUs"
+               + (" -- interpret mode" if doc["interpret"] else ""))
+  lines.append(f"model: {cfg['layers']} layers, batch {cfg['batch']} x seq "
+               f"{cfg['seq']}, {cfg['heads']} heads x {cfg['head_dim']}, MLP "
+               f"{cfg['mlp']}, vocab {cfg['vocab']}, {cfg['dtype']}; step "
+               f"time: median [min-max] of {doc['args']['rounds']} "
+               "interleaved rounds")
+  for pname, r in doc["policies"].items():
+    lines.append(f"\n== {pname} ==")
+    lines.append(f"  {'schedule':9s} {'step ms':>10s} {'[min-max]':>21s} "
+                 f"{'memory':>11s} {'launches':>8s} {'residual B':>11s}")
+    for s in SCHEDULES:
+      x = r[s]
+      st = x["step"]
+      lines.append(
+          f"  {s:9s} {st['median_s'] * 1e3:10.3f} "
+          f"[{st['min_s'] * 1e3:8.3f}-{st['max_s'] * 1e3:8.3f}] "
+          f"{gpu_mlp.fmt_bytes((x['memory'] or {}).get('total_bytes')):>11s} "
+          f"{sum(x['launches'].values()):8d} {x['residual_bytes']:11d}")
+    lines.append("  launches per step by kernel (shipped / swapped):")
+    names = sorted(set(r["shipped"]["launches"]) | set(r["swapped"]["launches"]))
+    for name in names:
+      lines.append(f"    {name:44s} {r['shipped']['launches'].get(name, 0):4d}"
+                   f" / {r['swapped']['launches'].get(name, 0):4d}")
+    for goal, ok in r["goals"].items():
+      lines.append(f"  goal {goal}: {verdict(ok)}")
+  return "\n".join(lines)
+
+
+def parse(argv):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--smoke", action="store_true",
+                 help="the example's tiny sizes, interpret mode (CPU ok)")
+  for field in ("layers", "batch", "seq", "heads", "head_dim", "mlp", "vocab"):
+    p.add_argument(f"--{field.replace('_', '-')}", type=int, default=None)
+  p.add_argument("--dtype", default=None)
+  p.add_argument("--policies", nargs="+", choices=list(EX.POLICIES),
+                 default=list(EX.POLICIES))
+  p.add_argument("--rounds", type=int, default=None,
+                 help="interleaved timing rounds (default 10; smoke 3)")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--min-sample-ms", type=float, default=None,
+                 help="steps per sample so one lasts this long (default 20; "
+                 "smoke 0)")
+  p.add_argument("--check-steps", type=int, default=None,
+                 help="SGD steps compared bit for bit (default 3; smoke 2)")
+  p.add_argument("--out", default=None, help="JSON (default: a temporary file)")
+  p.add_argument("--from-json", metavar="PATH",
+                 help="only print the tables of a saved JSON")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  """Runs the benchmark (or prints a saved one); returns the JSON document
+  (None without a GPU and without ``--smoke``)."""
+  t0 = time.perf_counter()
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse(argv)
+  if args.from_json:
+    with open(args.from_json) as fh:
+      doc = json.load(fh)
+    print(table(doc))
+    return doc
+  on_gpu = jax.default_backend() == "gpu"
+  if not (args.smoke or on_gpu):
+    print("gpu_transformer.py: no GPU here; use --smoke for a CPU run of tiny "
+          "shapes. Exiting.")
+    return None
+  base = SMOKE_CONFIG if args.smoke else GPU_CONFIG
+  cfg = dataclasses.replace(base, **{
+      f: getattr(args, f) for f in ("layers", "batch", "seq", "heads",
+                                     "head_dim", "mlp", "vocab", "dtype")
+      if getattr(args, f) is not None})
+  pick = lambda given, full, small: given if given is not None else (
+      small if args.smoke else full)
+  args.rounds = pick(args.rounds, 10, 3)
+  args.min_sample_ms = pick(args.min_sample_ms, 20.0, 0.0)
+  args.check_steps = pick(args.check_steps, 3, 2)
+  interpret = not on_gpu
+  out = args.out or os.path.join(tempfile.gettempdir(),
+                                 f"gpu_transformer_{os.getpid()}.json")
+  machine, versions = gpu_mlp.machine_info()
+  doc = dict(schema=SCHEMA, started=gpu_mlp.now(), updated=None,
+             machine=machine, versions=versions, argv=argv, args=vars(args),
+             config=dataclasses.asdict(cfg), interpret=interpret,
+             policies={}, status="running")
+  log = lambda msg: print(f"[{time.perf_counter() - t0:7.1f}s] {msg}",
+                          flush=True)
+  print(f"jax {versions['jax']} on {machine['device_kind']} "
+        f"({'interpret mode' if interpret else 'Triton'}); {cfg}; JSON: {out}",
+        flush=True)
+  kernels = {s: EX.load_kernels(s == "swapped") for s in SCHEDULES}
+  params = EX.init_params(cfg, jax.random.key(0))
+  tokens = EX.make_data(cfg, jax.random.key(1))
+  try:
+    for pname in args.policies:
+      log(f"policy {pname}")
+      rec, bitwise, paired = measure_policy(
+          cfg, kernels, EX.POLICIES[pname], params, tokens, interpret, args,
+          log)
+      rec["values_bitwise_equal"] = bitwise
+      rec["paired_step_ratio"] = paired
+      rec["goals"] = goals(cfg, rec, bitwise, paired)
+      doc["policies"][pname] = rec
+      save(doc, out)
+    doc["status"] = "complete"
+  except BaseException:
+    doc["status"] = "error"
+    raise
+  finally:
+    doc["elapsed_s"] = time.perf_counter() - t0
+    save(doc, out)
+  print("\n" + table(doc))
+  print(f"\nJSON: {out}; finished in {doc['elapsed_s']:.1f} s.")
+  return doc
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,613 @@
+"""Swapping ``smart_custom_vjp`` into code you do not own.
+
+Kernel and solver libraries (JAX's own Pallas ops among them) decorate their
+functions with ``jax.custom_vjp`` when they are imported; a user cannot edit
+those files. Two ways in, with different trade-offs, and a way to check:
+
+* :func:`import_swapped` loads a *fresh copy* of a module (and, on request,
+  of other modules it imports) in which ``jax.custom_vjp`` and
+  ``jax.custom_derivatives.custom_vjp`` mean ``smart_custom_vjp``. Nothing
+  global is patched, so it works whether or not the module was imported
+  already, leaves everyone else's copy alone, covers ``jax.custom_vjp``
+  looked up when the copy's functions run (not only at import), and is safe
+  with threads.
+* :func:`swap_custom_vjp` is a context manager that patches the two public
+  names for the whole process while it is active: everything that looks them
+  up inside the block (a first import, a decorator applied at trace time)
+  gets ``smart_custom_vjp``.
+* :func:`swap_report` lists the ``custom_vjp`` functions a module holds and
+  says for each whether it is smartvjp's.
+
+Only JAX's public names are swapped; JAX's private modules are never touched.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+import types
+from typing import Iterable, Iterator
+
+import jax
+import jax.custom_derivatives
+
+# smartvjp/__init__.py binds the public class before it imports this module.
+from smartvjp import smart_custom_vjp
+
+__all__ = ["SwapError", "import_swapped", "swap_custom_vjp", "swap_report"]
+
+# JAX's class, captured before any swap can be active.
+_JAX_CUSTOM_VJP = jax.custom_derivatives.custom_vjp
+if not isinstance(_JAX_CUSTOM_VJP, type) or _JAX_CUSTOM_VJP is smart_custom_vjp:
+  raise ImportError(
+      "smartvjp: jax.custom_derivatives.custom_vjp is not JAX's class at "
+      f"import (found {_JAX_CUSTOM_VJP!r}); import smartvjp before anything "
+      "replaces it")
+_JAX = jax
+_JAX_CD = jax.custom_derivatives
+
+# Modules that a fresh copy is never made of: ``jax`` itself (its public
+# submodules, such as JAX's Pallas ops, are fine), JAX's private modules (a
+# name with a component starting with "_"), jaxlib's binaries, the module
+# holding the public custom_vjp name, and smartvjp: running them again would
+# register primitives and configuration a second time.
+_NEVER_FRESH_TREES = ("jaxlib", "jax.custom_derivatives", "smartvjp")
+
+
+def _never_fresh(name: str) -> str | None:
+  """Why ``name`` is never copied, or None."""
+  parts = name.split(".")
+  if name == "jax":
+    return "JAX itself"
+  if parts[0] == "jax" and any(p.startswith("_") for p in parts[1:]):
+    return "one of JAX's private modules"
+  for tree in _NEVER_FRESH_TREES:
+    if name == tree or name.startswith(tree + "."):
+      return {"jaxlib": "jaxlib", "smartvjp": "smartvjp"}.get(
+          tree, "the module holding the public custom_vjp")
+  return None
+
+
+class SwapError(RuntimeError):
+  """smartvjp cannot swap ``smart_custom_vjp`` in where it was asked to.
+
+  Raised by :func:`import_swapped` when a module cannot be re-executed or
+  would keep some ``jax.custom_vjp`` function (the message names each one
+  and where it comes from), and by :func:`swap_custom_vjp` when the patched
+  names were replaced by someone else inside the block.
+  """
+
+
+# -- the process-wide swap -------------------------------------------------------
+
+_patch_lock = threading.RLock()
+_patch_depth = 0
+_patch_saved: tuple = ()
+
+
+@contextlib.contextmanager
+def swap_custom_vjp() -> Iterator[None]:
+  """Inside the block, ``jax.custom_vjp`` is ``smart_custom_vjp``, process-wide.
+
+  Both public names, ``jax.custom_vjp`` and
+  ``jax.custom_derivatives.custom_vjp``, are set to
+  :class:`smartvjp.smart_custom_vjp` on entry and restored to what they were
+  on exit, on an exception too. Example::
+
+    import smartvjp
+
+    with smartvjp.swap_custom_vjp():
+      import some_kernel_library      # its @jax.custom_vjp decorators, and
+                                      # functools.partial(jax.custom_vjp,
+                                      # nondiff_argnums=...), are smartvjp's
+
+  What it reaches: every lookup of ``jax.custom_vjp`` (or of
+  ``jax.custom_derivatives.custom_vjp``, or ``from jax import custom_vjp``)
+  that happens while the block is active: the module-level decorators of a
+  module imported *for the first time* in the block (and of everything it
+  imports for the first time), and ``jax.custom_vjp`` called inside a
+  function that runs (or is traced) in the block, as
+  ``equinox.filter_custom_vjp`` does when its rules are given.
+
+  What it does not reach, by construction:
+
+  * functions decorated before the block: they stay ``jax.custom_vjp``
+    objects. A module imported before the block is not imported again by an
+    ``import`` inside it (Python returns the cached module); use
+    :func:`import_swapped` for a fresh copy of it;
+  * ``jax.custom_vjp`` looked up after the block, e.g. by a function that
+    creates its ``custom_vjp`` when it is first traced, if that happens after
+    the exit (a function traced and cached by ``jax.jit`` inside the block
+    keeps its smartvjp rules when called later);
+  * a module that imports ``custom_vjp`` from one of JAX's private modules
+    (those are never patched).
+
+  Threads: the patch is process-wide, so another thread that looks up
+  ``jax.custom_vjp`` while the block is active gets ``smart_custom_vjp``
+  too. Blocks in different threads run one at a time: a thread entering
+  while another thread's block is active waits for it to end (blocks nest
+  freely in one thread; only the outermost exit restores). Where other
+  threads import or trace code concurrently, prefer :func:`import_swapped`,
+  which patches nothing global. JAX's own modules reach ``custom_vjp``
+  through its private modules, so JAX's internals are unaffected.
+
+  While the block is active ``jax.custom_vjp`` is a different class: an
+  ``isinstance(obj, jax.custom_vjp)`` test in the block is a test for
+  ``smart_custom_vjp``.
+
+  Check the result with :func:`swap_report`, or look for smartvjp's
+  primitives (names beginning ``smartvjp_``) instead of ``custom_vjp_call``
+  in ``jax.make_jaxpr(fn)(*args)``.
+
+  Usable as a decorator too (``@smartvjp.swap_custom_vjp()``).
+
+  Raises:
+    SwapError: on exit, when ``jax.custom_vjp`` or
+      ``jax.custom_derivatives.custom_vjp`` is no longer
+      ``smart_custom_vjp`` (something else replaced it inside the block). The
+      names are restored to what they were before the block first, and an
+      exception raised in the block is chained to this one.
+  """
+  global _patch_depth, _patch_saved
+  with _patch_lock:
+    if _patch_depth == 0:
+      _patch_saved = (_JAX.custom_vjp, _JAX_CD.custom_vjp)
+      _JAX.custom_vjp = _JAX_CD.custom_vjp = smart_custom_vjp
+    _patch_depth += 1
+    try:
+      yield
+    finally:
+      _patch_depth -= 1
+      if _patch_depth == 0:
+        found = {"jax.custom_vjp": _JAX.custom_vjp,
+                 "jax.custom_derivatives.custom_vjp": _JAX_CD.custom_vjp}
+        _JAX.custom_vjp, _JAX_CD.custom_vjp = _patch_saved
+        _patch_saved = ()
+        foreign = {k: v for k, v in found.items() if v is not smart_custom_vjp}
+        if foreign:
+          raise SwapError(
+              "swap_custom_vjp: inside the block, " + ", ".join(
+                  f"{k} was replaced by {v!r}" for k, v in foreign.items())
+              + "; something else patched it while smartvjp's swap was "
+              "active, so code in the block may not have had "
+              "smart_custom_vjp. The names now hold what they held before "
+              "the block.")
+
+
+# -- fresh, swapped copies of modules -------------------------------------------
+
+class _SwappedModule(types.ModuleType):
+  """A stand-in for ``jax`` (or ``jax.custom_derivatives``) inside a swapped
+  copy: ``custom_vjp`` is ``smart_custom_vjp``; every other attribute is read
+  from (and written to) the real module."""
+
+  def __init__(self, real: types.ModuleType, overrides: dict):
+    super().__init__(real.__name__, real.__doc__)
+    own = vars(self)
+    for attr in ("__spec__", "__package__", "__loader__", "__file__",
+                 "__path__"):
+      if hasattr(real, attr):
+        own[attr] = getattr(real, attr)
+    own.update(overrides)
+    own["_smartvjp_real"] = real
+
+  def __getattr__(self, attr):
+    return getattr(vars(self)["_smartvjp_real"], attr)
+
+  def __setattr__(self, attr, value):
+    setattr(vars(self)["_smartvjp_real"], attr, value)
+
+  def __delattr__(self, attr):
+    delattr(vars(self)["_smartvjp_real"], attr)
+
+  def __dir__(self):
+    return sorted(set(dir(vars(self)["_smartvjp_real"])) | {"custom_vjp"})
+
+  def __repr__(self):
+    return (f"<module {self.__name__!r}, as seen by a module that "
+            "smartvjp.import_swapped loaded: custom_vjp is smart_custom_vjp>")
+
+
+_CD_VIEW = _SwappedModule(_JAX_CD, {"custom_vjp": smart_custom_vjp})
+_JAX_VIEW = _SwappedModule(_JAX, {"custom_vjp": smart_custom_vjp,
+                                  "custom_derivatives": _CD_VIEW})
+_VIEWS = {id(_JAX): _JAX_VIEW, id(_JAX_CD): _CD_VIEW}
+
+
+def _swapped_import(name, globals=None, locals=None, fromlist=(), level=0):
+  """``__import__`` for the code of a swapped copy: ``jax`` and
+  ``jax.custom_derivatives`` come back as views whose ``custom_vjp`` is
+  ``smart_custom_vjp``; anything else as usual."""
+  module = builtins.__import__(name, globals, locals, fromlist, level)
+  if fromlist and "custom_vjp" in fromlist and id(module) not in _VIEWS:
+    if getattr(module, "custom_vjp", None) is _JAX_CUSTOM_VJP:
+      importer = (globals or {}).get("__name__", "a swapped module")
+      raise SwapError(
+          f"import_swapped: {importer} runs `from {module.__name__} import "
+          f"custom_vjp`, which binds JAX's custom_vjp through "
+          f"{module.__name__}; only the public names jax.custom_vjp and "
+          "jax.custom_derivatives.custom_vjp are swapped (a private module "
+          "can change between JAX releases), so this module's custom_vjp "
+          "functions would stay jax.custom_vjp. It cannot be swapped without "
+          "editing it.")
+  return _VIEWS.get(id(module), module)
+
+
+def _swapped_builtins() -> dict:
+  table = dict(vars(builtins))
+  table["__import__"] = _swapped_import
+  return table
+
+
+def _covers(prefixes: tuple[str, ...], name: str) -> bool:
+  return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _reexecutable(spec) -> bool:
+  """Python source or bytecode from a file, or a namespace package: code
+  that can run again. Extension modules, built-in and frozen modules
+  cannot (or must not) be executed twice; a swapped copy shares them."""
+  if spec is None or spec.loader is None:
+    return spec is not None and spec.submodule_search_locations is not None
+  if isinstance(spec.loader, (importlib.machinery.SourceFileLoader,
+                              importlib.machinery.SourcelessFileLoader)):
+    return True
+  if type(spec.loader).__name__ == "NamespaceLoader":
+    return True
+  # other file-based loaders with code objects (zip imports, editable
+  # installs that load from a source tree)
+  return bool(spec.has_location and hasattr(spec.loader, "get_code")
+              and hasattr(spec.loader, "exec_module")
+              and (spec.origin or "").endswith((".py", ".pyc")))
+
+
+class _SwappedLoader:
+  """Wraps a module's loader: executes the module with the swapped
+  ``__import__`` in its builtins, and records it as a fresh copy."""
+
+  def __init__(self, loader, finder):
+    self._loader, self._finder = loader, finder
+
+  def create_module(self, spec):
+    return self._loader.create_module(spec)
+
+  def exec_module(self, module):
+    module.__builtins__ = self._finder.builtins
+    self._finder.created[module.__name__] = module
+    self._loader.exec_module(module)
+
+  def __getattr__(self, attr):   # get_source, get_code, is_package, ...
+    return getattr(self._loader, attr)
+
+
+class _FreshFinder:
+  """A meta-path finder, first in ``sys.meta_path`` while a copy is made:
+  modules that ``prefixes`` cover are found by the finders after it, and
+  their loaders wrapped."""
+
+  def __init__(self, prefixes):
+    self.prefixes = prefixes
+    self.builtins = _swapped_builtins()
+    self.created: dict[str, types.ModuleType] = {}
+
+  def find_spec(self, fullname, path=None, target=None):
+    if not _covers(self.prefixes, fullname):
+      return None
+    for finder in sys.meta_path:
+      if finder is self or not hasattr(finder, "find_spec"):
+        continue
+      spec = finder.find_spec(fullname, path, target)
+      if spec is not None:
+        break
+    else:
+      return None
+    if not _reexecutable(spec):
+      return spec    # shared: loaded as usual
+    if spec.loader is not None:
+      spec.loader = _SwappedLoader(spec.loader, self)
+    return spec
+
+
+_import_lock = threading.RLock()
+
+
+def _check_name(what: str, name) -> str:
+  if not isinstance(name, str) or not name or name.startswith(".") or any(
+      not part.isidentifier() for part in name.split(".")):
+    raise ValueError(f"import_swapped: {what} must be an absolute module name "
+                     f"such as 'pkg.module', got {name!r}")
+  why = _never_fresh(name)
+  if why:
+    raise SwapError(
+        f"import_swapped: {what} {name!r} is {why}, which smartvjp never "
+        "re-executes: a second copy of JAX's core, jaxlib or smartvjp would "
+        "register primitives and configuration a second time. Name the "
+        "module that calls jax.custom_vjp instead (e.g. "
+        "'jax.experimental.pallas.ops.gpu.attention').")
+  if name == "__main__":
+    raise SwapError("import_swapped: '__main__' is the running script; it "
+                    "cannot be imported again. Move the code into a module.")
+  return name
+
+
+def import_swapped(name: str, *, include: Iterable[str] = ()
+                   ) -> types.ModuleType:
+  """A fresh copy of module ``name`` in which ``jax.custom_vjp`` is smartvjp's.
+
+  The module's code runs again, from its file, with ``jax.custom_vjp`` and
+  ``jax.custom_derivatives.custom_vjp`` meaning
+  :class:`smartvjp.smart_custom_vjp`, and the new module object is returned.
+  The module already in ``sys.modules`` (if any) and everything that uses it
+  are left as they are; nothing global is patched. Example (JAX's shipped
+  Pallas attention kernel)::
+
+    import smartvjp
+    attention = smartvjp.import_swapped(
+        "jax.experimental.pallas.ops.gpu.attention")
+    out = jax.checkpoint(attention.mha)(q, k, v, None)   # q, k, v: [B, T, H, D]
+    # under remat: the output-only kernel forward, the residual-writing
+    # kernel once, in the backward pass (jax.custom_vjp: twice)
+
+  What is swapped, in the copy's own code: module-level decorators
+  (``@jax.custom_vjp``, ``functools.partial(jax.custom_vjp,
+  nondiff_argnums=...)``, ``from jax import custom_vjp``, ``import
+  jax.custom_derivatives``), and ``jax.custom_vjp`` looked up when a function
+  of the copy runs, at any later time. It works by loading the copy through
+  a meta-path finder (PEP 451) that gives it an ``__import__`` of its own
+  (in its ``__builtins__``, a mechanism ``exec`` documents)
+  that hands it, for ``jax`` and ``jax.custom_derivatives``, views of those
+  modules whose ``custom_vjp`` is smartvjp's; every other attribute is JAX's
+  own.
+
+  Trade-offs, by design:
+
+  * Other modules are shared, not copied, unless ``include`` names them:
+    a ``custom_vjp`` function the module imports from a library that is not
+    re-executed stays ``jax.custom_vjp`` (this raises, below). ``name``'s own
+    submodules (of a package) are always copied, with the package.
+  * The copy is a different module object with different functions and
+    classes: ``isinstance`` against the shared module's classes fails,
+    pickling a function by reference finds the shared module's function,
+    and ``jax.jit`` caches are separate. Each call makes a new copy: call it
+    once and keep the module.
+  * While the copy is executed its modules are in ``sys.modules`` (Python's
+    import system needs that, e.g. for dataclasses); the previous entries
+    and the parent package's attribute are restored afterwards. Another
+    thread that imports one of those modules during the call may get the
+    copy; calls of ``import_swapped`` run one at a time.
+  * Submodules the copy imports later, lazily, after this call returns, and
+    modules found through ``importlib.import_module`` inside the copy, are
+    the shared ones.
+  * Parent packages are shared and imported first, as usual. A module that
+    its package's ``__init__`` imports part-way, and that relies on that
+    (reading a submodule from the package before the ``__init__`` rebinds
+    the name, as JAX's ``pallas.ops.tpu.megablox.ops`` does), fails in its
+    own code when copied alone: copy the package instead.
+
+  Args:
+    name: absolute name of the module (e.g.
+      ``"jax.experimental.pallas.ops.gpu.rms_norm"``, ``"optax"``). Its
+      parent packages are imported as usual (shared).
+    include: more module names (each with its submodules) whose fresh,
+      swapped copies the copy should use instead of the shared ones: where
+      ``name`` imports ``custom_vjp`` functions from another library (the
+      ``SwapError`` says which). A library whose ``custom_vjp`` functions are
+      made by another library's code at its import, such as diffrax through
+      equinox, is better swapped with :func:`swap_custom_vjp` around its
+      first import: a second copy of equinox beside the first is not
+      something that stack supports.
+
+  Returns:
+    The new module. :func:`swap_report` of it lists its ``custom_vjp``
+    functions, all smartvjp's.
+
+  Raises:
+    ModuleNotFoundError: ``name`` does not exist (as ``importlib``).
+    ValueError: ``name`` or an ``include`` entry is not an absolute module
+      name.
+    SwapError: the module cannot be swapped: it is JAX's core, jaxlib or
+      smartvjp (never re-executed); it has no Python source to run again (an
+      extension, built-in or frozen module); it imports ``custom_vjp`` from
+      one of JAX's private modules; or, after loading, the copy still holds
+      ``jax.custom_vjp`` functions (the message lists them, each with the
+      module it comes from, to add to ``include`` where that helps).
+    Any exception the module's own code raises while it runs.
+  """
+  _check_name("name", name)
+  if isinstance(include, str):
+    include = (include,)
+  prefixes = (name, *(_check_name("include", n) for n in include))
+  with _import_lock:
+    # Parent packages are shared: import them first, as usual, so that a
+    # package whose __init__ imports the module binds the shared module's
+    # names, never the copy's.
+    for p in prefixes:
+      parent = p.rpartition(".")[0]
+      if parent and not _covers(prefixes, parent):
+        importlib.import_module(parent)
+    finder = _FreshFinder(prefixes)
+    saved = {n: m for n, m in list(sys.modules.items())
+             if _covers(prefixes, n)
+             and _reexecutable(getattr(m, "__spec__", None))}
+    for n in saved:
+      del sys.modules[n]
+    sys.meta_path.insert(0, finder)
+    try:
+      importlib.import_module(name)
+    finally:
+      sys.meta_path.remove(finder)
+      for n, fresh in finder.created.items():
+        if sys.modules.get(n) is fresh:
+          del sys.modules[n]
+      sys.modules.update(saved)
+      _restore_parent_attributes(finder.created, saved)
+    module = finder.created.get(name)
+  if module is None:
+    raise SwapError(
+        f"import_swapped: {name!r} has no Python source to run again (an "
+        "extension, built-in or frozen module); its custom_vjp functions, if "
+        "any, cannot be swapped.")
+  _check_copy(name, finder.created)
+  return module
+
+
+def _restore_parent_attributes(created, saved):
+  """The import system sets a copy as an attribute of its parent package;
+  where the parent is shared, put back what was there."""
+  for n, fresh in created.items():
+    parent_name, _, child = n.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    if not parent_name or parent is None or parent_name in created:
+      continue
+    if getattr(parent, child, None) is not fresh:
+      continue
+    if n in saved:
+      setattr(parent, child, saved[n])
+    else:
+      try:
+        delattr(parent, child)
+      except AttributeError:
+        pass
+
+
+def _check_copy(name, created):
+  """Raises SwapError if a module of the copy holds jax.custom_vjp functions
+  or JAX's decorator itself."""
+  problems = []
+  for mod in created.values():
+    for key, smart, obj, what in _entries(mod, recurse=False):
+      if smart or what == "module":
+        continue   # a module binding is what a later lookup would get: reported
+      origin = getattr(obj, "__module__", None)
+      if what == "function" and origin and origin not in created:
+        problems.append(f"{key} (made in {origin}, which the copy shares: "
+                        f"add {origin!r} to include=)")
+      else:
+        problems.append(f"{key} (made in the copy through a name the swap "
+                        "does not cover, such as one of JAX's private modules)")
+  if problems:
+    raise SwapError(
+        f"import_swapped({name!r}): the copy still holds jax.custom_vjp "
+        f"where smart_custom_vjp was asked for: {'; '.join(problems)}.")
+
+
+# -- checking --------------------------------------------------------------------
+
+def _kind(value) -> bool | None:
+  """True: smartvjp's (a smart_custom_vjp function, the class, or a partial
+  of it); False: JAX's; None: neither. Looks through ``functools.partial``
+  and ``__wrapped__`` (``functools.wraps``, ``jax.jit``)."""
+  for _ in range(32):
+    if isinstance(value, smart_custom_vjp) or value is smart_custom_vjp:
+      return True
+    if isinstance(value, _JAX_CUSTOM_VJP) or value is _JAX_CUSTOM_VJP:
+      return False
+    if isinstance(value, functools.partial):
+      value = value.func
+      continue
+    if isinstance(value, (types.ModuleType, type)):
+      return None
+    try:
+      value = getattr(value, "__wrapped__", None)
+    except Exception:   # noqa: BLE001 -- an object whose attributes raise
+      return None
+    if value is None:
+      return None
+  return None
+
+
+def _entries(module, recurse=True, seen=None):
+  """``(key, is_smart, object, what)`` for each custom_vjp thing ``module``
+  holds; ``what`` is "function", "decorator" or "module" (a name bound to
+  ``jax`` or ``jax.custom_derivatives``)."""
+  seen = set() if seen is None else seen
+  if id(module) in seen:
+    return
+  seen.add(id(module))
+  prefix = module.__name__
+  for attr, value in list(vars(module).items()):
+    if attr == "__builtins__":
+      continue
+    key = f"{prefix}.{attr}"
+    if isinstance(value, types.ModuleType):
+      real = (vars(value)["_smartvjp_real"] if isinstance(value, _SwappedModule)
+              else value)
+      if real is _JAX or real is _JAX_CD:
+        yield (f"{key}.custom_vjp", value.custom_vjp is smart_custom_vjp,
+               value, "module")
+      elif recurse and getattr(value, "__name__", "").startswith(prefix + "."):
+        yield from _entries(value, recurse, seen)
+      continue
+    found = _found(key, value)
+    if found:
+      yield found
+      continue
+    if isinstance(value, type):
+      if value.__module__ != prefix:
+        continue
+      members = vars(value)
+    elif isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+      continue
+    else:
+      try:
+        members = vars(value)
+      except TypeError:
+        continue
+    for sub, member in list(members.items()):
+      if not isinstance(member, types.ModuleType):
+        found = _found(f"{key}.{sub}", member)
+        if found:
+          yield found
+
+
+def _found(key, value):
+  smart = _kind(value)
+  if smart is None:
+    return None
+  inner = value
+  while isinstance(inner, functools.partial):
+    inner = inner.func
+  what = ("decorator" if inner is smart_custom_vjp or inner is _JAX_CUSTOM_VJP
+          else "function")
+  return key, smart, value, what
+
+
+def swap_report(module: types.ModuleType) -> dict[str, bool]:
+  """Which ``custom_vjp`` functions a module holds, and whether each is smartvjp's.
+
+  Looks at the module's global names, one level into the classes it defines
+  and into other objects it holds (e.g. an ``equinox.filter_custom_vjp``
+  object's wrapped function), and recursively into its submodules (for a
+  package), following ``functools.partial`` and ``__wrapped__`` (so a
+  ``jax.jit`` of a ``custom_vjp`` function counts). It does not trace
+  anything. For what a traced program actually runs, look for smartvjp's
+  primitives (names beginning ``smartvjp_``) instead of JAX's
+  ``custom_vjp_call`` in ``jax.make_jaxpr(fn)(*args)``.
+
+  Args:
+    module: a module object, e.g. one returned by :func:`import_swapped`.
+
+  Returns:
+    ``{dotted name: is_smart}``, e.g.
+    ``{"jax.experimental.pallas.ops.gpu.attention.mha": True,
+    "jax.experimental.pallas.ops.gpu.attention.jax.custom_vjp": True}``.
+    Entries: ``custom_vjp`` functions (``True`` for ``smart_custom_vjp``,
+    ``False`` for ``jax.custom_vjp``); names bound to either decorator (or a
+    ``functools.partial`` of it); and, for each name bound to the ``jax`` or
+    ``jax.custom_derivatives`` module, ``"<name>.custom_vjp"``: what a
+    ``jax.custom_vjp`` looked up by the module's code gets now. Empty when
+    the module holds none of these.
+
+  Raises:
+    TypeError: ``module`` is not a module.
+  """
+  if not isinstance(module, types.ModuleType):
+    raise TypeError(f"swap_report: expected a module, got "
+                    f"{type(module).__name__} {module!r}")
+  return {key: smart for key, smart, _, _ in _entries(module)}

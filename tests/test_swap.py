@@ -1,0 +1,557 @@
+"""The swap API: ``smartvjp.import_swapped``, ``smartvjp.swap_custom_vjp``,
+``smartvjp.swap_report``, on small libraries written for each test (every
+way a module can reach ``jax.custom_vjp``), compared bit for bit with the
+unswapped library. JAX's shipped Pallas kernels: ``test_pallas_ops.py``; the
+real libraries of ``tests/ports``: ``tests/ports/test_import_swapped.py``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+import threading
+import uuid
+
+import jax
+import jax.custom_derivatives
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import smartvjp
+from smartvjp import SwapError, import_swapped, swap_custom_vjp, swap_report
+
+JAX_CUSTOM_VJP = jax.custom_vjp
+
+# A library that reaches jax.custom_vjp in every way a module can: module-level
+# decorators of each spelling, a partial with nondiff_argnums, a decorator
+# kept for later, jax.custom_vjp called when a function runs, a jitted
+# custom_vjp function, a class attribute and an object holding one.
+LIBRARY = '''
+import functools
+import jax
+import jax.numpy as jnp
+import jax.custom_derivatives as cd
+from jax import custom_vjp
+from jax.custom_derivatives import custom_vjp as cd_custom_vjp
+
+
+def _rules():
+  def fwd(x):
+    return jnp.sin(x), jnp.cos(x)
+
+  def bwd(c, g):
+    return (c * g,)
+  return fwd, bwd
+
+
+@jax.custom_vjp
+def attribute(x):
+  return jnp.sin(x)
+attribute.defvjp(*_rules())
+
+
+@custom_vjp
+def from_import(x):
+  return jnp.sin(x)
+from_import.defvjp(*_rules())
+
+
+@cd.custom_vjp
+def module_alias(x):
+  return jnp.sin(x)
+module_alias.defvjp(*_rules())
+
+
+@cd_custom_vjp
+def from_custom_derivatives(x):
+  return jnp.sin(x)
+from_custom_derivatives.defvjp(*_rules())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def scaled(x, n):
+  return jnp.sin(x) * n
+
+
+def _scaled_fwd(x, n):
+  return jnp.sin(x) * n, jnp.cos(x)
+
+
+def _scaled_bwd(n, c, g):
+  return (c * g * n,)
+scaled.defvjp(_scaled_fwd, _scaled_bwd)
+
+later = functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+
+
+def made_at_call_time():
+  f = jax.custom_vjp(lambda x: jnp.sin(x))
+  f.defvjp(*_rules())
+  return f
+
+
+jitted = jax.jit(attribute)
+
+
+class Holder:
+  op = attribute
+
+
+class Box:
+  def __init__(self, op):
+    self.op = op
+
+
+box = Box(from_import)
+'''
+
+FUNCTIONS = ("attribute", "from_import", "module_alias",
+             "from_custom_derivatives", "jitted")
+
+
+@pytest.fixture
+def library(tmp_path, monkeypatch):
+  """``write(source, name=None) -> module name``: writes a module (or, with
+  a dict, a package ``{relative path: source}``) under a unique name into a
+  folder on ``sys.path``; its modules leave ``sys.modules`` after the test."""
+  monkeypatch.syspath_prepend(str(tmp_path))
+  names = []
+
+  def write(source, name=None):
+    name = name or f"swaplib_{uuid.uuid4().hex[:10]}"
+    files = source if isinstance(source, dict) else {"": source}
+    for rel, text in files.items():
+      path = tmp_path / name / rel if rel else tmp_path / f"{name}.py"
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(textwrap.dedent(text))
+    names.append(name)
+    importlib.invalidate_caches()
+    return name
+
+  yield write
+  for mod in list(sys.modules):
+    if any(mod == n or mod.startswith(n + ".") for n in names):
+      del sys.modules[mod]
+
+
+def bits(x):
+  a = np.asarray(x)
+  return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def assert_bitwise(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def checkpointed_grad(f, *static):
+  return jax.jit(jax.grad(lambda x: jnp.sum(
+      jax.checkpoint(lambda x: f(x, *static))(x) ** 2)))
+
+
+def primitives(fn, *args):
+  """(smartvjp's primitives, JAX's custom_vjp_call) in the jaxpr of ``fn``
+  (a primal program: after ``jax.grad`` JAX's primitive is gone)."""
+  text = str(jax.make_jaxpr(lambda *a: fn(*a))(*args))   # never a cached trace
+  return "smartvjp_" in text, "custom_vjp_call" in text
+
+
+X = jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float32)
+
+
+# -- import_swapped ------------------------------------------------------------
+
+def test_import_swapped_reaches_every_spelling(library):
+  name = library(LIBRARY)
+  shared = importlib.import_module(name)
+  copy = import_swapped(name)
+  assert copy is not shared and sys.modules[name] is shared
+  report = swap_report(copy)
+  expected = {f"{name}.{n}" for n in FUNCTIONS} | {
+      f"{name}.scaled", f"{name}.later", f"{name}.custom_vjp",
+      f"{name}.cd_custom_vjp", f"{name}.jax.custom_vjp",
+      f"{name}.cd.custom_vjp", f"{name}.Holder.op", f"{name}.box.op"}
+  assert set(report) == expected and all(report.values()), report
+  theirs = swap_report(shared)
+  assert set(theirs) == expected and not any(theirs.values()), theirs
+  for fn in FUNCTIONS:
+    ours, jaxs = getattr(copy, fn), getattr(shared, fn)
+    assert primitives(jax.checkpoint(ours), X) == (True, False), fn
+    assert primitives(jax.checkpoint(jaxs), X) == (False, True), fn
+    assert_bitwise(checkpointed_grad(ours)(X), checkpointed_grad(jaxs)(X))
+
+
+def test_partial_with_nondiff_argnums_and_call_time_decorators(library):
+  name = library(LIBRARY)
+  shared = importlib.import_module(name)
+  copy = import_swapped(name)
+  # the module-level partial: smartvjp's, nondiff argument passed to bwd first
+  assert isinstance(copy.scaled, smartvjp.smart_custom_vjp)
+  assert copy.scaled.nondiff_argnums == (1,)
+  assert_bitwise(checkpointed_grad(copy.scaled, 3.0)(X),
+                 checkpointed_grad(shared.scaled, 3.0)(X))
+  np.testing.assert_allclose(checkpointed_grad(copy.scaled, 3.0)(X),
+                             2 * 9.0 * jnp.sin(X) * jnp.cos(X), rtol=1e-6)
+  # a partial kept for later use, and jax.custom_vjp called when a function
+  # of the copy runs, long after import_swapped returned
+  late = copy.later(lambda x, n: x * n)
+  assert isinstance(late, smartvjp.smart_custom_vjp)
+  assert late.nondiff_argnums == (1,)
+  assert isinstance(copy.made_at_call_time(), smartvjp.smart_custom_vjp)
+  assert isinstance(shared.made_at_call_time(), JAX_CUSTOM_VJP)
+  assert_bitwise(checkpointed_grad(copy.made_at_call_time())(X),
+                 checkpointed_grad(shared.made_at_call_time())(X))
+
+
+def test_import_swapped_changes_nothing_global(library):
+  name = library(LIBRARY)
+  assert name not in sys.modules
+  meta_path = list(sys.meta_path)
+  copy = import_swapped(name)
+  assert swap_report(copy)[f"{name}.attribute"]
+  assert name not in sys.modules, "the copy must not stay in sys.modules"
+  assert sys.meta_path == meta_path
+  assert jax.custom_vjp is JAX_CUSTOM_VJP
+  assert jax.custom_derivatives.custom_vjp is JAX_CUSTOM_VJP
+  # a plain import afterwards is JAX's, as if nothing happened
+  shared = importlib.import_module(name)
+  assert shared is not copy and not swap_report(shared)[f"{name}.attribute"]
+  # each call makes a new copy
+  again = import_swapped(name)
+  assert again is not copy and swap_report(again)[f"{name}.attribute"]
+
+
+PACKAGE = {
+    "__init__.py": """
+        from . import kernels
+        from .kernels import op
+        from .layers import apply
+        """,
+    "kernels.py": """
+        import jax, jax.numpy as jnp
+
+        @jax.custom_vjp
+        def op(x):
+          return jnp.tanh(x)
+
+        def _fwd(x):
+          y = jnp.tanh(x)
+          return y, y
+
+        def _bwd(y, g):
+          return (g * (1 - y * y),)
+        op.defvjp(_fwd, _bwd)
+        """,
+    "layers.py": """
+        from .kernels import op
+
+        def apply(x):
+          return op(x) * 2
+        """,
+}
+
+
+def test_a_package_is_copied_with_its_submodules(library):
+  name = library(PACKAGE)
+  shared = importlib.import_module(name)
+  copy = import_swapped(name)
+  report = swap_report(copy)
+  assert report[f"{name}.op"] and report[f"{name}.kernels.op"], report
+  assert copy.kernels is not shared.kernels
+  assert copy.layers.op is copy.kernels.op       # one copy, shared inside it
+  assert sys.modules[f"{name}.kernels"] is shared.kernels
+  assert not swap_report(shared)[f"{name}.kernels.op"]
+  assert_bitwise(checkpointed_grad(copy.apply)(X),
+                 checkpointed_grad(shared.apply)(X))
+  # a submodule alone: the parent package stays the shared one, and keeps
+  # its attribute pointing at the shared submodule
+  sub = import_swapped(f"{name}.kernels")
+  assert swap_report(sub)[f"{name}.kernels.op"]
+  assert shared.kernels is sys.modules[f"{name}.kernels"]
+
+
+def test_a_package_imported_first_by_the_swap_keeps_its_own_names(library):
+  """The package is not imported yet and its __init__ imports the module to
+  be copied: the package (shared) must bind the shared module's function,
+  never the copy's."""
+  name = library(PACKAGE)
+  assert name not in sys.modules
+  copy = import_swapped(f"{name}.kernels")
+  shared = sys.modules[name]
+  assert swap_report(copy)[f"{name}.kernels.op"]
+  report = swap_report(shared)
+  assert report[f"{name}.op"] is False and report[f"{name}.kernels.op"] is False
+  assert shared.kernels is sys.modules[f"{name}.kernels"] is not copy
+
+
+def test_a_module_that_needs_its_package_mid_init_is_copied_with_it(library):
+  """Like JAX's megablox: ops.py reads the submodule ``backend`` from its
+  package while the package's __init__ runs, before the __init__ rebinds
+  that name to a function. Copying ops.py alone then fails in ops.py's own
+  code; copying the package runs both in the original order."""
+  name = library({
+      "__init__.py": "from .ops import backend\n",
+      "backend.py": "def backend(x):\n  return x\n",
+      "ops.py": """
+          import jax
+          from . import backend as _backend_module
+          op = jax.custom_vjp(_backend_module.backend)
+          op.defvjp(lambda x: (x, None), lambda _, g: (g,))
+          backend = op
+          """,
+  })
+  importlib.import_module(name)
+  with pytest.raises(AttributeError):
+    import_swapped(f"{name}.ops")
+  copy = import_swapped(name)
+  assert swap_report(copy) == {f"{name}.backend": True,
+                               f"{name}.ops.backend": True,
+                               f"{name}.ops.op": True,
+                               f"{name}.ops.jax.custom_vjp": True}
+
+
+def test_custom_vjp_from_a_shared_module_needs_include(library):
+  dep = library(PACKAGE)
+  user = library(f"""
+      import jax.numpy as jnp
+      from {dep}.kernels import op
+
+      def model(x):
+        return jnp.sum(op(x) ** 2)
+      """)
+  importlib.import_module(dep)
+  with pytest.raises(SwapError, match=rf"{user}\.op .*made in {dep}\.kernels"
+                     rf".*include="):
+    import_swapped(user)
+  copy = import_swapped(user, include=(dep,))
+  assert swap_report(copy) == {f"{user}.op": True}
+  assert swap_report(sys.modules[dep])[f"{dep}.op"] is False   # untouched
+  include_one = import_swapped(user, include=f"{dep}.kernels")
+  assert swap_report(include_one) == {f"{user}.op": True}
+
+
+def test_private_import_of_custom_vjp_is_refused(library):
+  name = library("""
+      import jax.numpy as jnp
+      from jax._src.custom_derivatives import custom_vjp
+
+      @custom_vjp
+      def f(x):
+        return jnp.sin(x)
+      """)
+  with pytest.raises(SwapError, match=r"from jax\._src\.custom_derivatives "
+                     r"import custom_vjp.*public names"):
+    import_swapped(name)
+  assert name not in sys.modules
+
+
+def test_a_decorator_reached_another_way_is_refused(library):
+  name = library("""
+      import importlib
+      import jax.numpy as jnp
+      custom_vjp = importlib.import_module("jax").custom_vjp   # not an import
+
+      @custom_vjp
+      def f(x):
+        return jnp.sin(x)
+      """)
+  with pytest.raises(SwapError, match=rf"{name}\.custom_vjp .*{name}\.f .*"
+                     r"name the swap does not cover"):
+    import_swapped(name)
+
+
+def test_jax_experimental_rnn_is_refused_with_the_reason():
+  """JAX's own LSTM binds custom_vjp from jax._src: refused, and nothing of
+  the attempt stays behind."""
+  before = sys.modules.get("jax.experimental.rnn")
+  with pytest.raises(SwapError, match="jax.experimental.rnn runs `from "
+                     r"jax\._src\.custom_derivatives import custom_vjp`"):
+    import_swapped("jax.experimental.rnn")
+  assert sys.modules.get("jax.experimental.rnn") is before
+
+
+@pytest.mark.parametrize("name", ["jax", "jax._src.core", "jaxlib",
+                                  "jaxlib.xla_client", "smartvjp",
+                                  "smartvjp._api", "jax.custom_derivatives"])
+def test_core_modules_are_never_copied(name):
+  with pytest.raises(SwapError, match="never re-executes"):
+    import_swapped(name)
+  with pytest.raises(SwapError, match="never re-executes"):
+    import_swapped("jax.experimental.ode", include=(name,))
+
+
+@pytest.mark.parametrize("bad", ["", ".relative", "a..b", "a.1b", 3, None])
+def test_bad_names_are_value_errors(bad):
+  with pytest.raises(ValueError, match="absolute module name"):
+    import_swapped(bad)
+
+
+def test_missing_module_and_modules_without_source():
+  with pytest.raises(ModuleNotFoundError):
+    import_swapped("smartvjp_no_such_module_here")
+  for name in ("math", "sys", "_json"):   # built-in or extension
+    with pytest.raises(SwapError, match="no Python source"):
+      import_swapped(name)
+
+
+def test_an_error_in_the_module_propagates_and_cleans_up(library):
+  name = library({"__init__.py": "from . import good, bad\n",
+                  "good.py": "import jax\nop = jax.custom_vjp(abs)\n",
+                  "bad.py": "raise RuntimeError('broken on purpose')\n"})
+  meta_path = list(sys.meta_path)
+  with pytest.raises(RuntimeError, match="broken on purpose"):
+    import_swapped(name)
+  assert not [m for m in sys.modules if m.startswith(name)]
+  assert sys.meta_path == meta_path
+
+
+def test_import_swapped_from_threads(library):
+  name = library(LIBRARY)
+  shared = importlib.import_module(name)
+  copies, errors = [], []
+
+  def work():
+    try:
+      copies.append(import_swapped(name))
+    except Exception as e:   # noqa: BLE001
+      errors.append(e)
+  threads = [threading.Thread(target=work) for _ in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors
+  assert len({id(c) for c in copies}) == 4
+  assert all(swap_report(c)[f"{name}.attribute"] for c in copies)
+  assert sys.modules[name] is shared
+
+
+# -- swap_custom_vjp -------------------------------------------------------------
+
+def test_swap_custom_vjp_patches_both_names_and_restores():
+  with swap_custom_vjp():
+    assert jax.custom_vjp is smartvjp.smart_custom_vjp
+    assert jax.custom_derivatives.custom_vjp is smartvjp.smart_custom_vjp
+  assert jax.custom_vjp is JAX_CUSTOM_VJP
+  assert jax.custom_derivatives.custom_vjp is JAX_CUSTOM_VJP
+
+
+def test_restored_on_an_exception():
+  with pytest.raises(KeyError, match="inside"):
+    with swap_custom_vjp():
+      raise KeyError("inside")
+  assert jax.custom_vjp is JAX_CUSTOM_VJP
+  assert jax.custom_derivatives.custom_vjp is JAX_CUSTOM_VJP
+
+
+def test_nesting_and_decorator_use():
+  with swap_custom_vjp():
+    with swap_custom_vjp():
+      assert jax.custom_vjp is smartvjp.smart_custom_vjp
+    assert jax.custom_vjp is smartvjp.smart_custom_vjp  # the inner exit keeps it
+  assert jax.custom_vjp is JAX_CUSTOM_VJP
+
+  @swap_custom_vjp()
+  def decorate():
+    return jax.custom_vjp(jnp.sin)
+  assert isinstance(decorate(), smartvjp.smart_custom_vjp)
+  assert isinstance(decorate(), smartvjp.smart_custom_vjp)   # reusable
+  assert jax.custom_vjp is JAX_CUSTOM_VJP
+
+
+def test_first_import_in_the_block_is_swapped_an_earlier_one_is_not(library):
+  name = library(LIBRARY)
+  with swap_custom_vjp():
+    swapped = importlib.import_module(name)
+  report = swap_report(swapped)
+  for fn in FUNCTIONS + ("scaled", "later", "custom_vjp", "cd_custom_vjp"):
+    assert report[f"{name}.{fn}"], fn
+  # after the block: module-level decorators stay smartvjp's; jax.custom_vjp
+  # looked up at call time is JAX's again
+  assert report[f"{name}.jax.custom_vjp"] is False
+  assert isinstance(swapped.made_at_call_time(), JAX_CUSTOM_VJP)
+  with swap_custom_vjp():
+    assert isinstance(swapped.made_at_call_time(), smartvjp.smart_custom_vjp)
+  assert_bitwise(checkpointed_grad(swapped.scaled, 2.0)(X),
+                 checkpointed_grad(import_swapped(name).scaled, 2.0)(X))
+  # an import of a module imported before the block is Python's cached one
+  other = library(LIBRARY)
+  before = importlib.import_module(other)
+  with swap_custom_vjp():
+    again = importlib.import_module(other)
+  assert again is before and not swap_report(again)[f"{other}.attribute"]
+
+
+def test_a_trace_cached_in_the_block_keeps_smartvjp():
+  def f(x):
+    g = jax.custom_vjp(jnp.sin)
+    g.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, t: (c * t,))
+    return jax.checkpoint(g)(x)
+  grad = jax.jit(jax.grad(lambda x: jnp.sum(f(x))))
+  with swap_custom_vjp():
+    inside = grad(X)
+    assert primitives(f, X) == (True, False)
+    assert "smartvjp_" in str(grad.trace(X).jaxpr)
+  assert primitives(f, X) == (False, True)   # traced anew: JAX's
+  assert_bitwise(grad(X), inside)            # the cached program, smartvjp's
+  assert grad._cache_size() == 1
+
+
+def test_replaced_inside_the_block_is_a_swap_error():
+  foreign = object()
+  with pytest.raises(SwapError, match="jax.custom_vjp was replaced by"):
+    with swap_custom_vjp():
+      jax.custom_vjp = foreign
+  assert jax.custom_vjp is JAX_CUSTOM_VJP
+  assert jax.custom_derivatives.custom_vjp is JAX_CUSTOM_VJP
+  with pytest.raises(SwapError) as info:
+    with swap_custom_vjp():
+      jax.custom_derivatives.custom_vjp = foreign
+      raise KeyError("first")
+  assert isinstance(info.value.__context__, KeyError)
+  assert jax.custom_derivatives.custom_vjp is JAX_CUSTOM_VJP
+
+
+def test_blocks_in_two_threads_run_one_after_the_other():
+  entered, release, order = threading.Event(), threading.Event(), []
+
+  def first():
+    with swap_custom_vjp():
+      order.append("first in")
+      entered.set()
+      release.wait(10)
+      order.append("first out")
+
+  def second():
+    entered.wait(10)
+    with swap_custom_vjp():
+      order.append("second in")
+      assert jax.custom_vjp is smartvjp.smart_custom_vjp
+    order.append("second out")
+
+  seen = []
+  t1, t2 = threading.Thread(target=first), threading.Thread(target=second)
+  t1.start()
+  t2.start()
+  entered.wait(10)
+  seen.append(jax.custom_vjp)   # another thread sees the process-wide swap
+  release.set()
+  t1.join(10)
+  t2.join(10)
+  assert order == ["first in", "first out", "second in", "second out"]
+  assert seen == [smartvjp.smart_custom_vjp]
+  assert jax.custom_vjp is JAX_CUSTOM_VJP
+
+
+# -- swap_report -------------------------------------------------------------------
+
+def test_swap_report_rejects_non_modules():
+  with pytest.raises(TypeError, match="expected a module"):
+    swap_report(jnp.sin)
+
+
+def test_swap_report_of_a_module_without_custom_vjp(library):
+  name = library("import math\nX = 1\n")
+  assert swap_report(importlib.import_module(name)) == {}
