@@ -19,7 +19,8 @@ from smartvjp._errors import rule_error
 from smartvjp._primitive import call_p
 from smartvjp._cache import TraceLocalCache
 from smartvjp._refs import check_aliased_arguments, check_f_output
-from smartvjp._spec import EagerClosureError, Rules, eager_call, trace_call
+from smartvjp._spec import (EagerClosureError, Rules, eager_call,
+                            linearized_call, trace_call)
 from smartvjp._static import static_key
 
 _CACHE_SIZE = 256
@@ -278,21 +279,52 @@ class smart_custom_vjp:
       out = self.fun(*args)
       check_f_output(rules, out)
       return out
-    eager = _eager_linearize_inputs(leaves)
-    if eager is not None:   # eager grad/vjp: fwd on concrete values, f untraced
-      parent, primals, nonzero = eager
-      try:
-        with jx.set_current_trace(parent):
-          call = eager_call(rules, nondiff, len(args), in_tree, avals, primals,
-                            nonzero)
-      except (EagerClosureError, UnexpectedTracerError):
-        call = None    # a rule closes over a tracer: trace f to find it
-      if call is not None:
-        outs = call_p.bind(*leaves, call=call)
+    linearizing = _linearizing(leaves)
+    if linearizing is not None:   # grad/vjp innermost: f need not be traced
+      hit = self._linearized(rules, nondiff, len(args), in_tree, avals,
+                             *linearizing)
+      if hit is not None:
+        call, consts = hit
+        outs = call_p.bind(*consts, *leaves, call=call)
         return tree_util.tree_unflatten(call.out_tree, outs)
     call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
     outs = call_p.bind(*consts, *leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
+
+  def _linearized(self, rules, nondiff, num_args, in_tree, avals, trace,
+                  primals, nonzero):
+    """The call linearized where it is made, ``f`` untraced (as
+    ``jax.custom_vjp``: ``fwd`` now, ``bwd`` in the transpose; only
+    ``fwd_bwd``: ``f`` now, which is then traced): eagerly, ``fwd`` runs on
+    the concrete values; under another trace, ``fwd`` is traced
+    (``_spec.linearized_call``). ``None`` where ``f`` is traced after all
+    (a rule closes over a value being differentiated, references)."""
+    parent = jx.parent_trace(trace)
+    if jx.is_eval_trace(parent) and not any(
+        isinstance(p, jx.Tracer) for p in primals):
+      try:
+        with jx.set_current_trace(parent):
+          return eager_call(rules, nondiff, num_args, in_tree, avals, primals,
+                            nonzero), ()
+      except (EagerClosureError, UnexpectedTracerError):
+        return None    # a rule closes over a tracer: trace f to find it
+    if rules.fwd is None or any(jx.is_ref_aval(a) for a in avals):
+      return None
+    in_nz = tuple(nz and possible for nz, possible in
+                  zip(nonzero, _tangent_possible(avals)))
+    if not any(in_nz):
+      return None
+    static = tuple(static_key(v) for v in nondiff)
+    key = ("linearized", in_tree, avals, static, num_args, in_nz,
+           jx.config_key())
+    hit = None if None in static else self._cache.get(key)
+    if hit is None:
+      hit = linearized_call(
+          rules, nondiff, num_args, in_tree, avals, in_nz,
+          lambda c: jx.linearize_parts(c, trace) is not None)
+      if hit is not None and None not in static:
+        self._cache.put(key, hit, hit[1])
+    return hit
 
   def _spec(self, rules, nondiff, num_args, in_tree, avals):
     """The traced ``f`` for this signature, reused within one outer trace
@@ -414,32 +446,25 @@ class smart_custom_vjp:
     self._cache = TraceLocalCache(_CACHE_SIZE)
 
 
-def _eager_linearize_inputs(leaves):
-  """``(parent_trace, primals, nonzero)`` when ``leaves`` are being
-  differentiated eagerly: the current trace is a linearization (``jax.grad``,
-  ``jax.vjp``) directly over plain evaluation and every leaf is concrete or
-  that trace's tracer over a concrete value, at least one of them; else
-  ``None``."""
+def _linearizing(leaves):
+  """``(trace, primals, nonzero)`` when the current trace is a linearization
+  (``jax.grad``, ``jax.vjp``) and some leaf is its tracer with a nonzero
+  tangent: the call is differentiated where it is made. ``primals`` are the
+  leaves' primal values (others as they are)."""
   trace = jx.current_trace()
-  if (not jx.is_linearize_trace(trace)
-      or not jx.is_eval_trace(jx.parent_trace(trace))):
+  if not jx.is_linearize_trace(trace):
     return None
   primals, nonzero = [], []
   for x in leaves:
     parts = jx.linearize_parts(x, trace)
-    if parts is not None:
-      if isinstance(parts[0], jx.Tracer):
-        return None
-      primals.append(parts[0])
-      nonzero.append(True)
-    elif isinstance(x, jx.Tracer):
-      return None
-    else:
-      primals.append(x)
-      nonzero.append(False)
-  if not any(nonzero):
-    return None
-  return jx.parent_trace(trace), primals, nonzero
+    primals.append(x if parts is None else parts[0])
+    nonzero.append(parts is not None and parts[1])
+  return (trace, primals, nonzero) if any(nonzero) else None
+
+
+def _tangent_possible(avals):
+  """Which inputs can carry a tangent (integer ones have float0 tangents)."""
+  return [a.to_tangent_aval().dtype != jx.float0 for a in avals]
 
 
 def _fname(fun) -> str:

@@ -29,6 +29,7 @@ import dataclasses
 
 import jax
 from jax import tree_util
+from jax.errors import UnexpectedTracerError
 
 from smartvjp import _facade as jx
 from smartvjp import _plan
@@ -47,24 +48,35 @@ from smartvjp._spec import (
 from smartvjp._typecheck import check_fwd_output_types, check_primal_out
 
 
-def closure_error(call) -> Exception:
-  return TypeError(
+def closure_error(call, where: str = "", linearizing: bool = False):
+  """What ``jax.custom_vjp`` raises where a value the function closes over
+  is differentiated with its arguments (or, ``where`` says, in a context
+  smartvjp does not differentiate ``f`` itself in): its type, our words.
+  JAX's type depends on the path: linearizing (``jax.grad`` without remat),
+  ``fwd`` runs on the closed-over tracer, which leaks
+  (``UnexpectedTracerError``); differentiating a staged call (remat), JAX
+  detects it (``CustomVJPException``)."""
+  what = (f" {where}" if where else
+          " and, by the same transformation, with respect to its arguments")
+  message = (
       f"smart_custom_vjp function {call.name} is being differentiated with "
-      "respect to a value it closes over and, by the same transformation, "
-      "with respect to its arguments. That isn't supported (as with "
-      "jax.custom_vjp) because the custom rules only say how to "
+      f"respect to a value it closes over{what}. That isn't supported (as "
+      "with jax.custom_vjp) because the custom rules only say how to "
       "differentiate with respect to explicit arguments. Pass the value as "
       "an argument instead, or use jax.closure_convert.")
+  if linearizing:
+    return UnexpectedTracerError(message)
+  return jx.custom_vjp_exception(message)
 
 
-def _classify(call, nonzeros) -> str:
+def _classify(call, nonzeros, linearizing=False) -> str:
   """``"args"``, ``"closure"`` (only closed-over values move) or ``"none"``;
   raises when both move."""
   const_nz = any(nonzeros[:call.num_consts])
   arg_nz = any(nz and possible for nz, possible in
                zip(nonzeros[call.num_consts:], call.in_nz_possible))
   if const_nz and arg_nz:
-    raise closure_error(call)
+    raise closure_error(call, linearizing=linearizing)
   return "closure" if const_nz else ("args" if arg_nz else "none")
 
 
@@ -122,7 +134,8 @@ def call_linearize(is_vjp, nonzeros, *primals_in, call):
   if call.eager is not None:   # fwd (or f) already ran on concrete values
     in_nz, primal_outs, residuals, fwd = call.eager
     return _linearized(call, in_nz, primal_outs, residuals, fwd)
-  if _classify(call, nonzeros) == "closure":
+  if (call.fwd_only is None
+      and _classify(call, nonzeros, linearizing=True) == "closure"):
     return jx.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
                                  call=call)
   f_consts, primals = primals_in[:call.num_consts], primals_in[call.num_consts:]
@@ -143,7 +156,10 @@ def call_linearize(is_vjp, nonzeros, *primals_in, call):
   if eager:   # concrete values: fwd itself runs, as with jax.custom_vjp
     primal_outs, residuals, fwd = eager_fwd(call, in_nz, primals)
     return _linearized(call, in_nz, primal_outs, residuals, fwd)
-  fwd, fwd_consts = call.fwd_for(in_nz)
+  if call.fwd_only is not None:   # fwd traced where the call was made
+    fwd, fwd_consts = call.fwd_only, f_consts
+  else:
+    fwd, fwd_consts = call.fwd_for(in_nz)
   fwd_inputs = [*fwd_consts, *primals]
   outs = bind_fwd(*fwd_inputs, call=call, fwd=fwd)
   residuals = fwd.assemble_residuals(fwd_inputs, outs[call.num_outs:])

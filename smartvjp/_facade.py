@@ -65,6 +65,7 @@ _ad = _internals(
     "instantiate_zeros", "primitive_jvps", "primitive_transposes",
     "primitive_linearizations", "fallback_linearize_rule", "LinearizeTrace",
     "LinearizeTracer", "JVPTracer", "ValAccum", "NullAccum",
+    "CustomVJPException",
     *(("fancy_transposes", "GradAccum", "UndefinedPrimal")
       if V.TRANSPOSE_RETURNS_LOGS else ()))
 _batching = _internals(
@@ -132,6 +133,15 @@ mapped_aval = _core.mapped_aval
 set_current_trace = _core.set_current_trace
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 is_undefined_primal = _ad.is_undefined_primal
+
+
+def custom_vjp_exception(message: str) -> Exception:
+  """The exception type ``jax.custom_vjp`` raises when a closed-over value
+  is differentiated (JAX's ``CustomVJPException``), with our own message
+  (JAX's constructor takes none)."""
+  error = _ad.CustomVJPException.__new__(_ad.CustomVJPException)
+  Exception.__init__(error, message)
+  return error
 instantiate_zeros = _ad.instantiate_zeros
 batch_jaxpr = _batching.batch_jaxpr
 batch_jaxpr_axes = _batching.batch_jaxpr_axes

@@ -22,7 +22,7 @@ import jax
 from smartvjp import _facade as jx
 from smartvjp import _versions
 from smartvjp import _vmap
-from smartvjp._call import call_jvp, closure_error
+from smartvjp._call import closure_error
 from smartvjp._jvp import runs_fwd_bwd
 from smartvjp._primal import bind_primal, split_args
 from smartvjp._primitive import (
@@ -45,20 +45,19 @@ def _eval(*args, call, fwd, remat):
 
 
 def _jvp(primals, tangents, *, call, fwd, remat):
-  """``smartvjp_jvp`` with the rem side's ``fwd``. Tangents of what ``f``
-  closes over follow the default path (``f`` itself differentiated when
-  they alone move) except where remat3 perturbs every input of the
-  checkpoint, closed-over values included (``_versions``), so that such a
-  tangent says nothing."""
+  """``smartvjp_jvp`` with the rem side's ``fwd``. A tangent of what ``f``
+  closes over is refused, with the error ``jax.custom_vjp`` raises under
+  remat3, except where remat3 perturbs every input of the checkpoint,
+  closed-over values included (``_versions``): there such a tangent says
+  nothing and is ignored."""
   f_consts, fwd_consts, args = split_args(primals, call, fwd)
   f_t, _, arg_t = split_args(tangents, call, fwd)
   in_nz = tuple(type(t) is not jx.Zero and possible
                 for t, possible in zip(arg_t, call.in_nz_possible))
   const_nz = any(type(t) is not jx.Zero for t in f_t)
   if const_nz and not _versions.REMAT3_PERTURBS_EVERY_INPUT:
-    if any(in_nz):
-      raise closure_error(call)
-    return call_jvp([*f_consts, *args], [*f_t, *arg_t], call=call)
+    raise closure_error(call, "inside jax.checkpoint under JAX's jax_remat3 "
+                        "flag")
   if not any(in_nz):
     return (rem_p.bind(*primals, call=call, fwd=fwd, remat=remat),
             call.expand_tangents([]))

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import jax
 from jax import tree_util
+from jax.errors import UnexpectedTracerError
 
 from smartvjp import _facade as jx
 from smartvjp import _plan
@@ -92,8 +93,9 @@ class FwdSpec:
   # about: its producer and, through checkpoint_name, the named value's one
   new_res_eqns: tuple = ()
   # fwd's primal output types, which may differ from f's in varying manual
-  # axes or sharding (shape and dtype are checked to agree)
+  # axes or sharding (shape and dtype are checked to agree), and their tree
   out_avals: tuple = ()
+  out_tree: Any = None
 
   @property
   def num_new_res(self) -> int:
@@ -153,6 +155,9 @@ class CallSpec:
   # a batched spec for the linear primitives (no f of its own): the call it
   # batches, whose f's output types its derivative follows
   origin: Any = None
+  # a call linearized where it was made, f never traced (see
+  # ``linearized_call``): its fwd, whose constants are the leading inputs
+  fwd_only: Any = None
   # traced rules, each valid within one outer trace (see _cache.py)
   fwd_cache: TraceLocalCache = dataclasses.field(default_factory=TraceLocalCache)
   batch_cache: TraceLocalCache = dataclasses.field(
@@ -308,9 +313,11 @@ def _call_fwd(call: CallSpec, in_nz, primals, pair=None):
   primal_out, res = pair
   check_fwd_output(rules, primal_out, res, primals)
   check_primal_out(call, primal_out)
+  check_jax_leaves(primal_out, rules, "fwd", "primal output")
   check_jax_leaves(res, rules, "fwd", "residuals")
   res_leaves, res_tree = tree_util.tree_flatten(res)
-  return tree_util.tree_leaves(primal_out), res_leaves, res_tree
+  out_leaves, out_tree = tree_util.tree_flatten(primal_out)
+  return out_leaves, out_tree, res_leaves, res_tree
 
 
 class EagerClosureError(Exception):
@@ -344,9 +351,8 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
     check_aliased_refs(call, primals)
     with jax.named_scope(f"smartvjp/{call.name}/fwd"):
       pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
-    if isinstance(pair, (tuple, list)) and len(pair) == 2:
-      out_tree = tree_util.tree_structure(pair[0])
     out_leaves, res, fwd = eager_fwd(call, in_nz, primals, pair)
+    out_tree = fwd.out_tree
     result = (in_nz, out_leaves, res, fwd)
   if any(isinstance(x, jx.Tracer) for x in (*result[1], *result[2])):
     raise EagerClosureError
@@ -354,6 +360,29 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
       call, out_tree=out_tree,
       out_avals=tuple(jx.get_aval(x) for x in out_leaves), eager=result,
       eager_primals=tuple(primals))
+
+
+def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
+                    in_avals: tuple, in_nz: tuple, own_tracer) -> tuple:
+  """A call linearized where it is made (``jax.grad``/``jax.vjp`` innermost,
+  over ``jit``, ``vmap`` or another trace), as ``jax.custom_vjp`` does: only
+  ``fwd`` is traced, never ``f``, which does not run. Returns ``(spec,
+  consts)``: ``spec.fwd_only`` is ``fwd`` traced for ``in_nz``, its
+  constants (``consts``) the call's leading inputs; or ``None`` where ``f``
+  must be traced after all: ``fwd`` closes over a value this linearization
+  differentiates (``own_tracer(x)`` is true for one), or fails to trace."""
+  base = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
+                  in_tree=in_tree, in_avals=in_avals, out_tree=None,
+                  out_avals=(), jaxpr=None, num_consts=0)
+  try:
+    fwd, consts = _trace_fwd(base, in_nz)
+  except UnexpectedTracerError:
+    return None
+  if any(own_tracer(c) for c in consts):
+    return None
+  return dataclasses.replace(
+      base, out_tree=fwd.out_tree, out_avals=fwd.out_avals,
+      num_consts=len(consts), fwd_only=fwd), consts
 
 
 def eager_f(call: CallSpec, primals) -> list:
@@ -372,13 +401,15 @@ def eager_fwd(call: CallSpec, in_nz, primals, pair=None):
   describes the residuals for ``bwd``.
   """
   with jax.named_scope(f"smartvjp/{call.name}/fwd"):
-    outs, res, res_tree = _call_fwd(call, tuple(in_nz), primals, pair)
+    outs, out_tree, res, res_tree = _call_fwd(call, tuple(in_nz), primals,
+                                              pair)
   res_src = tuple(StaticResidual(r) if is_static_residual(r) else None
                   for r in res)
   dynamic = [r for r in res if not is_static_residual(r)]
   spec = FwdSpec(jaxpr=None, num_consts=0, res_tree=res_tree,
                  res_avals=tuple(jx.get_aval(r) for r in dynamic),
-                 res_src=res_src, new_res_names=(None,) * len(dynamic))
+                 res_src=res_src, new_res_names=(None,) * len(dynamic),
+                 out_tree=out_tree)
   return outs, dynamic, spec
 
 
@@ -387,7 +418,8 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   store = {}
 
   def fwd_flat(*primals):
-    out_leaves, res_leaves, store["res_tree"] = _call_fwd(call, in_nz, primals)
+    out_leaves, store["out_tree"], res_leaves, store["res_tree"] = _call_fwd(
+        call, in_nz, primals)
     store["static"] = [StaticResidual(r) if is_static_residual(r) else None
                        for r in res_leaves]
     # a residual that is a mutable array reference must be one of the
@@ -402,7 +434,7 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       fwd_flat, call.in_avals, "smart_custom_vjp fwd", rules.fwd,
       [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in call.in_avals])
   jaxpr = closed.jaxpr
-  n_out = call.num_outs
+  n_out = store["out_tree"].num_leaves
   res_vars = jaxpr.outvars[n_out:]
   in_pos = {v: i for i, v in enumerate(jaxpr.invars)}
   names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
@@ -426,6 +458,7 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       jaxpr=jx.ClosedJaxpr(pruned, ()),
       num_consts=len(consts),
       res_tree=store["res_tree"],
+      out_tree=store["out_tree"],
       res_avals=res_avals,
       res_src=res_src,
       new_res_names=tuple(names.get(v) if isinstance(v, jx.Var) else None

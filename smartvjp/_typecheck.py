@@ -220,9 +220,15 @@ def check_primal_out(call, primal_out) -> None:
            tree_util.tree_flatten_with_path(primal_out)[0]]
   for path, leaf, want in zip(paths, leaves, call.out_avals):
     got = jx.get_aval(leaf)
-    if got.shape != want.shape or got.dtype != want.dtype:
+    if not jx.typecompat(want, got):   # as JAX compares, where f has run
+      same = (got.shape, got.dtype) == (want.shape, want.dtype)
       raise rule_error(
           TypeError, rules, "fwd",
           f"returned a primal output that differs from {rules.name}'s output "
           f"at output{path}: expected {want.str_short()}, "
-          f"got {got.str_short()}.")
+          f"got {got.str_short()}" + (
+              "; shape and dtype agree, so the sharding or the varying manual "
+              "axes (shard_map with check_vma=True) differ: make f and fwd "
+              "return the same type (a kernel's result, such as a "
+              "jax.pure_callback's, is typed invariant: jax.lax.pcast(x, "
+              "axis_names, to='varying') makes it varying)." if same else "."))
