@@ -15,7 +15,7 @@ from smartvjp import _versions
 # each primitive's module registers its rules when imported
 from smartvjp import _call, _rem  # noqa: F401  pylint: disable=unused-import
 from smartvjp import _jax_api
-from smartvjp._errors import rule_error
+from smartvjp._errors import function_name, rule_error
 from smartvjp._primitive import call_p
 from smartvjp._cache import TraceLocalCache
 from smartvjp._refs import check_aliased_arguments, check_f_output
@@ -202,7 +202,7 @@ class smart_custom_vjp:
     _jax_api.check_generic_batching(self.fun, "defvjp", generic_batching)
     if not isinstance(symbolic_zeros, (bool, int)) or callable(symbolic_zeros):
       raise TypeError(
-          f"smart_custom_vjp function {_fname(self.fun)}: defvjp's third "
+          f"smart_custom_vjp function {function_name(self.fun)}: defvjp's third "
           f"argument is symbolic_zeros (a bool), got {type(symbolic_zeros).__name__}"
           "; the fused rule is keyword-only: defvjp(fwd, bwd, fwd_bwd=...).")
     has_pair = fwd is not None and bwd is not None
@@ -210,13 +210,13 @@ class smart_custom_vjp:
       given = [n for n, r in (("fwd", fwd), ("bwd", bwd), ("fwd_bwd", fwd_bwd))
                if r is not None]
       raise TypeError(
-          f"smart_custom_vjp function {_fname(self.fun)}: defvjp needs fwd "
+          f"smart_custom_vjp function {function_name(self.fun)}: defvjp needs fwd "
           "and bwd, or fwd_bwd, or all three; got "
           f"{', '.join(given) if given else 'none of them'}.")
     for n, r in (("fwd", fwd), ("bwd", bwd), ("fwd_bwd", fwd_bwd)):
       if r is not None and not callable(r):
         raise TypeError(
-            f"smart_custom_vjp function {_fname(self.fun)}: defvjp's {n} "
+            f"smart_custom_vjp function {function_name(self.fun)}: defvjp's {n} "
             f"must be callable, got {type(r).__name__}.")
     self.fwd, self.bwd, self.fwd_bwd = fwd, bwd, fwd_bwd
     self.symbolic_zeros = bool(symbolic_zeros)
@@ -260,7 +260,7 @@ class smart_custom_vjp:
     rules = self._rules
     if rules is None:
       raise AttributeError(
-          f"No VJP defined for smart_custom_vjp function {_fname(self.fun)} "
+          f"No VJP defined for smart_custom_vjp function {function_name(self.fun)} "
           "using defvjp.")
     args = _resolve_kwargs(self.fun, args, kwargs)
     for i in self.nondiff_argnums:
@@ -427,7 +427,7 @@ class smart_custom_vjp:
     for n, r in (("fwd", fwd), ("rem", rem), ("bwd", bwd)):
       if not callable(r):
         raise TypeError(
-            f"smart_custom_vjp function {_fname(self.fun)}: defremat's {n} "
+            f"smart_custom_vjp function {function_name(self.fun)}: defremat's {n} "
             f"must be callable, got {type(r).__name__}.")
     remat = Rules(
         fun=self.fun, fwd=_jax_api.with_arguments(fwd, self.nondiff_argnums),
@@ -467,9 +467,6 @@ def _tangent_possible(avals):
   return [a.to_tangent_aval().dtype != jx.float0 for a in avals]
 
 
-def _fname(fun) -> str:
-  return getattr(fun, "__name__", repr(fun))
-
 
 def _aval(rules, dyn, i, x):
   try:
@@ -488,7 +485,7 @@ def _resolve_kwargs(fun, args, kwargs):
     return jx.resolve_kwargs(fun, args, kwargs)
   except TypeError as e:
     raise TypeError(
-        f"The input arguments to the smart_custom_vjp function {_fname(fun)} "
+        f"The input arguments to the smart_custom_vjp function {function_name(fun)} "
         f"could not be resolved to positional arguments: {e}") from e
 
 
@@ -498,7 +495,7 @@ def _check_no_tracers(fun, args, i):
       from jax.errors import UnexpectedTracerError
       raise UnexpectedTracerError(
           f"Found a JAX Tracer passed to smart_custom_vjp function "
-          f"{_fname(fun)} as argument {i}, a position marked non-"
+          f"{function_name(fun)} as argument {i}, a position marked non-"
           "differentiable by nondiff_argnums/nondiff_argnames. Tracers "
           "cannot be non-differentiable arguments (as with jax.custom_vjp); "
           "use nondiff_argnums only for values that are not arrays, e.g. "

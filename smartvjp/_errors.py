@@ -17,6 +17,12 @@ jx.hide_frames_under(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 _ROLE = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd"}
 
 
+def function_name(fn) -> str:
+  """The name errors give a user's function: its ``__name__``, else its
+  type's (never an object's address)."""
+  return getattr(fn, "__name__", None) or type(fn).__name__
+
+
 def rule_error(exc_type, rules, which: str, message: str) -> Exception:
   """``exc_type`` whose message starts with the rule's role and user name."""
   fn_name = rules.rule_name(which)

@@ -20,6 +20,7 @@ from smartvjp import _policy
 from smartvjp import _vmap
 from smartvjp._checkify import checked_rule
 from smartvjp._primal import bind_primal, primal_eqn
+from smartvjp._spec import with_f_traced
 from smartvjp._primitive import (
     dce_whole, define, discharged, eval_scoped, fwd_p, pp_rule, rule_jvp,
     scope)
@@ -96,6 +97,10 @@ def _dce(used_outputs, eqn):
   not carry, or when either rule has effects or touches references."""
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
+  if (call.fwd_only is not None and not any(used_outputs[n:])
+      and any(used_outputs[:n])):
+    # linearized where it was made: f was not traced; it is now, to run
+    call = with_f_traced(call) or call
   if (any(used_outputs[n:]) or not any(used_outputs[:n]) or call.num_consts
       or call.jaxpr is None or fwd.jaxpr is None
       or _policy.has_effects(call, fwd) or _policy.uses_references(call)

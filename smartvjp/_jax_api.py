@@ -35,6 +35,7 @@ from typing import Callable
 from jax import tree_util
 
 from smartvjp import _facade as jx
+from smartvjp._errors import function_name
 from smartvjp import _versions
 
 # The JAX release that added each method (or defvjp's parameter).
@@ -57,9 +58,6 @@ _HAS = {
 }
 
 
-def _fname(fun) -> str:
-  return getattr(fun, "__name__", None) or type(fun).__name__
-
 
 def require_method(fun, method: str) -> None:
   """Raises ``NotImplementedError`` unless the installed ``jax.custom_vjp``
@@ -67,7 +65,7 @@ def require_method(fun, method: str) -> None:
   if not _HAS[method]:
     import jax
     raise NotImplementedError(
-        f"smart_custom_vjp function {_fname(fun)}: {method} mirrors "
+        f"smart_custom_vjp function {function_name(fun)}: {method} mirrors "
         f"jax.custom_vjp.{method}, which JAX added in jax "
         f"{INTRODUCED[method]}; the installed jax {jax.__version__} does not "
         f"have it. Upgrade JAX, or use defvjp.")
@@ -80,13 +78,13 @@ def check_generic_batching(fun, method: str, value) -> None:
     return
   if not isinstance(value, (bool, int)) or callable(value):
     raise TypeError(
-        f"smart_custom_vjp function {_fname(fun)}: {method}'s fifth "
+        f"smart_custom_vjp function {function_name(fun)}: {method}'s fifth "
         f"argument is generic_batching (a bool), got {type(value).__name__}"
         "; the fused rule is keyword-only: defvjp(fwd, bwd, fwd_bwd=...).")
   if not _HAS["generic_batching"]:
     import jax
     raise NotImplementedError(
-        f"smart_custom_vjp function {_fname(fun)}: {method}'s "
+        f"smart_custom_vjp function {function_name(fun)}: {method}'s "
         "generic_batching parameter mirrors jax.custom_vjp's, which JAX added "
         f"in jax {INTRODUCED['generic_batching']}; the installed jax "
         f"{jax.__version__} does not have it.")
@@ -138,7 +136,7 @@ def _check_logs(fun, rule, method, logs):
   """``None`` or a dict, as JAX requires."""
   if logs is not None and type(logs) is not dict:
     raise TypeError(
-        f"smart_custom_vjp function {_fname(fun)}: bwd rule {_fname(rule)} "
+        f"smart_custom_vjp function {function_name(fun)}: bwd rule {function_name(rule)} "
         f"was defined with {method}, so its logs must be None or a dict, "
         f"but it returned logs of type {type(logs).__name__}.")
 
@@ -150,7 +148,7 @@ def without_logs(fun, bwd: Callable, method: str) -> Callable:
     out = bwd(*args)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise TypeError(
-          f"smart_custom_vjp function {_fname(fun)}: bwd rule {_fname(bwd)} "
+          f"smart_custom_vjp function {function_name(fun)}: bwd rule {function_name(bwd)} "
           f"was defined with {method}, so each call must produce a pair "
           f"(cotangents, logs); it returned a {type(out).__name__}"
           f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}.")
@@ -226,7 +224,7 @@ def remat_bwd(fun, rem: Callable, bwd: Callable, nondiff_argnums,
     pair = rem(res, *full)
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
       raise TypeError(
-          f"smart_custom_vjp function {_fname(fun)}: rem rule {_fname(rem)} "
+          f"smart_custom_vjp function {function_name(fun)}: rem rule {function_name(rem)} "
           "must return a pair (primal_output, residuals for bwd), but "
           f"returned a {type(pair).__name__}.")
     return rule(*nondiff, pair[1], g)

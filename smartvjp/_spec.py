@@ -20,7 +20,7 @@ from smartvjp import _facade as jx
 from smartvjp import _plan
 from smartvjp._cache import TraceLocalCache
 from smartvjp._errors import (
-    check_jax_leaves, describe_tree, expect_used_up, rule_error)
+    check_jax_leaves, describe_tree, expect_used_up, function_name, rule_error)
 from smartvjp._refs import (
     argument_position, check_aliased_refs, check_f_output, check_fwd_output)
 from smartvjp._policy import producers as policy_producers
@@ -46,14 +46,11 @@ class Rules:
 
   @property
   def name(self) -> str:
-    return _name(self.fun)
+    return function_name(self.fun)
 
   def rule_name(self, which: str) -> str:
-    return _name(getattr(self, which))
+    return function_name(getattr(self, which))
 
-
-def _name(fn) -> str:
-  return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +380,21 @@ def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
   return dataclasses.replace(
       base, out_tree=fwd.out_tree, out_avals=fwd.out_avals,
       num_consts=len(consts), fwd_only=fwd), consts
+
+
+def with_f_traced(call: CallSpec) -> CallSpec | None:
+  """``call`` (linearized where it was made, ``f`` untraced) with ``f``
+  traced, for where ``f`` is to run in ``fwd``'s place after all (no
+  residual of ``fwd`` used); ``None`` when ``f`` closes over values (the
+  equation has no inputs for them) or fails to trace."""
+  try:
+    traced, consts = trace_call(call.rules, call.nondiff, call.num_args,
+                                call.in_tree, call.in_avals)
+  except Exception:  # noqa: BLE001 - then fwd simply stays
+    return None
+  if consts or traced.out_tree != call.out_tree:
+    return None
+  return traced
 
 
 def eager_f(call: CallSpec, primals) -> list:

@@ -27,7 +27,7 @@ def static_key(v: Any):
     return (t, v)
   if t is float:
     return (t, v, math.copysign(1.0, v)) if v == v else (t, "nan")
-  if isinstance(v, (tuple, list)):    # tuples, namedtuples
+  if isinstance(v, tuple):    # tuples, namedtuples (lists are unhashable)
     parts = tuple(static_key(e) for e in v)
     return None if any(p is None for p in parts) else (t, parts)
   if hasattr(v, "_smartvjp_static_key"):   # a wrapper that keys itself

@@ -37,3 +37,11 @@ def never_dce(request):
 def _reset_counts():
   kernels.reset()
   yield
+
+
+@pytest.fixture(params=["direct", "jvp_partial_eval"])
+def linearize(request):
+  """Runs a test with JAX's direct linearize (the default: linearization
+  rules) and without it (JVP, then partial evaluation by a JaxprTrace)."""
+  with kernels.config(jax_use_direct_linearize=request.param == "direct"):
+    yield request.param

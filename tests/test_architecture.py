@@ -87,3 +87,21 @@ if __name__ == "__main__":
   _, tail = rest.split("<!-- rules:end -->")
   DOC.write_text(f"{head}<!-- rules:begin -->\n{expected_table()}\n"
                  f"<!-- rules:end -->{tail}")
+
+
+def test_module_map_lists_every_module():
+  text = DOC.read_text()
+  block = text.split("## Module map")[1].split("\n## ")[0]
+  listed = set(re.findall(r"^\| `(\w+\.py)` \|", block, re.M))
+  present = {p.name for p in (ROOT / "smartvjp").glob("*.py")}
+  assert listed == present, (f"not in the module map: {present - listed}; "
+                             f"listed but absent: {listed - present}")
+
+
+def test_each_primitive_is_defined_in_its_own_module():
+  """Every rule of a primitive lives in one module, or in a helper module
+  the rules share (``_primitive``, a factory there)."""
+  shared = {"smartvjp/_primitive.py"}
+  for prim, rules in RULES.items():
+    homes = {_where(fn)[0] for fn in rules.values()} - shared
+    assert len(homes) == 1, (prim, sorted(homes))

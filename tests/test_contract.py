@@ -1,6 +1,8 @@
 """The core contract: kernel executions per call site, row by row.
 
-Every row runs with direct linearize on and off, and with both kinds of
+Every differentiated row runs with direct linearize on and off (the
+``linearize`` fixture), on JAX's default path and under the remat3 flags
+(``ad_mode``), and with both kinds of
 counting kernel (``pure_callback``, which JAX/XLA may remove when unused, and
 a never-DCE'd primitive, like a Pallas or Triton call). Every value is
 compared against ``jax.custom_vjp`` with the same rules.
@@ -69,27 +71,27 @@ def test_primal(never_dce):
   check(jax.jit(F), jax.jit(R), {"f": 1}, X)
 
 
-def test_grad_without_remat(never_dce, ad_mode):
+def test_grad_without_remat(never_dce, ad_mode, linearize):
   F, R = build(never_dce)
   check(jax.jit(jax.grad(loss(F))), jax.jit(jax.grad(loss(R))),
         {"fwd": 1, "bwd": 1}, X)
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-def test_grad_with_checkpoint(never_dce, ad_mode, jit):
+def test_grad_with_checkpoint(never_dce, ad_mode, linearize, jit):
   F, R = build(never_dce)
   wrap = jax.jit if jit else (lambda f: f)
   check(wrap(jax.grad(loss(F, True))), wrap(jax.grad(loss(R, True))),
         {"f": 1, "fwd": 1, "bwd": 1}, X)
 
 
-def test_seed_fwd_residual_is_input(never_dce, ad_mode):
+def test_seed_fwd_residual_is_input(never_dce, ad_mode, linearize):
   F, R = build(never_dce, seed_fwd=True)
   check(jax.jit(jax.grad(loss(F, True))), jax.jit(jax.grad(loss(R, True))),
         {"f": 1, "bwd": 1}, X)
 
 
-def test_scan_of_checkpointed_layer(never_dce, ad_mode):
+def test_scan_of_checkpointed_layer(never_dce, ad_mode, linearize):
   F, R = build(never_dce)
 
   def scanned(F):
@@ -101,48 +103,48 @@ def test_scan_of_checkpointed_layer(never_dce, ad_mode):
         {"f": 4, "fwd": 4, "bwd": 4}, X)
 
 
-def test_two_calls_in_one_checkpoint(never_dce, ad_mode):
+def test_two_calls_in_one_checkpoint(never_dce, ad_mode, linearize):
   F, R = build(never_dce)
   two = lambda F: (lambda x: jnp.sum(jax.checkpoint(lambda x: F(F(x)))(x) ** 2))
   check(jax.jit(jax.grad(two(F))), jax.jit(jax.grad(two(R))),
         {"f": 2, "fwd": 2, "bwd": 2}, X)
 
 
-def test_everything_saveable(never_dce, ad_mode):
+def test_everything_saveable(never_dce, ad_mode, linearize):
   F, R = build(never_dce)
   p = jax.checkpoint_policies.everything_saveable
   check(jax.jit(jax.grad(loss(F, True, p))), jax.jit(jax.grad(loss(R, True, p))),
         {"fwd": 1, "bwd": 1}, X)
 
 
-def test_named_residual_saved_by_policy(never_dce, ad_mode):
+def test_named_residual_saved_by_policy(never_dce, ad_mode, linearize):
   F, R = build(never_dce, named="gelu_res")
   p = jax.checkpoint_policies.save_only_these_names("gelu_res")
   check(jax.jit(jax.grad(loss(F, True, p))), jax.jit(jax.grad(loss(R, True, p))),
         {"fwd": 1, "bwd": 1}, X)
 
 
-def test_named_residual_not_listed_is_recomputed(never_dce, ad_mode):
+def test_named_residual_not_listed_is_recomputed(never_dce, ad_mode, linearize):
   F, R = build(never_dce, named="gelu_res")
   p = jax.checkpoint_policies.save_only_these_names("other")
   check(jax.jit(jax.grad(loss(F, True, p))), jax.jit(jax.grad(loss(R, True, p))),
         {"f": 1, "fwd": 1, "bwd": 1}, X)
 
 
-def test_checkpoint_with_fwd_bwd(never_dce, ad_mode):
+def test_checkpoint_with_fwd_bwd(never_dce, ad_mode, linearize):
   F, R = build(never_dce, fwd_bwd="also")
   check(jax.jit(jax.grad(loss(F, True))), jax.jit(jax.grad(loss(R, True))),
         {"f": 1, "fwd_bwd": 1}, X)
 
 
-def test_no_checkpoint_with_fwd_bwd(never_dce, ad_mode):
+def test_no_checkpoint_with_fwd_bwd(never_dce, ad_mode, linearize):
   F, R = build(never_dce, fwd_bwd="also")
   check(jax.jit(jax.grad(loss(F))), jax.jit(jax.grad(loss(R))),
         {"fwd": 1, "bwd": 1}, X)
 
 
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
-def test_only_fwd_bwd(never_dce, ad_mode, remat):
+def test_only_fwd_bwd(never_dce, ad_mode, linearize, remat):
   F, R = build(never_dce, fwd_bwd="only")
   check(jax.jit(jax.grad(loss(F, remat))), jax.jit(jax.grad(loss(R, remat))),
         {"f": 1, "fwd_bwd": 1}, X)

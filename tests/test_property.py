@@ -1,6 +1,6 @@
 """Property test: random small compositions (remat or not, scan or not, vmap
 or not, a standard policy, named residual or not, fused rule or not, direct
-linearize on/off) give jax.custom_vjp's gradients and the contract's counts.
+linearize on or off) give jax.custom_vjp's gradients and the contract's counts.
 
 Count oracle, per call site: residuals saved by the policy -> fwd + bwd;
 rematerialized -> f (its primal is needed by the loss) + fwd + bwd, or
@@ -54,8 +54,8 @@ def oracle(remat, policy, named, fused, sites):
 @settings(max_examples=40, deadline=None)
 @given(remat=st.booleans(), scan=st.sampled_from([0, 2, 3]),
        batch=st.sampled_from([0, 2]), policy=st.sampled_from(sorted(POLICIES)),
-       named=st.booleans(), fused=st.booleans())
-def test_random_compositions(remat, scan, batch, policy, named, fused):
+       named=st.booleans(), fused=st.booleans(), direct=st.booleans())
+def test_random_compositions(remat, scan, batch, policy, named, fused, direct):
   s, r = build(named, fused)
 
   def program(F):
@@ -72,10 +72,11 @@ def test_random_compositions(remat, scan, batch, policy, named, fused):
   x = jnp.linspace(-1.0, 1.5, 3, dtype=jnp.float32)
   if batch:
     x = jnp.stack([x, x * 0.5])
-  K.reset()
-  got = jax.block_until_ready(program(s)(x))
-  counts = dict(K.COUNTS)
-  want = jax.block_until_ready(program(r)(x))
+  with K.config(jax_use_direct_linearize=direct):
+    K.reset()
+    got = jax.block_until_ready(program(s)(x))
+    counts = dict(K.COUNTS)
+    want = jax.block_until_ready(program(r)(x))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   sites = max(scan, 1) * max(batch, 1)
   assert counts == oracle(remat, policy, named, fused, sites)
