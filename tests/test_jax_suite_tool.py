@@ -320,11 +320,13 @@ def test_git_revisions_cover_every_tag():
 def test_missing_imports_are_found_and_stubbed(monkeypatch):
   source = ("from jax._src import core, no_such_submodule_here\n"
             "from jax._src.core import Tracer, NoSuchThingInJax\n"
+            "from jax._src.no_such_module import a_name\n"
             "from numpy import NoSuchThingInNumpy\n"
             "import jax\n")
   assert js.missing_imports(source) == [
       ("jax._src", "no_such_submodule_here"),
-      ("jax._src.core", "NoSuchThingInJax")]
+      ("jax._src.core", "NoSuchThingInJax"),
+      ("jax._src.no_such_module", "a_name")]
   import types
   from jax._src import core
   plugin = types.ModuleType(js.STUBS_MODULE)
@@ -336,7 +338,11 @@ def test_missing_imports_are_found_and_stubbed(monkeypatch):
     assert not isinstance(object(), stub)
     with pytest.raises(NotImplementedError, match="NoSuchThingInJax"):
       stub()
+    from jax._src.no_such_module import a_name
+    with pytest.raises(NotImplementedError, match="no_such_module.a_name"):
+      a_name()
   finally:
+    sys.modules.pop("jax._src.no_such_module", None)
     delattr(core, "NoSuchThingInJax")
     import jax._src
     if hasattr(jax._src, "no_such_submodule_here"):

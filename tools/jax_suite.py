@@ -86,15 +86,19 @@ if os.environ.get("SMART", "1") == "1":
 # --stub-missing-imports: a pytest plugin loaded in both passes alike. A JAX
 # test file newer than the installed jax may import internals this jax lacks
 # (the main-branch api_test.py imports jax._src.ad_checkpoint.custom_remat,
-# which jax 0.12.0.1 does not have); each such name becomes a class whose
-# construction raises, so the file is collected and only the tests using it
-# fail, in the baseline too (so they are never held against smartvjp).
+# which jax 0.12.0.1 does not have; the jax-v0.10.2 one a module jax 0.10.0
+# lacks); each such name becomes a class whose construction raises (in an
+# empty module standing in for a missing one), so the file is collected and
+# only the tests using it fail, in the baseline too (so they are never held
+# against smartvjp).
 STUBS_MODULE = "jax_suite_stubs"
 STUB_PLUGIN = """\
 # Written by smartvjp's tools/jax_suite.py (--stub-missing-imports).
 import ast
 import importlib
 import os
+import sys
+import types
 
 
 def missing_imports(source):
@@ -105,7 +109,8 @@ def missing_imports(source):
       continue
     try:
       module = importlib.import_module(node.module)
-    except ImportError:
+    except ImportError:   # a whole module this jax lacks
+      out += [(node.module, alias.name) for alias in node.names]
       continue
     for alias in node.names:
       if hasattr(module, alias.name):
@@ -122,8 +127,11 @@ def install(source):
     def refuse(self, *args, _where=module + "." + name, **kwargs):
       raise NotImplementedError(
           _where + " is not in the installed jax (stubbed by jax_suite.py)")
-    setattr(importlib.import_module(module), name,
-            type(name, (), {"__init__": refuse}))
+    try:
+      target = importlib.import_module(module)
+    except ImportError:
+      target = sys.modules[module] = types.ModuleType(module)
+    setattr(target, name, type(name, (), {"__init__": refuse}))
 
 
 if os.environ.get("JAX_SUITE_TEST_FILE"):
