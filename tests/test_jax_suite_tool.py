@@ -171,3 +171,179 @@ def test_write_json(tmp_path):
   assert doc["tests"]["A::exp"]["verdict"] == "expected"
   assert doc["tests"]["A::bug"]["verdict"] == "unexpected"
   assert doc["passes"]["smart"]["counts"]["failed"] == 2
+
+
+# -- other JAX test files (--file, --tests-dir, --jax-repo, --uses) -----------
+
+SOURCE = '''
+import jax
+
+class MutableArrayTest(object):
+  def test_custom_vjp_ref(self):
+    f = jax.custom_vjp(lambda x: x)
+
+  def test_plain(self):
+    pass
+
+  def helper_custom_vjp(self):
+    jax.custom_vjp
+
+class Other(object):
+  def test_uses_it_inside(self):
+    @jax.custom_vjp
+    def g(x):
+      return x
+'''
+
+
+def test_tests_using():
+  assert js.tests_using(SOURCE, "custom_vjp") == [
+      ("MutableArrayTest", "test_custom_vjp_ref"),
+      ("Other", "test_uses_it_inside")]
+  assert js.tests_using(SOURCE, "nothing_like_it") == []
+
+
+def test_selection_expr():
+  tests = [("A", "test_x"), ("B", "test_y")]
+  assert js.selection_expr(tests, None) == "(A and test_x) or (B and test_y)"
+  assert js.selection_expr(tests, "not slow") == (
+      "(not slow) and ((A and test_x) or (B and test_y))")
+  with pytest.raises(js.SuiteError, match="--uses"):
+    js.selection_expr([], None)
+
+
+def test_expected_entries_belong_to_a_file():
+  data = {"expected": [
+      {"pattern": "A::t", "category": "d", "reason": "r"},
+      {"pattern": "A::t", "category": "d", "reason": "r",
+       "file": "mutable_array_test.py"},
+      {"pattern": "api_test.py::TracebackTest::t", "category": "e",
+       "reason": "r"}]}
+  plain, mutable, api = js.parse_expected(data)
+  assert plain.file == js.TEST_FILE and mutable.file == "mutable_array_test.py"
+  assert api.file == "api_test.py"
+  assert plain.applies("A::t", "0.12.0.1")
+  assert not mutable.applies("A::t", "0.12.0.1")
+  assert mutable.applies("A::t", "0.12.0.1", "mutable_array_test.py")
+  assert api.applies("TracebackTest::t", "0.10.2", "api_test.py")
+  with pytest.raises(js.SuiteError, match="names api_test.py"):
+    js.parse_expected({"expected": [
+        {"pattern": "api_test.py::A::t", "category": "a", "reason": "r",
+         "file": "checkify_test.py"}]})
+
+
+def test_classify_uses_only_the_file_s_entries():
+  base = _results(A__t="passed", A__u="passed")
+  smart = _results(A__t="failed", A__u="failed")
+  expected = [js.Expected("A::t", "d", "why"),
+              js.Expected("A::u", "d", "why", (), "api_test.py")]
+  comp = js.classify(base, smart, expected, "0.12.0.1", "api_test.py")
+  assert [t for t, _ in comp.expected] == ["A::u"]
+  assert [t for t, _ in comp.unexpected] == ["A::t"]
+  assert comp.unused == []
+
+
+def _args(**kw):
+  import argparse
+  defaults = dict(peer=None, tests_dir=None, jax_repo=None,
+                  file="api_test.py")
+  defaults.update(kw)
+  return argparse.Namespace(**defaults)
+
+
+def test_find_test_file(tmp_path):
+  flat = tmp_path / "flat"
+  flat.mkdir()
+  (flat / "api_test.py").write_text("# flat")
+  nested = tmp_path / "nested" / "jax-v0.10.2"
+  nested.mkdir(parents=True)
+  (nested / "api_test.py").write_text("# nested")
+  scratch = str(tmp_path)
+  path, conftest = js.find_test_file(_args(tests_dir=str(flat)),
+                                     "jax-v0.10.2", scratch)
+  assert open(path).read() == "# flat" and conftest is None
+  path, _ = js.find_test_file(_args(tests_dir=str(tmp_path / "nested")),
+                              "jax-v0.10.2", scratch)
+  assert open(path).read() == "# nested"
+  with pytest.raises(js.SuiteError, match="not found"):
+    js.find_test_file(_args(tests_dir=str(flat), file="checkify_test.py"),
+                      "jax-v0.10.2", scratch)
+  with pytest.raises(js.SuiteError, match="exactly one"):
+    js.find_test_file(_args(tests_dir=str(flat), peer=str(flat)),
+                      "jax-v0.10.2", scratch)
+  with pytest.raises(js.SuiteError, match="exactly one"):
+    js.find_test_file(_args(), "jax-v0.10.2", scratch)
+
+
+def test_find_test_file_in_a_git_clone(tmp_path):
+  import subprocess
+  repo = tmp_path / "jax"
+  (repo / "tests").mkdir(parents=True)
+  (repo / "tests" / "api_test.py").write_text("# at the tag")
+  git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+  subprocess.run(["git", "init", "-q", str(repo)], check=True)
+  subprocess.run(git + ["add", "."], check=True)
+  subprocess.run(git + ["commit", "-q", "-m", "t"], check=True)
+  subprocess.run(git + ["tag", "jax-v0.10.2"], check=True)
+  out = tmp_path / "out"
+  out.mkdir()
+  path, conftest = js.find_test_file(_args(jax_repo=str(repo)), "jax-v0.10.2",
+                                     str(out))
+  assert open(path).read() == "# at the tag" and conftest is None
+  assert path.startswith(str(out))
+  with pytest.raises(js.SuiteError, match="git could not read"):
+    js.find_test_file(_args(jax_repo=str(repo), file="nope_test.py"),
+                      "jax-v0.10.2", str(out))
+  with pytest.raises(js.SuiteError, match="no JAX git revision"):
+    js.find_test_file(_args(jax_repo=str(repo)), "jax-v9", str(out))
+
+
+def test_swap_conftest_matches_the_peer_s(monkeypatch):
+  """The conftest the tool writes swaps the decorator as the peer's does
+  (SMART=1 by default, SMART=0 leaves jax.custom_vjp)."""
+  import types
+  import jax
+  import smartvjp
+  original = jax.custom_vjp
+  for smart, want in (("0", original), ("1", smartvjp.smart_custom_vjp)):
+    monkeypatch.setenv("SMART", smart)
+    monkeypatch.setattr(jax, "custom_vjp", original)
+    exec(compile(js.SWAP_CONFTEST, "conftest.py", "exec"),
+         types.ModuleType("conftest").__dict__)
+    assert jax.custom_vjp is want
+
+
+def test_git_revisions_cover_every_tag():
+  assert set(js.GIT_REVS) == set(js.TAGS.values())
+
+
+def test_missing_imports_are_found_and_stubbed(monkeypatch):
+  source = ("from jax._src import core, no_such_submodule_here\n"
+            "from jax._src.core import Tracer, NoSuchThingInJax\n"
+            "from jax._src.no_such_module import a_name\n"
+            "from numpy import NoSuchThingInNumpy\n"
+            "import jax\n")
+  assert js.missing_imports(source) == [
+      ("jax._src", "no_such_submodule_here"),
+      ("jax._src.core", "NoSuchThingInJax"),
+      ("jax._src.no_such_module", "a_name")]
+  import types
+  from jax._src import core
+  plugin = types.ModuleType(js.STUBS_MODULE)
+  monkeypatch.delenv("JAX_SUITE_TEST_FILE", raising=False)
+  exec(compile(js.STUB_PLUGIN, js.STUBS_MODULE, "exec"), plugin.__dict__)
+  plugin.install(source)
+  try:
+    stub = core.NoSuchThingInJax
+    assert not isinstance(object(), stub)
+    with pytest.raises(NotImplementedError, match="NoSuchThingInJax"):
+      stub()
+    from jax._src.no_such_module import a_name
+    with pytest.raises(NotImplementedError, match="no_such_module.a_name"):
+      a_name()
+  finally:
+    sys.modules.pop("jax._src.no_such_module", None)
+    delattr(core, "NoSuchThingInJax")
+    import jax._src
+    if hasattr(jax._src, "no_such_submodule_here"):
+      delattr(jax._src, "no_such_submodule_here")

@@ -1,11 +1,16 @@
-"""Run JAX's own ``custom_api_test.py`` against smartvjp and compare.
+"""Run JAX's own ``custom_api_test.py`` (or another JAX test file) against smartvjp.
 
-The test file is not part of this project: it lives in a peer folder (see its
-README), one copy per JAX tag. This tool copies that file and the peer's
-``conftest.py`` into a scratch folder and runs pytest on it twice with the
-current interpreter: once with ``SMART=0`` (plain ``jax.custom_vjp``, the
-baseline) and once with ``SMART=1`` (``jax.custom_vjp`` replaced by
-``smartvjp.smart_custom_vjp``). Per-test outcomes come from pytest's junit XML.
+The test files are not part of this project: they live in a peer folder (see
+its README), one copy per JAX tag, or in a folder given with ``--tests-dir``,
+or are read from a git clone of JAX with ``--jax-repo`` (at the tag matching
+the installed JAX). This tool copies the file and a ``conftest.py`` that swaps
+the decorator (the peer's, or its own when no peer is given) into a scratch
+folder and runs pytest on it twice with the current interpreter: once with
+``SMART=0`` (plain ``jax.custom_vjp``, the baseline) and once with ``SMART=1``
+(``jax.custom_vjp`` replaced by ``smartvjp.smart_custom_vjp``). Per-test
+outcomes come from pytest's junit XML. ``--uses custom_vjp`` runs only the
+tests whose source mentions ``custom_vjp`` (for large files such as
+``api_test.py``).
 
 A test *fails with the swap* when it passes in the baseline and fails or errors
 with smartvjp. Such a failure is *expected* when it matches an entry of
@@ -20,15 +25,22 @@ Usage::
   PYTHONPATH=. python tools/jax_suite.py --peer ../shared/peer [--file-tag auto]
       [--junit-dir DIR] [-k EXPR] [--jobs 1|2] [--passes both|baseline|smart]
       [--json OUT] [--report-only]
+  PYTHONPATH=. python tools/jax_suite.py --tests-dir DIR --file api_test.py
+      --uses custom_vjp      # DIR/api_test.py or DIR/<tag>/api_test.py
+  PYTHONPATH=. python tools/jax_suite.py --jax-repo JAX_CLONE
+      --file mutable_array_test.py    # tests/<file> at the matching tag
+  (add --stub-missing-imports where the file is newer than the installed jax)
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import fnmatch
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,12 +58,97 @@ TAGS = {
     (0, 11): "jax-v0.11.0",
     (0, 12): "jax-main-2026-08-08",
 }
+# Peer folder -> the git revision of JAX's repository it was taken from
+# (for --jax-repo): the tags, and main as of 2026-08-08.
+GIT_REVS = {
+    "jax-v0.10.2": "jax-v0.10.2",
+    "jax-v0.11.0": "jax-v0.11.0",
+    "jax-main-2026-08-08": "cec06d116c05f0d52adfceee3d3b730fdbcb0ce5",
+}
 CATEGORIES = {
     "a": "inspects JAX's own primitives",
     "b": "asserts that forward mode of a custom VJP raises",
     "c": "JAX's vjp3 path raises where smartvjp computes the value",
     "d": "same exception type, smartvjp's own wording",
+    "e": "asserts JAX's own internals beyond its primitives (stack depth)",
 }
+# The conftest.py used when no peer folder is given: the peer's, in effect.
+SWAP_CONFTEST = """\
+# Written by smartvjp's tools/jax_suite.py: swaps jax.custom_vjp for
+# smartvjp.smart_custom_vjp before the tests are collected (SMART=0: not).
+import os
+import jax
+
+if os.environ.get("SMART", "1") == "1":
+  import smartvjp
+  jax.custom_vjp = smartvjp.smart_custom_vjp
+"""
+# --stub-missing-imports: a pytest plugin loaded in both passes alike. A JAX
+# test file newer than the installed jax may import internals this jax lacks
+# (the main-branch api_test.py imports jax._src.ad_checkpoint.custom_remat,
+# which jax 0.12.0.1 does not have; the jax-v0.10.2 one a module jax 0.10.0
+# lacks); each such name becomes a class whose construction raises (in an
+# empty module standing in for a missing one), so the file is collected and
+# only the tests using it fail, in the baseline too (so they are never held
+# against smartvjp).
+STUBS_MODULE = "jax_suite_stubs"
+STUB_PLUGIN = """\
+# Written by smartvjp's tools/jax_suite.py (--stub-missing-imports).
+import ast
+import importlib
+import os
+import sys
+import types
+
+
+def missing_imports(source):
+  out = []
+  for node in ast.parse(source).body:
+    if not (isinstance(node, ast.ImportFrom) and node.module
+            and node.module.split(".")[0] == "jax"):
+      continue
+    try:
+      module = importlib.import_module(node.module)
+    except ImportError:   # a whole module this jax lacks
+      out += [(node.module, alias.name) for alias in node.names]
+      continue
+    for alias in node.names:
+      if hasattr(module, alias.name):
+        continue
+      try:
+        importlib.import_module(node.module + "." + alias.name)
+      except ImportError:
+        out.append((node.module, alias.name))
+  return out
+
+
+def install(source):
+  for module, name in missing_imports(source):
+    def refuse(self, *args, _where=module + "." + name, **kwargs):
+      raise NotImplementedError(
+          _where + " is not in the installed jax (stubbed by jax_suite.py)")
+    try:
+      target = importlib.import_module(module)
+    except ImportError:
+      target = sys.modules[module] = types.ModuleType(module)
+    setattr(target, name, type(name, (), {"__init__": refuse}))
+
+
+if os.environ.get("JAX_SUITE_TEST_FILE"):
+  with open(os.environ["JAX_SUITE_TEST_FILE"]) as fh:
+    install(fh.read())
+"""
+
+
+def missing_imports(source: str) -> list[tuple[str, str]]:
+  """``(module, name)`` of each ``from jax... import name`` in a test file's
+  ``source`` that the installed jax lacks (what --stub-missing-imports
+  stubs)."""
+  namespace: dict = {}
+  exec(compile(STUB_PLUGIN, STUBS_MODULE, "exec"), namespace)
+  return namespace["missing_imports"](source)
+
+
 FAILED = ("failed", "error")
 
 
@@ -95,10 +192,19 @@ def test_id(classname: str, name: str) -> str:
   return f"{cls}::{name}" if cls else name
 
 
+_FILE_PREFIX = re.compile(r"^([\w.-]+\.py)::")
+
+
+def pattern_file(pattern: str) -> str | None:
+  """The test file a full node id names (``mutable_array_test.py::C::t``)."""
+  m = _FILE_PREFIX.match(pattern)
+  return m.group(1) if m else None
+
+
 def normalize_pattern(pattern: str) -> str:
   """Accepts full pytest node ids (``custom_api_test.py::C::t``) as patterns."""
-  prefix = TEST_FILE + "::"
-  return pattern[len(prefix):] if pattern.startswith(prefix) else pattern
+  m = _FILE_PREFIX.match(pattern)
+  return pattern[m.end():] if m else pattern
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +214,7 @@ class Expected:
   category: str
   reason: str
   jax: tuple[str, ...] = ()  # version prefixes ("0.10", "0.11.2"); () = all
+  file: str = TEST_FILE      # the JAX test file the entry is about
 
   def for_version(self, jax_version: str) -> bool:
     """Whether the entry applies to this jax version (prefix match)."""
@@ -115,8 +222,12 @@ class Expected:
     return not self.jax or any(
         have[:len(version_tuple(v))] == version_tuple(v) for v in self.jax)
 
-  def applies(self, tid: str, jax_version: str) -> bool:
-    return (self.for_version(jax_version)
+  def for_file(self, test_file: str) -> bool:
+    return self.file == test_file
+
+  def applies(self, tid: str, jax_version: str,
+              test_file: str = TEST_FILE) -> bool:
+    return (self.for_file(test_file) and self.for_version(jax_version)
             and fnmatch.fnmatchcase(tid, normalize_pattern(self.pattern)))
 
 
@@ -124,18 +235,23 @@ def parse_expected(data: dict) -> list[Expected]:
   """Entries from the parsed TOML (``[[expected]]`` tables), checked."""
   out = []
   for i, entry in enumerate(data.get("expected", [])):
-    unknown = set(entry) - {"pattern", "category", "reason", "jax"}
+    unknown = set(entry) - {"pattern", "category", "reason", "jax", "file"}
     if unknown or not {"pattern", "category", "reason"} <= set(entry):
       raise SuiteError(f"expected entry {i}: needs pattern, category, reason "
-                       f"(and optionally jax); got keys {sorted(entry)}.")
+                       f"(and optionally jax, file); got keys {sorted(entry)}.")
     if entry["category"] not in CATEGORIES:
       raise SuiteError(f"expected entry {i} ({entry['pattern']}): category "
                        f"must be one of {sorted(CATEGORIES)}.")
     jax_versions = entry.get("jax", ())
     if isinstance(jax_versions, str):
       jax_versions = (jax_versions,)
+    named = pattern_file(entry["pattern"])
+    test_file = entry.get("file", named or TEST_FILE)
+    if named is not None and named != test_file:
+      raise SuiteError(f"expected entry {i} ({entry['pattern']}): its pattern "
+                       f"names {named} but its file is {test_file}.")
     out.append(Expected(entry["pattern"], entry["category"], entry["reason"],
-                        tuple(jax_versions)))
+                        tuple(jax_versions), test_file))
   return out
 
 
@@ -186,14 +302,17 @@ class Comparison:
 
 
 def classify(baseline: dict[str, dict], smart: dict[str, dict],
-             expected: list[Expected], jax_version: str) -> Comparison:
+             expected: list[Expected], jax_version: str,
+             test_file: str = TEST_FILE) -> Comparison:
   """Sorts the tests that pass in the baseline by their smartvjp outcome."""
   comp = Comparison([], [], [], [])
+  expected = [e for e in expected if e.for_file(test_file)]
   used = set()
   for tid in sorted(baseline):
     if baseline[tid]["outcome"] != "passed":
       continue
-    entry = next((e for e in expected if e.applies(tid, jax_version)), None)
+    entry = next((e for e in expected if e.applies(tid, jax_version, test_file)),
+                 None)
     if entry is not None:
       used.add(entry)
     got = smart.get(tid, {"outcome": "missing",
@@ -210,6 +329,32 @@ def classify(baseline: dict[str, dict], smart: dict[str, dict],
   return comp
 
 
+def tests_using(source: str, needle: str) -> list[tuple[str, str]]:
+  """``(class, test method)`` of each test in a test file's ``source`` whose
+  own source text mentions ``needle`` (e.g. ``custom_vjp``)."""
+  out = []
+  for node in ast.parse(source).body:
+    if not isinstance(node, ast.ClassDef):
+      continue
+    for fn in node.body:
+      if (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+          and fn.name.startswith("test")
+          and needle in (ast.get_source_segment(source, fn) or "")):
+        out.append((node.name, fn.name))
+  return out
+
+
+def selection_expr(tests: list[tuple[str, str]], kexpr: str | None) -> str:
+  """A pytest ``-k`` expression running ``tests`` (absl's parameterized
+  variants ``test_x0``, ``test_x_name`` included: -k matches substrings, so
+  a test whose name extends a selected one runs too, harmlessly), within
+  ``kexpr`` when given."""
+  if not tests:
+    raise SuiteError("no test of the file matches --uses; nothing to run.")
+  sel = " or ".join(f"({cls} and {name})" for cls, name in tests)
+  return f"({kexpr}) and ({sel})" if kexpr else sel
+
+
 def counts(results: dict[str, dict]) -> dict[str, int]:
   out = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
   for r in results.values():
@@ -221,13 +366,18 @@ def counts(results: dict[str, dict]) -> dict[str, int]:
 
 
 def start_pass(smart: bool, workdir: str, junit: str, kexpr: str | None,
-               log: str) -> subprocess.Popen:
+               log: str, test_file: str = TEST_FILE,
+               stubs: bool = False) -> subprocess.Popen:
   """Starts one pytest run of the copied file (stdout/stderr to ``log``)."""
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         f"--junitxml={junit}", TEST_FILE]
+         f"--junitxml={junit}", test_file]
+  if stubs:
+    cmd[4:4] = ["-p", STUBS_MODULE]
   if kexpr:
     cmd += ["-k", kexpr]
   env = dict(os.environ, SMART="1" if smart else "0")
+  if stubs:
+    env["JAX_SUITE_TEST_FILE"] = os.path.join(workdir, test_file)
   out = open(log, "w")
   proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out,
                           stderr=subprocess.STDOUT)
@@ -236,12 +386,16 @@ def start_pass(smart: bool, workdir: str, junit: str, kexpr: str | None,
 
 
 def run_passes(names: list[str], peer_file: str, conftest: str, junit_dir: str,
-               kexpr: str | None, jobs: int) -> dict[str, dict]:
+               kexpr: str | None, jobs: int,
+               test_file: str = TEST_FILE,
+               stubs: bool = False) -> dict[str, dict]:
   """Runs the named passes (``baseline``/``smart``), ``jobs`` at a time.
 
   Each pass gets its own scratch folder so the two never share files.
+  ``conftest`` is a path, or ``None`` for :data:`SWAP_CONFTEST`.
   Returns ``{name: {"results", "returncode", "wall_s", "log"}}``.
   """
+  stem = "" if test_file == TEST_FILE else test_file[:-len(".py")] + "."
   todo, running, done = list(names), {}, {}
   scratch = tempfile.mkdtemp(prefix="jax_suite_")
   try:
@@ -250,13 +404,21 @@ def run_passes(names: list[str], peer_file: str, conftest: str, junit_dir: str,
         name = todo.pop(0)
         work = os.path.join(scratch, name)
         os.makedirs(work)
-        shutil.copy(conftest, work)
-        shutil.copy(peer_file, os.path.join(work, TEST_FILE))
-        junit = os.path.join(junit_dir, f"{name}.xml")
-        log = os.path.join(junit_dir, f"{name}.log")
+        if conftest is None:
+          with open(os.path.join(work, "conftest.py"), "w") as fh:
+            fh.write(SWAP_CONFTEST)
+        else:
+          shutil.copy(conftest, os.path.join(work, "conftest.py"))
+        shutil.copy(peer_file, os.path.join(work, test_file))
+        if stubs:
+          with open(os.path.join(work, STUBS_MODULE + ".py"), "w") as fh:
+            fh.write(STUB_PLUGIN)
+        junit = os.path.join(junit_dir, f"{stem}{name}.xml")
+        log = os.path.join(junit_dir, f"{stem}{name}.log")
         if os.path.exists(junit):  # never read an older run's results
           os.remove(junit)
-        proc = start_pass(name == "smart", work, junit, kexpr, log)
+        proc = start_pass(name == "smart", work, junit, kexpr, log, test_file,
+                          stubs)
         running[name] = (proc, junit, log, time.monotonic())
       time.sleep(0.2)
       for name, (proc, junit, log, t0) in list(running.items()):
@@ -298,8 +460,9 @@ def fmt_counts(results: dict[str, dict]) -> str:
 
 
 def report(runs: dict, comp: Comparison | None, tag: str, jax_version: str,
-           problems: dict[str, str], show_unused: bool = True) -> None:
-  print(f"\nJAX suite: {tag}/{TEST_FILE} on jax {jax_version}")
+           problems: dict[str, str], show_unused: bool = True,
+           test_file: str = TEST_FILE) -> None:
+  print(f"\nJAX suite: {tag}/{test_file} on jax {jax_version}")
   for name, label in (("baseline", "SMART=0 (jax.custom_vjp)"),
                       ("smart", "SMART=1 (smartvjp)")):
     if name in runs:
@@ -328,7 +491,8 @@ def report(runs: dict, comp: Comparison | None, tag: str, jax_version: str,
 
 
 def write_json(path: str, runs: dict, comp: Comparison | None, tag: str,
-               jax_version: str, problems: dict[str, str]) -> None:
+               jax_version: str, problems: dict[str, str],
+               test_file: str = TEST_FILE) -> None:
   tests = {}
   for name, run in runs.items():
     for tid, r in run["results"].items():
@@ -341,7 +505,8 @@ def write_json(path: str, runs: dict, comp: Comparison | None, tag: str,
       tests[tid]["verdict"] = "unexpected"
     for tid, e in comp.stale:
       tests[tid]["verdict"] = "stale"
-  doc = {"tag": tag, "jax": jax_version, "problems": problems,
+  doc = {"tag": tag, "file": test_file, "jax": jax_version,
+         "problems": problems,
          "passes": {n: {"returncode": r["returncode"],
                         "wall_s": round(r["wall_s"], 1),
                         "counts": counts(r["results"])}
@@ -353,10 +518,28 @@ def write_json(path: str, runs: dict, comp: Comparison | None, tag: str,
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--peer", required=True,
-                      help="folder holding conftest.py and <tag>/" + TEST_FILE)
+  source = parser.add_argument_group(
+      "where the test file comes from (one of them; --peer also gives the "
+      "conftest.py, which the tool writes itself otherwise)")
+  source.add_argument("--peer",
+                      help="folder holding conftest.py and <tag>/<file>")
+  source.add_argument("--tests-dir",
+                      help="folder holding <file> (or <tag>/<file>)")
+  source.add_argument("--jax-repo",
+                      help="git clone of JAX: tests/<file> at the tag's "
+                           "revision (see GIT_REVS)")
+  parser.add_argument("--file", default=TEST_FILE,
+                      help=f"JAX test file to run (default {TEST_FILE})")
   parser.add_argument("--file-tag", default="auto",
                       help="peer subfolder, or 'auto' from the jax version")
+  parser.add_argument("--uses", metavar="TEXT",
+                      help="run only the tests whose source mentions TEXT "
+                           "(e.g. custom_vjp)")
+  parser.add_argument("--stub-missing-imports", action="store_true",
+                      help="in both passes, stub the jax internals the file "
+                           "imports that this jax lacks (a file newer than "
+                           "the installed jax); the tests using them fail "
+                           "in both passes")
   parser.add_argument("--junit-dir", help="keep junit XML and logs here")
   parser.add_argument("-k", dest="kexpr", help="pytest -k expression")
   parser.add_argument("--jobs", type=int, default=1,
@@ -378,39 +561,94 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def find_test_file(args, tag: str, scratch: str) -> tuple[str, str | None]:
+  """``(path of the test file, path of the peer's conftest.py or None)``
+  from ``--peer``, ``--tests-dir`` or ``--jax-repo`` (checked in that order
+  of precedence for the file; the conftest comes from the peer only)."""
+  given = [n for n in ("peer", "tests_dir", "jax_repo") if getattr(args, n)]
+  if len(given) != 1:
+    raise SuiteError("give exactly one of --peer, --tests-dir, --jax-repo "
+                     f"(got {len(given)}).")
+  name = args.file
+  if args.peer:
+    if not os.path.isdir(args.peer):
+      raise SuiteError(f"peer folder not found: {args.peer}")
+    conftest = os.path.join(args.peer, "conftest.py")
+    if not os.path.isfile(conftest):
+      raise SuiteError(f"no conftest.py in the peer folder {args.peer}")
+    path = os.path.join(args.peer, tag, name)
+    if not os.path.isfile(path):
+      raise SuiteError(f"test file not found: {path}")
+    return path, conftest
+  if args.tests_dir:
+    if not os.path.isdir(args.tests_dir):
+      raise SuiteError(f"tests folder not found: {args.tests_dir}")
+    for path in (os.path.join(args.tests_dir, name),
+                 os.path.join(args.tests_dir, tag, name)):
+      if os.path.isfile(path):
+        return path, None
+    raise SuiteError(f"test file not found: {name} in {args.tests_dir} "
+                     f"(nor in its {tag}/)")
+  rev = GIT_REVS.get(tag)
+  if rev is None:
+    raise SuiteError(f"no JAX git revision is known for {tag}; "
+                     f"one of {', '.join(sorted(GIT_REVS))}.")
+  got = subprocess.run(["git", "-C", args.jax_repo, "show",
+                        f"{rev}:tests/{name}"], capture_output=True)
+  if got.returncode != 0:
+    raise SuiteError(f"git could not read tests/{name} at {rev} from "
+                     f"{args.jax_repo}: {got.stderr.decode().strip()}")
+  path = os.path.join(scratch, name)
+  with open(path, "wb") as fh:
+    fh.write(got.stdout)
+  return path, None
+
+
 def _main(args) -> int:
   import jax  # only to read its version; the passes run in subprocesses
   jax_version = jax.__version__
-  if not os.path.isdir(args.peer):
-    raise SuiteError(f"peer folder not found: {args.peer}")
-  conftest = os.path.join(args.peer, "conftest.py")
-  if not os.path.isfile(conftest):
-    raise SuiteError(f"no conftest.py in the peer folder {args.peer}")
   tag = pick_tag(jax_version) if args.file_tag == "auto" else args.file_tag
-  peer_file = os.path.join(args.peer, tag, TEST_FILE)
-  if not os.path.isfile(peer_file):
-    raise SuiteError(f"test file not found: {peer_file}")
+  scratch = tempfile.mkdtemp(prefix="jax_suite_file_")
+  try:
+    return _run(args, jax_version, tag, scratch)
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args, jax_version: str, tag: str, scratch: str) -> int:
+  peer_file, conftest = find_test_file(args, tag, scratch)
+  test_file = args.file
   expected = load_expected(args.expected)
+  kexpr = args.kexpr
+  with open(peer_file) as fh:
+    source = fh.read()
+  if args.uses:
+    kexpr = selection_expr(tests_using(source, args.uses), kexpr)
+  if args.stub_missing_imports:
+    stubbed = missing_imports(source)
+    print("stubbed (the file imports them; this jax lacks them): "
+          + (", ".join(f"{m}.{n}" for m, n in stubbed) or "none"))
   names = {"both": ["baseline", "smart"], "baseline": ["baseline"],
            "smart": ["smart"]}[args.passes]
 
   junit_dir = args.junit_dir or tempfile.mkdtemp(prefix="jax_suite_junit_")
   os.makedirs(junit_dir, exist_ok=True)
-  print(f"jax {jax_version}, file {tag}, passes {names}, jobs {args.jobs}",
-        flush=True)
+  print(f"jax {jax_version}, file {tag}/{test_file}, passes {names}, "
+        f"jobs {args.jobs}", flush=True)
   t0 = time.monotonic()
-  runs = run_passes(names, peer_file, conftest, junit_dir, args.kexpr,
-                    args.jobs)
+  runs = run_passes(names, peer_file, conftest, junit_dir, kexpr,
+                    args.jobs, test_file, args.stub_missing_imports)
   wall = time.monotonic() - t0
   problems = {n: p for n, r in runs.items() if (p := pass_problem(r))}
   comp = None
   if len(runs) == 2 and not problems:
     comp = classify(runs["baseline"]["results"], runs["smart"]["results"],
-                    expected, jax_version)
-  report(runs, comp, tag, jax_version, problems, show_unused=not args.kexpr)
+                    expected, jax_version, test_file)
+  report(runs, comp, tag, jax_version, problems,
+         show_unused=not (args.kexpr or args.uses), test_file=test_file)
   print(f"\nwall time {wall:.0f}s")
   if args.json:
-    write_json(args.json, runs, comp, tag, jax_version, problems)
+    write_json(args.json, runs, comp, tag, jax_version, problems, test_file)
   if args.junit_dir or problems:
     print(f"junit XML and pytest logs in {junit_dir}")
   else:
