@@ -11,6 +11,8 @@ from jax import tree_util
 from jax.errors import UnexpectedTracerError
 
 from smartvjp import _facade as jx
+from smartvjp import _spec
+from smartvjp import _vmap
 from smartvjp import _versions
 # each primitive's module registers its rules when imported
 from smartvjp import _call, _rem  # noqa: F401  pylint: disable=unused-import
@@ -287,6 +289,10 @@ class smart_custom_vjp:
         call, consts = hit
         outs = call_p.bind(*consts, *leaves, call=call)
         return tree_util.tree_unflatten(call.out_tree, outs)
+    outs = self._vmap_of_linearized(rules, nondiff, len(args), in_tree, avals,
+                                    leaves)
+    if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
+      return outs
     call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
     outs = call_p.bind(*consts, *leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
@@ -325,6 +331,54 @@ class smart_custom_vjp:
       if hit is not None and None not in static:
         self._cache.put(key, hit, hit[1])
     return hit
+
+  def _vmap_of_linearized(self, rules, nondiff, num_args, in_tree, avals,
+                          leaves):
+    """A call under ``jax.vmap`` directly inside ``jax.grad``/``jax.vjp``
+    (``grad(vmap(F))``), as ``jax.custom_vjp`` makes it: the user's rules
+    batched as Python functions (``_vmap.batched_rules``) and the batched
+    call linearized where it is made, ``f`` untraced; outputs mapped as the
+    batched ``fwd`` maps them, as ``smartvjp_call``'s batching rule maps a
+    differentiated call's. ``None`` where that does not apply (``f`` is then
+    traced and the call batched by its rule)."""
+    batch = jx.current_trace()
+    if (not jx.is_batch_trace(batch) or rules.generic_batching
+        or rules.fwd is None or any(jx.is_ref_aval(a) for a in avals)):
+      return None
+    lin = jx.parent_trace(batch)
+    if not jx.is_linearize_trace(lin):
+      return None
+    _, axis_data = jx.batch_trace_key(batch)
+    parts = [jx.batch_parts(x, batch) for x in leaves]
+    vals = [x if p is None else _vmap.front(axis_data, p[0], p[1])
+            if p[1] is not None else p[0] for x, p in zip(leaves, parts)]
+    in_dims = [None if p is None or p[1] is None else 0 for p in parts]
+    base = _spec.CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
+                          in_tree=in_tree, in_avals=avals, out_tree=None,
+                          out_avals=(), jaxpr=None, num_consts=0)
+    with _vmap.batching(jx.batch_trace_key(batch)):
+      brules = _vmap.batched_rules(base, (), (), in_dims, axis_data)
+    bavals = _vmap.batched_avals(avals, in_dims, axis_data)
+    with jx.set_current_trace(lin):
+      linearizing = _linearizing(vals)
+      if linearizing is None:
+        return None
+      _, primals, nonzero = linearizing
+      in_nz = tuple(nz and possible for nz, possible in
+                    zip(nonzero, _tangent_possible(avals)))
+      if not any(in_nz):
+        return None
+      hit = linearized_call(brules, (), len(vals), _vmap.tuple_tree(len(vals)),
+                            bavals, in_nz,
+                            lambda c: jx.linearize_parts(c, lin) is not None)
+      if hit is None:
+        return None
+      call, consts = hit
+      outs = call_p.bind(*consts, *vals, call=call)
+    seen = brules.fwd.mapped_outputs   # what the batched fwd noted
+    outs = [jx.batch_tracer(batch, o, 0) if m else o[0]
+            for o, m in zip(outs, seen["fwd"])]
+    return tree_util.tree_unflatten(seen["out_tree"], outs)
 
   def _spec(self, rules, nondiff, num_args, in_tree, avals):
     """The traced ``f`` for this signature, reused within one outer trace

@@ -153,11 +153,11 @@ def call_linearize(is_vjp, nonzeros, *primals_in, call):
     primal_outs = (eager_f(call, primals) if eager else
                    call_p.bind(*f_consts, *primals, call=call))
     return _linearized(call, in_nz, primal_outs, primals, None)
-  if eager:   # concrete values: fwd itself runs, as with jax.custom_vjp
-    primal_outs, residuals, fwd = eager_fwd(call, in_nz, primals)
-    return _linearized(call, in_nz, primal_outs, residuals, fwd)
   if call.fwd_only is not None:   # fwd traced where the call was made
     fwd, fwd_consts = call.fwd_only, f_consts
+  elif eager:   # concrete values: fwd itself runs, as with jax.custom_vjp
+    primal_outs, residuals, fwd = eager_fwd(call, in_nz, primals)
+    return _linearized(call, in_nz, primal_outs, residuals, fwd)
   else:
     fwd, fwd_consts = call.fwd_for(in_nz)
   fwd_inputs = [*fwd_consts, *primals]

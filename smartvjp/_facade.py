@@ -303,6 +303,23 @@ def is_mapped_here(x) -> bool:
           and x._trace is current_trace() and x.batch_dim is not None)  # pylint: disable=protected-access
 
 
+def batch_parts(x, trace):
+  """``(value, batch_dim)`` for a tracer of the vmap ``trace``, else
+  ``None`` (``batch_dim`` ``None`` for an unmapped one)."""
+  if isinstance(x, _batching.BatchTracer) and x._trace is trace:  # pylint: disable=protected-access
+    return x.val, x.batch_dim
+  return None
+
+
+def batch_tracer(trace, value, dim):
+  """A value of the vmap ``trace``, mapped at ``dim``."""
+  return _batching.BatchTracer(trace, value, dim)
+
+
+def is_batch_trace(trace) -> bool:
+  return isinstance(trace, _batching.BatchTrace)
+
+
 def batch_trace_key(trace):
   """``(tag, axis_data)`` of a vmap's trace."""
   return trace.tag, trace.axis_data

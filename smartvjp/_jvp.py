@@ -50,7 +50,7 @@ from smartvjp._primitive import (
     pp_rule, rule_jvp, scope)
 from smartvjp._spec import tangent_avals
 from smartvjp._typecheck import (
-    blame_eager_fwd, check_f_output_invariance, check_fwd_output_invariance)
+    blame_fwd, check_f_output_invariance, check_fwd_output_invariance)
 
 
 def runs_fwd_bwd(call, fwd, remat: bool) -> bool:
@@ -110,7 +110,7 @@ def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
     try:
       cts_in = run_bwd(call, fwd, _reloaded(args[:n], reload), cts_out)
     except Exception as e:  # noqa: BLE001 - re-raised unless fwd is at fault
-      blame_eager_fwd(call, e)
+      blame_fwd(call, e)
       raise
   return [None] * n + _nz_inputs(cts_in, in_nz)
 

@@ -47,11 +47,10 @@ class Facts:
   not Python scalars); ``None`` when ``fwd`` has not been traced (eager
   differentiation runs it on values instead). ``always_save``: the rules are
   ``defremat``'s, whose ``fwd`` keeps its residuals whatever the policy
-  says. ``remat_rules``: ``defremat`` rules given beside ``defvjp``'s, usable
-  (their ``fwd`` closes over no traced value) where the policy recomputes.
-  ``remat_rules_usable``: called at most once, when the ``defremat`` rules
-  are to be used: whether they can be (their ``fwd`` closes over no traced
-  value). ``splittable``: ``fwd`` is traced JAX code the policy may split equation
+  says. ``remat_rules``: ``defremat`` rules given beside ``defvjp``'s, for
+  where the policy recomputes; ``remat_rules_usable``: called at most once,
+  when they are to be used, says whether they can be (their ``fwd`` closes
+  over no traced value). ``splittable``: ``fwd`` is traced JAX code the policy may split equation
   by equation (no references among the inputs or effects). ``keeps_effects``:
   ``f`` or ``fwd`` has effects JAX keeps (a debug print), so which of them
   runs is observable. ``f_matches_fwd``: ``f``'s outputs have ``fwd``'s full

@@ -11,8 +11,8 @@
   declared so by a kernel whose result type carries no varying axes
   (:func:`unjustified_invariance`), or the gradient would silently be summed
   over that axis.
-* On the error path of an eagerly differentiated call, ``fwd`` is named when
-  its primal output was the cause (:func:`blame_eager_fwd`).
+* On the error path of a call differentiated without tracing ``f``, ``fwd``
+  is named when its primal output was the cause (:func:`blame_fwd`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ def _leaf_paths(tree) -> list:
   return [p for p, _ in tree_util.tree_flatten_with_path(leaves)[0]]
 
 
-def blame_eager_fwd(call, error: Exception) -> None:
-  """On the error path of an eagerly differentiated call (``error`` raised
-  while its ``bwd`` ran): when ``fwd``'s primal output differs from ``f``'s
+def blame_fwd(call, error: Exception) -> None:
+  """On the error path of a call linearized where it was made, eagerly or
+  not, so that ``f`` was never traced (``error`` raised while its ``bwd``
+  ran): when ``fwd``'s primal output differs from ``f``'s
   in structure, shape or dtype, the cotangents ``bwd`` received had
   ``fwd``'s wrong types, so ``fwd`` is named as at fault: a ``TypeError`` or
   ``ValueError`` is raised again, same type, from ``error``, in words naming
@@ -39,11 +40,12 @@ def blame_eager_fwd(call, error: Exception) -> None:
   text as a note. ``f`` is evaluated abstractly (``jax.eval_shape``), and
   only here: the happy path never traces it. Returns when they agree."""
   rules = call.rules
-  if call.eager is None or rules.fwd is None:
+  if (call.eager is None and call.fwd_only is None) or rules.fwd is None:
     return
+  primals = call.eager_primals or [
+      jax.ShapeDtypeStruct(a.shape, a.dtype) for a in call.in_avals]
   try:
-    want = jax.eval_shape(lambda *p: rules.fun(*call.full_args(p)),
-                          *call.eager_primals)
+    want = jax.eval_shape(lambda *p: rules.fun(*call.full_args(p)), *primals)
   except Exception:  # noqa: BLE001 - f itself fails: nothing to compare
     return
   leaves, tree = tree_util.tree_flatten(want)

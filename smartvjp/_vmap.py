@@ -139,9 +139,18 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
   seen = {}   # which primal outputs fwd maps, noted when it is traced
 
   def note(mapped):
-    seen["fwd"] = tuple(mapped[:call.num_outs])
+    seen["fwd"] = tuple(mapped[:out_tree().num_leaves])
+
+  def out_tree():
+    """``f``'s output tree (``fwd``'s, where ``f`` was not traced)."""
+    return call.out_tree if call.out_tree is not None else seen["out_tree"]
 
   def fun(*leaves):
+    if call.jaxpr is None:   # f not traced: the user's f itself under vmap
+      def one(leaves):
+        return tuple(tree_util.tree_leaves(rules.fun(*call.full_args(leaves))))
+      return vmapped(one, (list(in_dims),))(list(leaves))
+
     def one(consts, leaves):
       return tuple(jx.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
     return vmapped(one, (list(const_dims), list(in_dims)))(
@@ -152,7 +161,8 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
 
     def one(*vals):
       out, res = rules.fwd(*call.full_args(call.fwd_inputs(vals, perturbed)))
-      return tuple(tree_util.tree_leaves(out)), res
+      out_leaves, seen["out_tree"] = tree_util.tree_flatten(out)
+      return tuple(out_leaves), res
     return vmapped(one, list(in_dims), note)(*vals)
   fwd.mapped_outputs = seen
 
@@ -161,7 +171,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
 
     def one(res, arrays):
       with _jax_api.collecting_logs() as sink:   # per example, batched out
-        py_g = tree_util.tree_unflatten(call.out_tree, rebuild(arrays))
+        py_g = tree_util.tree_unflatten(out_tree(), rebuild(arrays))
         cts = flatten_cotangents(
             call, rules.bwd(*call.nondiff, res, py_g), "bwd")
       return _none_for_zeros(cts), _jax_api.merged_logs(sink)
@@ -175,7 +185,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
 
     def one(vals, arrays):
       full = call.full_args(call.fwd_inputs(vals, perturbed))
-      py_g = tree_util.tree_unflatten(call.out_tree, rebuild(arrays))
+      py_g = tree_util.tree_unflatten(out_tree(), rebuild(arrays))
       cts = flatten_cotangents(call, rules.fwd_bwd(*full, py_g), "fwd_bwd")
       return _none_for_zeros(cts)
     return _sum_unbatched(vmapped(one, (list(in_dims), 0))(vals, arrays),
@@ -193,13 +203,13 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
                            axis_data) if rules.remat is not None else None))
 
 
-def _batched_avals(avals, in_dims, axis_data):
+def batched_avals(avals, in_dims, axis_data):
   size, _, _, mesh_axis = jx.vmap_axis(axis_data)
   return tuple(jx.unmapped_aval(size, 0, a, mesh_axis) if d is not None else a
                for a, d in zip(avals, in_dims))
 
 
-def _tuple_tree(n):
+def tuple_tree(n):
   return tree_util.tree_structure(tuple(range(n)))
 
 
@@ -210,8 +220,8 @@ def batched_call(call, consts, const_dims, in_dims, axis_data):
   if hit is not None:
     return hit
   rules = batched_rules(call, consts, const_dims, in_dims, axis_data)
-  in_avals = _batched_avals(call.in_avals, in_dims, axis_data)
-  out = trace_call(rules, (), len(in_avals), _tuple_tree(len(in_avals)),
+  in_avals = batched_avals(call.in_avals, in_dims, axis_data)
+  out = trace_call(rules, (), len(in_avals), tuple_tree(len(in_avals)),
                    in_avals)
   call.batch_cache.put(key, out, [*consts, *out[1]])
   return out
@@ -224,12 +234,12 @@ def linear_only_call(call, in_dims, axis_data):
   if hit is not None:
     return hit
   rules = batched_rules(call, (), (), in_dims, axis_data)
-  in_avals = _batched_avals(call.in_avals, in_dims, axis_data)
-  out_avals = _batched_avals(call.out_avals, [0] * call.num_outs, axis_data)
+  in_avals = batched_avals(call.in_avals, in_dims, axis_data)
+  out_avals = batched_avals(call.out_avals, [0] * call.num_outs, axis_data)
   spec = CallSpec(
       rules=rules, nondiff=(), num_args=len(in_avals),
-      in_tree=_tuple_tree(len(in_avals)), in_avals=in_avals,
-      out_tree=_tuple_tree(len(out_avals)), out_avals=out_avals, jaxpr=None,
+      in_tree=tuple_tree(len(in_avals)), in_avals=in_avals,
+      out_tree=tuple_tree(len(out_avals)), out_avals=out_avals, jaxpr=None,
       num_consts=0, origin=call)
   call.batch_cache.put(key, spec)
   return spec

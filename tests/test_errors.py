@@ -42,24 +42,34 @@ def test_fwd_not_a_pair(remat):
     grad_of(make(fwd=my_fwd), remat)(X, X)
 
 
-def test_fwd_primal_structure_differs():
+# Where f has been traced (a staged call differentiated: jit(F) under grad,
+# a checkpoint), fwd's primal output is checked against it when fwd is
+# traced, as JAX does; jax.grad applied directly (eager or inside jit) traces
+# neither f nor the check, as with jax.custom_vjp, and names fwd only if an
+# error surfaces (test_*_names_fwd_when_its_primal_output_differs below).
+F_TRACED = {"grad(jit(F))": lambda F: jax.jit(grad_of(jax.jit(F))),
+            "jit(grad(checkpoint(F)))": lambda F: jax.jit(grad_of(F, True))}
+
+
+@pytest.mark.parametrize("program", sorted(F_TRACED))
+def test_fwd_primal_structure_differs(program):
   def my_fwd(x, y):
     return {"out": x * y}, (x, y)
-  # checked where f is traced (under jit); eager grad never traces f
   with pytest.raises(TypeError, match=r"my_fwd.*pytree structure differs from "
                      r"my_f's output"):
-    jax.jit(grad_of(make(fwd=my_fwd)))(X, X)
+    F_TRACED[program](make(fwd=my_fwd))(X, X)
 
 
+@pytest.mark.parametrize("program", sorted(F_TRACED))
 @pytest.mark.parametrize("bad,expected,got", [
     (lambda x: x[:1], "float32\\[2,3\\]", "float32\\[1,3\\]"),
     (lambda x: x.astype(jnp.float16), "float32\\[2,3\\]", "float16\\[2,3\\]")])
-def test_fwd_primal_shape_or_dtype_differs(bad, expected, got):
+def test_fwd_primal_shape_or_dtype_differs(bad, expected, got, program):
   def my_fwd(x, y):
     return {"out": bad(x * y), "aux": (x,)}, (x, y)
   with pytest.raises(TypeError, match=rf"my_fwd.*at output\['out'\]: expected "
                      rf"{expected}, got {got}"):
-    jax.jit(grad_of(make(fwd=my_fwd)))(X, X)
+    F_TRACED[program](make(fwd=my_fwd))(X, X)
 
 
 def test_residuals_not_jax_types():
@@ -240,22 +250,24 @@ def _eager_case(kind):
   return my_f, my_fwd, bwds[kind], calls
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("kind,exc", [("multiplies", TypeError),
                                       ("returns_g", ValueError)])
-def test_eager_grad_names_fwd_when_its_primal_output_differs(kind, exc):
+def test_grad_names_fwd_when_its_primal_output_differs(kind, exc, jit):
   my_f, my_fwd, my_bwd, calls = _eager_case(kind)
   ref = jax.custom_vjp(my_f)
   ref.defvjp(my_fwd, my_bwd)
   F = smart_custom_vjp(my_f)
   F.defvjp(my_fwd, my_bwd)
   x = jnp.ones(3)
+  wrap = jax.jit if jit else (lambda g: g)
   with pytest.raises(exc):   # jax.custom_vjp: the same type, naming no rule
-    jax.grad(lambda x: jnp.sum(ref(x)))(x)
+    wrap(jax.grad(lambda x: jnp.sum(ref(x))))(x)
   with pytest.raises(exc, match=r"the fwd rule my_fwd of smart_custom_vjp "
                      r"function my_f returned a primal output that differs "
                      r"from my_f's at its output: my_f gives float32\[3\], "
                      r"fwd gives float32\[2\]") as info:
-    jax.grad(lambda x: jnp.sum(F(x)))(x)
+    wrap(jax.grad(lambda x: jnp.sum(F(x))))(x)
   assert info.value.__cause__ is not None   # the original error, chained
 
 
