@@ -66,11 +66,22 @@ COUNTS: collections.Counter = collections.Counter()
 RULES = ('f', 'fwd', 'bwd', 'fwd_bwd')
 
 
+@functools.cache  # the same callable for the same kernel: compiled once
 def _host(name, fn):
   def run(*args):
     COUNTS[name] += 1
     return tuple(np.asarray(o) for o in fn(*map(np.asarray, args)))
   return run
+
+
+@functools.cache
+def numpy_rule(rule, k=1):
+  """The numpy body of a sin kernel (the same object per ``(rule, k)``)."""
+  return dict(
+      f=lambda x: (np.sin(k * x),),
+      fwd=lambda x: (np.sin(k * x), k * np.cos(k * x)),
+      bwd=lambda c, g: (c * g,),
+      fwd_bwd=lambda x, g: (k * np.cos(k * x) * g,))[rule]
 
 
 def callback_kernel(name, fn, out_like, *args):
@@ -136,20 +147,18 @@ def sin_function(kernel, mode, *, named=False, static=False):
   int ``k`` passed as a nondiff argument; every rule one kernel launch, fwd's
   residual named 'c' when ``named``."""
   def f_k(x, k):
-    return kernel('f', lambda x: (np.sin(k * x),), [x], x)[0]
+    return kernel('f', numpy_rule('f', k), [x], x)[0]
 
   def fwd_k(x, k):
-    y, c = kernel('fwd', lambda x: (np.sin(k * x), k * np.cos(k * x)),
-                  [x, x], x)
+    y, c = kernel('fwd', numpy_rule('fwd', k), [x, x], x)
     return y, checkpoint_name(c, 'c') if named else c
 
   def bwd(*args):  # (c, g), or (k, c, g)
     c, g = args[-2:]
-    return (kernel('bwd', lambda c, g: (c * g,), [g], c, g)[0],)
+    return (kernel('bwd', numpy_rule('bwd'), [g], c, g)[0],)
 
   def fwd_bwd_k(x, k, g):
-    return (kernel('fwd_bwd', lambda x, g: (k * np.cos(k * x) * g,), [g],
-                   x, g)[0],)
+    return (kernel('fwd_bwd', numpy_rule('fwd_bwd', k), [g], x, g)[0],)
 
   if static:
     f, fwd, fwd_bwd = f_k, fwd_k, fwd_bwd_k
@@ -266,8 +275,10 @@ def record(prog, mode, policy, kernel, jit, counts):
   if path := os.environ.get('MEASURED_COUNTS_FILE'):
     with open(path, 'a') as f:
       f.write(json.dumps(dict(jax=jax.__version__, program=prog, mode=mode,
-                              policy=policy, kernel=kernel,
-                              jit=bool(jit), counts=measured)) + '\n')
+                              policy=policy, kernel=kernel, jit=bool(jit),
+                              remat3=bool(config.remat3.value),
+                              custom_vjp3=bool(config.custom_vjp3.value),
+                              counts=measured)) + '\n')
   return measured
 
 
@@ -365,6 +376,13 @@ class CustomVJPRematTodayTest(_LaunchTestCase):
   def test_launches_default_rule(self, prog, policy, kernel, jit):
     self.check(prog, 'default', policy, kernel, jit)
 
+  @parameterized.product(mode=['default', 'true'],
+                         policy=['nothing', 'dots', 'names'],
+                         jit=[False, True])
+  def test_grad_of_grad(self, mode, policy, jit):
+    self.assertEqual(grad_of_grad(self, mode, policy, jit),
+                     expected_grad_of_grad(mode, policy, jit))
+
   def test_symbolic_zeros_under_default_rule(self):
     if not EVERYTHING_BYPASSES_REMAT:
       self.skipTest('jax 0.11 calls fwd without CustomVJPPrimal under remat3')
@@ -375,50 +393,31 @@ class CustomVJPRematTodayTest(_LaunchTestCase):
 
 @jtu.with_config(jax_remat3=True, jax_custom_vjp3=True)
 class CustomVJPRematPolicyTest(_LaunchTestCase):
-  """optimize_remat='policy', and fwd_bwd."""
+  """optimize_remat='policy' (part 1 of the change)."""
 
-  @parameterized.product(mode=['policy', 'policy_fused', 'true_fused'],
-                         policy=list(POLICIES), kernel=list(KERNELS),
+  @parameterized.product(policy=list(POLICIES), kernel=list(KERNELS),
                          jit=[False, True])
-  def test_launches(self, mode, policy, kernel, jit):
-    self.check('plain', mode, policy, kernel, jit)
+  def test_launches(self, policy, kernel, jit):
+    self.check('plain', 'policy', policy, kernel, jit)
 
-  @parameterized.product(prog=PROGRAMS, mode=['policy', 'policy_fused'],
-                         policy=['nothing', 'names'], kernel=list(KERNELS),
+  @parameterized.product(prog=PROGRAMS, policy=['nothing', 'names'],
+                         kernel=list(KERNELS), jit=[False, True])
+  def test_launches_programs(self, prog, policy, kernel, jit):
+    self.check(prog, 'policy', policy, kernel, jit)
+
+  @parameterized.product(policy=['nothing', 'dots', 'names'],
                          jit=[False, True])
-  def test_launches_programs(self, prog, mode, policy, kernel, jit):
-    self.check(prog, mode, policy, kernel, jit)
+  def test_grad_of_grad(self, policy, jit):
+    self.assertEqual(grad_of_grad(self, 'policy', policy, jit),
+                     expected_grad_of_grad('policy', policy, jit))
 
-  @parameterized.product(mode=['default', 'true', 'policy', 'policy_fused'],
-                         policy=['nothing', 'dots', 'names'],
-                         jit=[False, True])
-  def test_grad_of_grad(self, mode, policy, jit):
-    # JAX-coded rules, so that bwd can be differentiated; the counts are of
-    # taps on the rules' outputs, which dead-code elimination removes where
-    # unused. optimize_remat's schedules ('true', 'policy' without a saved
-    # residual) differentiate fwd and bwd in the region in eager mode.
-    got = grad_of_grad(self, mode, policy, jit)
-    primal_schedule = mode == 'true' or (mode != 'default' and
-                                         policy != 'names')
-    if jit:
-      want = 'fwd 1, bwd 1' if primal_schedule else 'fwd 1'
-    elif primal_schedule:
-      want = ('fwd 1, bwd 1, fwd_bwd 1' if mode == 'policy_fused' else
-              'fwd 1, bwd 2')
-    else:
-      want = 'fwd 1, bwd 1'
-    self.assertEqual(got, want)
-
-  @parameterized.product(mode=['policy', 'policy_fused'])
-  def test_symbolic_zeros_nothing_saved(self, mode):
+  def test_symbolic_zeros_nothing_saved(self):
     # fwd runs during differentiation, where jax 0.12 knows which inputs are
     # perturbed (0.11's remat3 treats every input of the region as one).
-    F, seen = symbolic_zeros_function(mode)
-    fused = mode == 'policy_fused'
-    want = 'f 1, fwd_bwd 1' if fused else 'f 1, fwd 1, bwd 1'
-    self.assertEqual(run_symbolic_zeros(self, F, 'nothing'), want)
-    if not fused:
-      self.assertEqual(seen, [(True, not EVERYTHING_BYPASSES_REMAT)])
+    F, seen = symbolic_zeros_function('policy')
+    self.assertEqual(run_symbolic_zeros(self, F, 'nothing'),
+                     'f 1, fwd 1, bwd 1')
+    self.assertEqual(seen, [(True, not EVERYTHING_BYPASSES_REMAT)])
 
   def test_symbolic_zeros_saved_residual_raises(self):
     F, _ = symbolic_zeros_function('policy', named=True)
@@ -430,12 +429,6 @@ class CustomVJPRematPolicyTest(_LaunchTestCase):
     with self.assertRaisesRegex(ValueError, "'policy'"):
       f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g,),
                optimize_remat='always')
-
-  def test_fwd_bwd_needs_optimize_remat(self):
-    f = jax.custom_vjp(jnp.sin)
-    with self.assertRaisesRegex(ValueError, 'fwd_bwd'):
-      f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g,),
-               fwd_bwd=lambda x, g: (g,))
 
   def test_decision_traced_once_per_signature(self):
     # The decision traces fwd once on a throwaway trace; a second eager step
@@ -460,20 +453,18 @@ class CustomVJPRematPolicyTest(_LaunchTestCase):
   def test_unhashable_static_argument(self):
     # a list as nondiff argument: no caching, same schedule
     F = jax.custom_vjp(lambda x, ks: callback_kernel(
-        'f', lambda x: (np.sin(x),), [x], x)[0], nondiff_argnums=(1,))
+        'f', numpy_rule('f'), [x], x)[0], nondiff_argnums=(1,))
     def fwd(x, ks):
-      y, c = callback_kernel('fwd', lambda x: (np.sin(x), np.cos(x)),
-                             [x, x], x)
-      return y, c
-    bwd = lambda ks, c, g: (callback_kernel('bwd', lambda c, g: (c * g,),
-                                            [g], c, g)[0],)
+      return tuple(callback_kernel('fwd', numpy_rule('fwd'), [x, x], x))
+    bwd = lambda ks, c, g: (callback_kernel('bwd', numpy_rule('bwd'), [g],
+                                            c, g)[0],)
     F.defvjp(fwd, bwd, optimize_remat='policy')
     policy = jax.checkpoint_policies.dots_saveable
-    step = jax.value_and_grad(
-        lambda x: jax.checkpoint(lambda x: F(x, [1, 2]), policy=policy)(x).sum())
+    step = jax.value_and_grad(lambda x: jax.checkpoint(
+        lambda x: F(x, [1, 2]), policy=policy)(x).sum())
     x = jnp.linspace(0.1, 0.9, 8, dtype=jnp.float32)
     COUNTS.clear()
-    value, grad = step(x)
+    _, grad = step(x)
     self.assertAllClose(grad, jnp.cos(x))
     self.assertEqual(format_counts(COUNTS), 'f 1, fwd 1, bwd 1')
 
@@ -484,8 +475,7 @@ class CustomVJPRematPolicyTest(_LaunchTestCase):
       return jnp.tanh(x @ w)
     F = jax.custom_vjp(reference)
     def fwd(x, w):
-      y = x @ w
-      t = jnp.tanh(y)
+      t = jnp.tanh(x @ w)
       return t, (x, w, t)
     def bwd(res, g):
       x, w, t = res
@@ -500,6 +490,52 @@ class CustomVJPRematPolicyTest(_LaunchTestCase):
       grad = jax.grad(loss(F), argnums=(0, 1))
       grad = jax.jit(grad) if jit else grad
       self.assertAllClose(grad(x, w), jax.grad(loss(reference), (0, 1))(x, w))
+
+
+@jtu.with_config(jax_remat3=True, jax_custom_vjp3=True)
+class CustomVJPRematFusedTest(_LaunchTestCase):
+  """defvjp(..., fwd_bwd=...) (part 2 of the change)."""
+
+  @parameterized.product(mode=['policy_fused', 'true_fused'],
+                         policy=list(POLICIES), kernel=list(KERNELS),
+                         jit=[False, True])
+  def test_launches(self, mode, policy, kernel, jit):
+    self.check('plain', mode, policy, kernel, jit)
+
+  @parameterized.product(prog=PROGRAMS, policy=['nothing', 'names'],
+                         kernel=list(KERNELS), jit=[False, True])
+  def test_launches_programs(self, prog, policy, kernel, jit):
+    self.check(prog, 'policy_fused', policy, kernel, jit)
+
+  @parameterized.product(policy=['nothing', 'dots', 'names'],
+                         jit=[False, True])
+  def test_grad_of_grad(self, policy, jit):
+    self.assertEqual(grad_of_grad(self, 'policy_fused', policy, jit),
+                     expected_grad_of_grad('policy_fused', policy, jit))
+
+  def test_symbolic_zeros_nothing_saved(self):
+    F, _ = symbolic_zeros_function('policy_fused')
+    self.assertEqual(run_symbolic_zeros(self, F, 'nothing'), 'f 1, fwd_bwd 1')
+
+  def test_fwd_bwd_needs_optimize_remat(self):
+    f = jax.custom_vjp(jnp.sin)
+    with self.assertRaisesRegex(ValueError, 'fwd_bwd'):
+      f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g,),
+               fwd_bwd=lambda x, g: (g,))
+
+
+def expected_grad_of_grad(mode, policy, jit):
+  """Taps counted in ``grad_of_grad``: JAX-coded rules, so dead-code
+  elimination removes taps whose outputs are unused (under jit, bwd's primal
+  output is unused at second order). The schedules that run f forward
+  ('true', and 'policy' where nothing is saved) run fwd and bwd, or fwd_bwd,
+  in the region, which a second derivative differentiates again."""
+  primal_schedule = mode == 'true' or (mode != 'default' and policy != 'names')
+  if jit:
+    return 'fwd 1, bwd 1' if primal_schedule else 'fwd 1'
+  if not primal_schedule:
+    return 'fwd 1, bwd 1'
+  return 'fwd 1, bwd 1, fwd_bwd 1' if mode == 'policy_fused' else 'fwd 1, bwd 2'
 
 
 class CustomVJPPolicyElsewhereTest(_LaunchTestCase):
