@@ -137,15 +137,13 @@ POLICIES = dict(
     dots=jax.checkpoint_policies.dots_saveable,
     names=jax.checkpoint_policies.save_only_these_names('c'))
 
-# How each function under test registers its rules; 'defremat' (by hand: f
-# forward, fwd and bwd backward) exists on jax 0.12 only.
-MODES = ('default', 'true', 'policy', 'policy_fused', 'true_fused', 'defremat')
-
-
 def sin_function(kernel, mode, *, named=False, static=False):
   """``F(x) = sin(x)``, with ``static`` ``F(x, k) = sin(k x)`` for a Python
   int ``k`` passed as a nondiff argument; every rule one kernel launch, fwd's
-  residual named 'c' when ``named``."""
+  residual named 'c' when ``named``. ``mode`` says how the rules are
+  registered: 'default' (``optimize_remat=False``), 'true', 'policy',
+  'policy_fused' and 'true_fused' (with ``fwd_bwd``), or 'defremat' (by hand:
+  f forward, fwd and bwd backward; jax 0.12 only)."""
   def f_k(x, k):
     return kernel('f', numpy_rule('f', k), [x], x)[0]
 
