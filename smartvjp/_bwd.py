@@ -132,7 +132,7 @@ def _spread(call, out, which) -> list:
       call.in_tree, [object() for _ in range(call.in_tree.num_leaves)])
   try:
     subtrees = out_tree.flatten_up_to(dummy)
-  except ValueError as e:
+  except ValueError:
     what = ("a tuple with one cotangent (or None) per differentiable "
             f"argument of {rules.name}, i.e. of length {len(arg_trees)}"
             if len(out) != len(arg_trees) else "cotangents")
@@ -140,7 +140,7 @@ def _spread(call, out, which) -> list:
         TypeError, rules, which,
         f"must return {what} matching the structure {call.in_tree} (None "
         f"or one array may stand for any subtree), but returned pytree "
-        f"structure {out_tree}. Details: {e}") from None
+        f"structure {out_tree}.") from None
   flat = []
   for ct, sub in zip(tree_util.tree_leaves(out, is_leaf=lambda x: x is None),
                      subtrees):

@@ -28,17 +28,21 @@ REQUIRED: list[tuple[str, str, tuple[str, ...]]] = []
 _MISSING: list[str] = []
 
 
-def _internals(alias: str, module_name: str, *names: str):
+def _internals(alias: str, module_name: str, *names: str,
+               since: tuple[bool, tuple[str, ...]] = (False, ())):
   """A namespace with the declared ``names`` of ``module_name`` (noted in
-  ``REQUIRED`` under ``alias``, the name this file gives the namespace)."""
-  REQUIRED.append((alias, module_name, names))
+  ``REQUIRED`` under ``alias``, the name this file gives the namespace).
+  ``since``: ``(flag, more_names)``, names that exist only from the release
+  a ``_versions`` flag names on, required (and present) where it is true."""
+  flag, later = since
+  REQUIRED.append((alias, module_name, names + later))
   try:
     module = importlib.import_module(module_name)
   except ImportError:
     _MISSING.append(module_name)
     return types.SimpleNamespace()
   present = {}
-  for n in names:
+  for n in names + (later if flag else ()):
     if hasattr(module, n):
       present[n] = getattr(module, n)
     else:
@@ -52,8 +56,8 @@ _core = _internals(
     "EvalTrace", "eval_jaxpr", "unmapped_aval", "mapped_aval", "pp_eqn_rules",
     "pp_eqn", "set_current_trace", "DropVar", "get_referent",
     "NamedAxisEffect",
-    *(("positional_effects", "resolve_input_effects")
-      if V.EFFECTS_NAME_VARS else ()))
+    since=(V.EFFECTS_NAME_VARS,
+           ("positional_effects", "resolve_input_effects")))
 _pe = _internals(
     "_pe", "jax._src.interpreters.partial_eval", "Recompute", "Offloadable",
     "new_jaxpr_eqn", "trace_to_jaxpr_dynamic", "convert_constvars_jaxpr",
@@ -66,8 +70,8 @@ _ad = _internals(
     "primitive_linearizations", "fallback_linearize_rule", "LinearizeTrace",
     "LinearizeTracer", "JVPTracer", "ValAccum", "NullAccum",
     "CustomVJPException",
-    *(("fancy_transposes", "GradAccum", "UndefinedPrimal")
-      if V.TRANSPOSE_RETURNS_LOGS else ()))
+    since=(V.TRANSPOSE_RETURNS_LOGS,
+           ("fancy_transposes", "GradAccum", "UndefinedPrimal")))
 _batching = _internals(
     "_batching", "jax._src.interpreters.batching", "fancy_primitive_batchers",
     "batch_jaxpr", "batch_jaxpr_axes", "bdim_at_front", "zero_if_mapped",
@@ -82,7 +86,7 @@ _config = _internals("_config", "jax._src.config", "trace_context",
 _cd = _internals("_cd", "jax._src.custom_derivatives", "CustomVJPPrimal")
 _ad_checkpoint = _internals(
     "_ad_checkpoint", "jax._src.ad_checkpoint", "name_p", "CheckpointName",
-    *(("CheckpointNameFwd",) if V.HAS_CHECKPOINT_NAME_FWD else ()))
+    since=(V.HAS_CHECKPOINT_NAME_FWD, ("CheckpointNameFwd",)))
 _checkify = _internals("_checkify", "jax._src.checkify", "error_checks",
                        "checkify_jaxpr_flat")
 _state_types = _internals("_state_types", "jax._src.state.types",
