@@ -1,0 +1,182 @@
+"""What every benchmark here prints: where it ran, with which versions and at
+which commit; each timed figure as the median with the range of its rounds;
+and a verdict, "met" or "not met", for each goal it names.
+
+The scripts of this folder import it as ``_report`` (their folder is on
+``sys.path`` when they run). Nothing here changes JAX's state; ``machine()``
+and ``versions()`` only read it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- where and with what ------------------------------------------------------
+
+def cpu_model() -> str:
+  """The CPU's marketing name (``/proc/cpuinfo`` on Linux, ``sysctl`` on
+  macOS), else what ``platform`` knows."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as fh:
+      for line in fh:
+        if line.lower().startswith(("model name", "hardware", "cpu model")):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  try:
+    done = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
+                          capture_output=True, text=True, timeout=5)
+    if done.returncode == 0 and done.stdout.strip():
+      return done.stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    pass
+  return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def usable_cores() -> int | None:
+  """Cores this process may run on (its affinity), where the OS says."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    return os.cpu_count()
+
+
+def commit() -> str | None:
+  """``git rev-parse --short HEAD`` of this checkout, with ``+changes`` when
+  tracked files differ from it; None outside a git checkout."""
+  def git(*args):
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True,
+                          text=True, timeout=10)
+  try:
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+      return None
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def machine() -> dict:
+  """The host and the first JAX device. The keys ``device_kind``,
+  ``platform``, ``device_count``, ``host``, ``cpu_count`` and
+  ``bytes_limit`` are those of the JSON files of ``gpu_mlp.py`` and
+  ``gpu_transformer.py``."""
+  import jax
+  devices = jax.devices()
+  stats = getattr(devices[0], "memory_stats", lambda: None)() or {}
+  return dict(cpu_model=cpu_model(), cpu_count=os.cpu_count(),
+              cpus_usable=usable_cores(), host=socket.gethostname(),
+              os=platform.platform(), device_kind=devices[0].device_kind,
+              platform=devices[0].platform, device_count=len(devices),
+              bytes_limit=stats.get("bytes_limit"))
+
+
+def versions() -> dict:
+  """JAX, jaxlib, Python and numpy versions, and this checkout's commit."""
+  import jax
+  import jaxlib
+  import numpy
+  return dict(jax=jax.__version__, jaxlib=jaxlib.__version__,
+              python=platform.python_version(), numpy=numpy.__version__,
+              commit=commit())
+
+
+def header(mach: dict | None = None, vers: dict | None = None) -> str:
+  """Two lines: the machine, then the versions and the commit."""
+  m = machine() if mach is None else mach
+  v = versions() if vers is None else vers
+  usable = m.get("cpus_usable")
+  cores = f"{m.get('cpu_count')} cores" + (
+      f" ({usable} usable)" if usable and usable != m.get("cpu_count") else "")
+  device = (f"{m['device_kind']} x{m['device_count']} ({m['platform']})"
+            if m.get("platform") != "cpu" else "JAX on the CPU")
+  return (f"machine: {m.get('cpu_model', 'unknown CPU')}, {cores}; {device}; "
+          f"host {m.get('host')}\n"
+          f"versions: jax {v['jax']}, jaxlib {v['jaxlib']}, Python "
+          f"{v['python']}" + (f", numpy {v['numpy']}" if v.get("numpy") else "")
+          + f"; smartvjp at commit {v.get('commit') or 'unknown (no git)'}")
+
+
+# -- a median with its range -------------------------------------------------
+
+class Spread:
+  """The median, min and max of a list of samples (one per round)."""
+
+  def __init__(self, samples):
+    self.samples = [float(s) for s in samples]
+    if not self.samples:
+      raise ValueError("a spread needs at least one sample")
+    self.median = statistics.median(self.samples)
+    self.min = min(self.samples)
+    self.max = max(self.samples)
+
+  def __len__(self):
+    return len(self.samples)
+
+  def fmt(self, scale: float = 1.0, digits: int = 1, unit: str = "") -> str:
+    """``median [min-max]`` of the samples times ``scale``; ``unit`` follows
+    the median (``1.02x [0.98-1.10]``)."""
+    f = lambda x: f"{x * scale:.{digits}f}"
+    return f"{f(self.median)}{unit} [{f(self.min)}-{f(self.max)}]"
+
+  def as_dict(self, scale: float = 1.0) -> dict:
+    return dict(median=self.median * scale, min=self.min * scale,
+                max=self.max * scale, samples=[s * scale for s in self.samples])
+
+
+def spread(samples, scale: float = 1.0, digits: int = 1, unit: str = "") -> str:
+  """``median [min-max]`` of ``samples`` (times ``scale``)."""
+  return Spread(samples).fmt(scale, digits, unit)
+
+
+def paired_ratios(samples, base):
+  """Round by round ``samples[r] / base[r]``: the spread of a ratio measured
+  in the same rounds."""
+  return [a / b for a, b in zip(samples, base)]
+
+
+# -- goals and verdicts ------------------------------------------------------
+
+def verdict(ok: bool) -> str:
+  return "met" if ok else "not met"
+
+
+class Goals:
+  """Goals checked in one run; each printed as ``goal <text>: met`` (or
+  ``not met``), then one summary line."""
+
+  def __init__(self):
+    self.items: list[tuple[str, bool]] = []
+
+  def check(self, text: str, ok: bool) -> bool:
+    self.items.append((text, bool(ok)))
+    return bool(ok)
+
+  @property
+  def all_met(self) -> bool:
+    return all(ok for _, ok in self.items)
+
+  def lines(self) -> list[str]:
+    return [f"goal {text}: {verdict(ok)}" for text, ok in self.items]
+
+  def summary(self) -> str:
+    n = len(self.items)
+    met = sum(ok for _, ok in self.items)
+    if met == n:
+      return f"verdict: all {n} goals met"
+    return (f"verdict: {met} of {n} goals met ({n - met} marked "
+            "\"not met\" above)")
+
+  def render(self) -> str:
+    return "\n".join(self.lines() + [self.summary()])
+
+  def as_list(self) -> list[dict]:
+    return [dict(goal=text, met=ok) for text, ok in self.items]

@@ -1,0 +1,114 @@
+"""The benchmark scripts' shared report (``benchmarks/_report.py``) and the
+smoke modes of the timing benchmarks: each prints its machine, versions and
+commit, every time as a median with its range, and a verdict per goal."""
+
+import importlib.util
+import os
+import re
+
+import jax
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+def load(name):
+  spec = importlib.util.spec_from_file_location(
+      f"smartvjp_bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+R = load("_report")
+SPREAD = r"\d+\.\d+x? \[\d+\.\d+-\d+\.\d+\]"
+
+
+def test_spread_and_goals():
+  s = R.Spread([3.0, 1.0, 2.0, 10.0])
+  assert (s.median, s.min, s.max) == (2.5, 1.0, 10.0)
+  assert s.fmt(1e3, 0, " ms") == "2500 ms [1000-10000]"
+  assert R.spread([0.5, 1.5, 1.0], digits=2, unit="x") == "1.00x [0.50-1.50]"
+  assert R.paired_ratios([2, 6], [1, 3]) == [2.0, 2.0]
+  with pytest.raises(ValueError):
+    R.Spread([])
+  goals = R.Goals()
+  assert goals.check("a (1.0x)", True) and not goals.check("b (2.0x)", False)
+  assert goals.lines() == ["goal a (1.0x): met", "goal b (2.0x): not met"]
+  assert goals.summary() == 'verdict: 1 of 2 goals met (1 marked "not met" above)'
+  assert not goals.all_met
+  assert goals.as_list() == [dict(goal="a (1.0x)", met=True),
+                             dict(goal="b (2.0x)", met=False)]
+
+
+def test_header_names_the_machine_versions_and_commit():
+  import jaxlib
+  m, v = R.machine(), R.versions()
+  assert m["cpu_count"] >= 1 and m["cpu_model"] and m["platform"]
+  assert v["jax"] == jax.__version__ and v["jaxlib"] == jaxlib.__version__
+  text = R.header(m, v)
+  assert text.startswith(f"machine: {m['cpu_model']}, {m['cpu_count']} cores")
+  assert f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, Python" in text
+  commit = v["commit"]
+  assert commit is None or re.fullmatch(r"[0-9a-f]{4,40}(\+changes)?", commit)
+  assert f"commit {commit or 'unknown (no git)'}" in text
+  # an older JSON without the newer fields still prints
+  assert "commit unknown" in R.header(
+      dict(device_kind="cpu", platform="cpu", device_count=1, host="h",
+           cpu_count=2), dict(jax="0.1", jaxlib="0.1", python="3"))
+
+
+def _common(out):
+  assert "machine: " in out and f"jax {jax.__version__}, jaxlib " in out
+  assert "smartvjp at commit " in out
+  assert re.search(r"^verdict: (all \d+ goals met|\d+ of \d+ goals met)", out,
+                   re.M), out
+  for line in out.splitlines():
+    if line.startswith("goal "):
+      assert line.endswith((": met", ": not met")), line
+  assert re.search(r"Finished in \d+\.\d s\.", out)
+
+
+def test_overhead_smoke(capsys, monkeypatch):
+  overhead = load("overhead")
+  # the scanned model only (each round compiles every row twice)
+  monkeypatch.setattr(overhead, "MODELS", overhead.MODELS[1:])
+  rows, eager, goals = overhead.main(["--smoke", "--layers", "1",
+                                      "--eager-calls", "5"])
+  out = capsys.readouterr().out
+  _common(out)
+  assert len(rows) == 2 and all(len(s) == 3 for s in eager.values())
+  for _, _, res in rows:
+    assert all(len(tl) == len(cc) == 3 for tl, cc in res.values())
+  # a spread for every time and ratio; a verdict per row and goal
+  table = [l for l in out.splitlines() if l.startswith("scanned")]
+  assert len(table) == 4 and all(len(re.findall(SPREAD, l)) == 3 for l in table)
+  assert len(goals.items) == 2 + 2 + 1
+  assert "trace+lower <= 1.05x jax.custom_vjp, scanned, no remat" in out
+  assert "compile within noise, scanned, remat" in out
+
+
+def test_blackbox_smoke(capsys):
+  blackbox = load("blackbox")
+  rows, heat_rows, goals = blackbox.main(["--smoke", "--layers", "2"])
+  out = capsys.readouterr().out
+  _common(out)
+  assert "--unit-ms 8" in blackbox.__doc__    # the usage line's default
+  assert len(rows) == 8 and len(heat_rows) == 3 and len(goals.items) == 3
+  for row in rows + heat_rows:
+    assert len(row["step"]) == 3
+  lines = [l for l in out.splitlines() if l.startswith(("yes ", "no "))]
+  assert len(lines) == 8 and all(len(re.findall(SPREAD, l)) == 3 for l in lines)
+
+
+def test_scaling_smoke(capsys):
+  scaling = load("scaling")
+  results = scaling.main(["--smoke", "--max-layers", "1"])
+  out = capsys.readouterr().out
+  assert "machine: " in out and "smartvjp at commit " in out
+  assert "No goal here" in out
+  for impl, rows in results.items():
+    (layers, samples, memory), = rows
+    assert layers == 1 and len(samples) == 3 and memory > 0
+  row = next(l for l in out.splitlines() if l.strip().startswith("1 "))
+  assert len(re.findall(r"\d+\.\d+ \[\d+\.\d+-\d+\.\d+\] / ", row)) == 4
