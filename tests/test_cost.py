@@ -53,3 +53,25 @@ def test_the_mixed_residual_case_saves_the_matmul():
   matmul = 2 * 64 * 64 * 64
   assert row["smartvjp"]["flops"] <= row["jax.custom_vjp"]["flops"]
   assert row["optimize_remat"]["flops"] - row["smartvjp"]["flops"] >= matmul - SLACK
+
+
+def test_the_printed_goals_are_met_and_the_kernel_flops_say_na(results):
+  # benchmarks/cost.py prints these verdicts; the same cells must meet them
+  goals = cost.R.Goals()
+  cost.check_goals(results, goals)
+  assert len(goals.items) == 7 and goals.all_met, goals.render()
+  text = cost.render(results)
+  rows = text.split("\n")[5:]   # after the three legend lines and the head
+  kernel_rows = [l for l in rows if l[41:50].strip() == "kernel"]
+  assert len(kernel_rows) == len(cost.POLICIES)
+  for line in kernel_rows:   # host-callback kernels: XLA counts no flops
+    assert line.count("n/a/") == len(cost.IMPLS) and "(1.00)" not in line
+  assert not any("*" in l for l in rows)   # no cell marked as missing a goal
+  # a cell above its anchor is marked and fails its goal
+  row = {i: dict(results[("dots_saveable", "kernel")][i]) for i in cost.IMPLS}
+  row["smartvjp"]["launches"] = row["jax.custom_vjp"]["launches"] + 1
+  assert cost.cell_failures(row)["smartvjp"] == [
+      "launches > jax.custom_vjp", "launches > optimize_remat"]
+  bad = cost.R.Goals()
+  cost.check_goals({("dots_saveable", "kernel"): row}, bad)
+  assert not bad.all_met
