@@ -12,6 +12,17 @@ its outputs are unused, and the counted programs use ``F``'s output,
 rows that need differentiable rules use the same rules written in JAX and
 report whether the program works and gives the right value.
 
+Deterministic (kernel launches counted, values compared): one run, no spread.
+Goal, per row, printed with a verdict (met / not met; n/a where a column
+cannot run on this JAX): smartvjp does no more than ``jax.custom_vjp``, and
+smartvjp under the remat3 flags no more than ``jax.custom_vjp`` under the
+same flags (``vjp3+remat3``). "No more" means: where the anchor gives the
+right value, smartvjp does too, with no more kernel launches in all and no
+more launches of ``fwd`` or of ``bwd``; where the anchor fails (an error, or
+no such API) smartvjp may do anything. The ``fwd_bwd`` row has no anchor (no
+fused rule in ``jax.custom_vjp``): it is compared with the anchor's run of
+the same program without ``fwd_bwd`` (row ``grad(checkpoint(F))``).
+
 Run:  python benchmarks/counts.py [--markdown]
 """
 
@@ -21,13 +32,18 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
+sys.path.insert(1, HERE)
+sys.path.insert(2, os.path.join(HERE, os.pardir))
+import _report as R  # noqa: E402
 import seed_remat as S  # noqa: E402
 
 from smartvjp import smart_custom_vjp  # noqa: E402
@@ -222,21 +238,78 @@ def cell(entry):
   return text if ok else f"{text}, WRONG VALUE"
 
 
+# (smartvjp column, its anchor): the goal of the module docstring
+PAIRS = (("smartvjp", "jax.custom_vjp"), (REMAT3_SMART, "vjp3+remat3"))
+# rows whose anchor has no such API, and the row that runs the same program
+# without it
+FALLBACK = {"checkpoint, fwd_bwd also given": "grad(checkpoint(F))"}
+
+
+def no_more(mine, anchor):
+  """The goal for one cell: True (met), False (not met), None (n/a: this
+  JAX lacks the column's flags)."""
+  if mine[2] == "flags not in this JAX" or anchor[2] == "flags not in this JAX":
+    return None
+  a_counts, a_ok, a_err = anchor
+  if a_err or not a_ok:
+    return True            # the anchor fails here: nothing to be worse than
+  counts, ok, err = mine
+  if err or not ok:
+    return False
+  if a_counts is None:     # a row that checks values only
+    return True
+  total = lambda c: sum(c.values())
+  return (total(counts) <= total(a_counts)
+          and all(counts.get(r, 0) <= a_counts.get(r, 0) for r in ("fwd", "bwd")))
+
+
+def row_goals(table):
+  """``{row: {smart column: True | False | None}}``."""
+  out = {}
+  for row, cells in table.items():
+    anchors = table[FALLBACK[row]] if row in FALLBACK else cells
+    out[row] = {smart: no_more(cells[smart], anchors[anchor])
+                for smart, anchor in PAIRS}
+  return out
+
+
+def _goal_cell(results):
+  known = [v for v in results.values() if v is not None]
+  return "n/a" if not known else R.verdict(all(known))
+
+
+def check_goals(table, goals):
+  """One goal per pair of columns, over every row, into ``goals``."""
+  per_row = row_goals(table)
+  for smart, anchor in PAIRS:
+    verdicts = {row: v[smart] for row, v in per_row.items()}
+    if all(v is None for v in verdicts.values()):
+      continue             # no such flags in this JAX
+    bad = [row for row, v in verdicts.items() if v is False]
+    goals.check(f"{smart} <= {anchor} in every row ({len(verdicts)} rows"
+                + (f"; not in: {', '.join(bad)}" if bad else "") + ")",
+                not bad)
+
+
 def render(table, markdown=False):
+  goals = row_goals(table)
   lines = []
   if markdown:
-    lines.append("| program | " + " | ".join(f"`{i}`" for i in IMPLS) + " |")
-    lines.append("|---" * (len(IMPLS) + 1) + "|")
+    lines.append("| program | " + " | ".join(f"`{i}`" for i in IMPLS)
+                 + " | smartvjp <= jax.custom_vjp |")
+    lines.append("|---" * (len(IMPLS) + 2) + "|")
     for row, cells in table.items():
       lines.append(f"| {row} | " + " | ".join(cell(cells[i]) for i in IMPLS)
-                   + " |")
+                   + f" | {_goal_cell(goals[row])} |")
   else:
     w = max(map(len, table))
-    lines.append(f"{'program':<{w}} | " + " | ".join(f"{i:<24}" for i in IMPLS))
-    lines.append("-" * (w + 27 * len(IMPLS)))
+    lines.append(f"{'program':<{w}} | " + " | ".join(f"{i:<24}" for i in IMPLS)
+                 + " | goal")
+    lines.append("-" * (w + 27 * len(IMPLS) + 7))
     for row, cells in table.items():
       lines.append(f"{row:<{w}} | " + " | ".join(f"{cell(cells[i]):<24}"
-                                                  for i in IMPLS))
+                                                  for i in IMPLS)
+                   + f" | {_goal_cell(goals[row])}")
   return "\n".join(lines)
 
 
@@ -244,10 +317,20 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--markdown", action="store_true")
   args = parser.parse_args(argv)
+  t0 = time.perf_counter()
   table = measure()
-  print(f"jax {jax.__version__}, {jax.devices()[0].platform}; counts are kernel "
-        "launches per gradient step (Pallas interpret-mode kernels).\n")
+  print(R.header())
+  print("counts are kernel launches per gradient step (Pallas interpret-mode "
+        "kernels); deterministic: one run, no spread.")
+  print("goal column: smartvjp <= jax.custom_vjp and smartvjp (remat3 flags) "
+        "<= vjp3+remat3 (right value, no more launches\nin all, no more fwd "
+        "or bwd launches; met where the anchor fails).\n")
   print(render(table, args.markdown))
+  goals = R.Goals()
+  check_goals(table, goals)
+  print()
+  print(goals.render())
+  print(f"\nFinished in {time.perf_counter() - t0:.1f} s.")
   return table
 
 

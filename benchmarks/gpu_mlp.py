@@ -34,6 +34,20 @@ For each workload, hidden size and implementation:
   bytes: parameters in, gradients out), then bisection in granules if the
   line misses. Each search reports its compiles.
 
+Goals, each printed with a verdict (met / not met; in the JSON as
+``goals``), per workload and hidden size, for both smartvjp columns against
+``jax.custom_vjp`` (under remat ``jax.custom_vjp`` runs ``fwd`` twice,
+smartvjp ``f`` forward and ``fwd`` once backward: the same matmuls and fewer
+writes):
+
+* memory: the compiled step needs no more than ``jax.custom_vjp``'s;
+* largest batch: at least ``jax.custom_vjp``'s;
+* step time: the median at most ``STEP_TOLERANCE`` (1.02x) of
+  ``jax.custom_vjp``'s (the paired per-round ratio is printed beside it).
+
+On a CPU (``--smoke``, interpret mode) the step-time goals say nothing about
+a GPU; the script says so.
+
 Compiles run in a thread pool (``--compile-workers``; XLA compiles without
 the GIL), lowering stays on the main thread; timing runs only once no compile
 is in flight. The JSON (``--out``) is rewritten after every finished
@@ -59,8 +73,6 @@ import inspect
 import json
 import math
 import os
-import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -73,12 +85,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(1, ROOT)   # smartvjp from this checkout where it is not installed
+sys.path.insert(2, HERE)
+import _report as R  # noqa: E402
 import pallas_gelu_matmul as PG  # noqa: E402
 import pallas_rmsnorm_gelu as RG  # noqa: E402
 
-SCHEMA = "smartvjp/gpu_mlp/2"
+SCHEMA = "smartvjp/gpu_mlp/3"   # 3: goals, CPU model, commit
 IMPLS = ("jax.custom_vjp", "optimize_remat", "smartvjp", "smartvjp+fused")
 BASE = IMPLS[0]
+SMART = ("smartvjp", "smartvjp+fused")
+STEP_TOLERANCE = 1.02
 WORKLOADS = ("gelu_matmul", "rmsnorm_gelu")
 UNITS = {"gelu_matmul": "TFLOP/s", "rmsnorm_gelu": "GB/s"}
 # H200 SXM vendor figures (dense bf16, HBM3e), for the fraction-of-peak column
@@ -174,18 +190,6 @@ def program_memory(compiled):
   """temp + argument + output bytes of the compiled step (None if unknown)."""
   parts = memory_parts(compiled)
   return None if parts is None else parts["total_bytes"]
-
-
-def time_compiled(compiled, args, repeats):
-  """Median wall time of ``compiled(*args)`` after one warm-up call (used by
-  ``scaling.py``; this script interleaves implementations instead)."""
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def useful_work(workload, layers, m, d, itemsize):
@@ -311,14 +315,10 @@ def file_sha256(path):
 
 
 def machine_info():
-  import jaxlib
-  devices = jax.devices()
-  stats = getattr(devices[0], "memory_stats", lambda: None)() or {}
-  return (dict(device_kind=devices[0].device_kind, platform=devices[0].platform,
-               device_count=len(devices), host=socket.gethostname(),
-               cpu_count=os.cpu_count(), bytes_limit=stats.get("bytes_limit")),
-          dict(jax=jax.__version__, jaxlib=jaxlib.__version__,
-               python=platform.python_version()))
+  """(machine, versions) for the JSON: ``_report.machine()`` (CPU model and
+  cores, host, device kind and count, ``bytes_limit``) and
+  ``_report.versions()`` (jax, jaxlib, Python, numpy, commit)."""
+  return R.machine(), R.versions()
 
 
 def save(doc, path):
@@ -337,9 +337,40 @@ def _ok(section):
   return isinstance(section, dict) and section.get("status") == "ok"
 
 
+def goals_of(doc):
+  """The module docstring's goals, judged on the results there are (a goal
+  whose measurements are missing, skipped or failed is not judged)."""
+  goals = R.Goals()
+  index = {(r["workload"], r["hidden"], r["impl"]): r for r in doc["results"]}
+  for (workload, hidden, impl), r in index.items():
+    base = index.get((workload, hidden, BASE))
+    if impl not in SMART or base is None:
+      continue
+    where = f"{workload}/{hidden} {impl}"
+    mem, bmem = r.get("memory"), base.get("memory")
+    if _ok(mem) and _ok(bmem):
+      goals.check(f"memory: {where} <= jax.custom_vjp ("
+                  f"{fmt_bytes(mem['total_bytes'])} vs "
+                  f"{fmt_bytes(bmem['total_bytes'])})",
+                  mem["total_bytes"] <= bmem["total_bytes"])
+    big, bbig = r.get("largest_batch"), base.get("largest_batch")
+    if _ok(big) and _ok(bbig):
+      goals.check(f"largest batch: {where} >= jax.custom_vjp ({big['batch']} "
+                  f"vs {bbig['batch']})", big["batch"] >= bbig["batch"])
+    step, bstep = r.get("step"), base.get("step")
+    if _ok(step) and _ok(bstep):
+      ratio = step["median_s"] / bstep["median_s"]
+      paired = step.get("paired_ratio_median")
+      goals.check(f"step time: {where} median <= {STEP_TOLERANCE:.2f}x "
+                  f"jax.custom_vjp (ratio {ratio:.3f}"
+                  + (f", paired {paired:.3f}" if paired is not None else "")
+                  + ")", ratio <= STEP_TOLERANCE)
+  return goals
+
+
 def derive(doc):
   """Fills in the ratios to ``jax.custom_vjp`` (step time, memory, largest
-  batch) for every record whose baseline is there."""
+  batch) for every record whose baseline is there, and the goals."""
   index = {(r["workload"], r["hidden"], r["impl"]): r for r in doc["results"]}
   for r in doc["results"]:
     base = index.get((r["workload"], r["hidden"], BASE))
@@ -351,6 +382,7 @@ def derive(doc):
       theirs = base.get(name) if base else None
       mine["ratio_to_custom_vjp"] = (
           mine[field] / theirs[field] if _ok(theirs) and theirs[field] else None)
+  doc["goals"] = goals_of(doc).as_list()
 
 
 # -- tables ------------------------------------------------------------------------
@@ -410,9 +442,7 @@ def tables(doc):
   cfg, lines = doc["config"], []
   m, v = doc["machine"], doc["versions"]
   unit_m, scale = memory_unit(doc)
-  lines.append(f"jax {v['jax']} (jaxlib {v['jaxlib']}, Python {v['python']}) on "
-               f"{m['device_kind']} x{m['device_count']} ({m['platform']}), "
-               f"host {m['host']}, {m['cpu_count']} CPUs; status {doc['status']}")
+  lines.append(R.header(m, v) + f"; status {doc['status']}")
   lines.append(
       f"{cfg['layers']} checkpointed layers in a scan, batch {cfg['batch']}, "
       f"{cfg['dtype']}; step: median [min-max] of {cfg['rounds']} interleaved "
@@ -441,6 +471,13 @@ def tables(doc):
     lines.append(f"\nskipped (deadline): {len(doc['skipped'])} measurements")
   if doc.get("errors"):
     lines.append(f"errors: {len(doc['errors'])} (see the JSON)")
+  goals = goals_of(doc)
+  if goals.items:
+    lines.append("")
+    if cfg.get("interpret"):
+      lines.append("(interpret mode: the step-time goals say nothing about a "
+                   "GPU here)")
+    lines.append(goals.render())
   return "\n".join(lines)
 
 
@@ -448,7 +485,8 @@ def markdown(doc):
   """The README table: one row per (workload, hidden, implementation)."""
   cfg, m, v = doc["config"], doc["machine"], doc["versions"]
   unit_m, scale = memory_unit(doc)
-  out = [f"{m['device_kind']}, jax {v['jax']}; {cfg['layers']} checkpointed "
+  out = [f"{m['device_kind']}, jax {v['jax']}, smartvjp at commit "
+         f"{v.get('commit') or 'unknown'}; {cfg['layers']} checkpointed "
          f"layers, batch {cfg['batch']}, {cfg['dtype']}; median [min-max] of "
          f"{cfg['rounds']} interleaved rounds; largest batch under "
          f"{fmt_bytes(cfg['budget_bytes'])} by compiled memory (temp + arguments "
@@ -463,6 +501,11 @@ def markdown(doc):
     out.append(f"| {r['workload']} | {r['hidden']} | `{r['impl']}` | {c['step']} "
                f"{c['spread']} | {c['step_ratio']} | {rate} | {c['memory']} | "
                f"{c['memory_ratio']} | {c['largest']} | {c['largest_ratio']} |")
+  goals = goals_of(doc)
+  if goals.items:
+    met = sum(ok for _, ok in goals.items)
+    out += ["", f"Goals ({met} of {len(goals.items)} met):"]
+    out += [f"- {text}: **{R.verdict(ok)}**" for text, ok in goals.items]
   return "\n".join(out)
 
 
@@ -746,7 +789,7 @@ def tables_for(doc, workload, hidden):
   sub = dict(doc, results=[r for r in doc["results"] if r["workload"] == workload
                            and r["hidden"] == hidden])
   sub["config"] = dict(doc["config"], workloads=[workload])
-  return tables(sub).split("\n", 2)[2]
+  return tables(sub).split("\n", 3)[3]   # without the machine and config lines
 
 
 def parse(argv):

@@ -20,7 +20,7 @@ Two schedules: the kernels as shipped (``jax.custom_vjp``), and swapped
 * values: ``--check-steps`` SGD steps from the same start, losses and
   parameters compared bit for bit.
 
-Goals, each printed with a verdict (met / NOT MET): launches: swapped runs
+Goals, each printed with a verdict (met / not met): launches: swapped runs
 the minimum (per checkpointed call: the kernel without residual outputs
 forward, the residual-writing kernel once, backward) and writes half the
 residual bytes of shipped; values: bitwise equal; memory: swapped <= shipped;
@@ -53,10 +53,11 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(1, HERE)
 sys.path.insert(2, ROOT)   # smartvjp from this checkout where it is not installed
+import _report as R  # noqa: E402
 import gpu_mlp  # noqa: E402  (machine_info, memory_parts, fmt_bytes, now)
 import pallas_ops_transformer as EX  # noqa: E402
 
-SCHEMA = "smartvjp/gpu_transformer/1"
+SCHEMA = "smartvjp/gpu_transformer/2"   # 2: CPU model and commit
 SCHEDULES = EX.SCHEDULES
 STEP_TOLERANCE = 1.02
 # the model on an H200: 4 layers, 8 x 2048 tokens, 16 heads of 64, bf16
@@ -66,8 +67,7 @@ GPU_CONFIG = EX.Config(layers=4, batch=8, seq=2048, heads=16, head_dim=64,
 SMOKE_CONFIG = EX.Config(steps=2)
 
 
-def verdict(ok: bool) -> str:
-  return "met" if ok else "NOT MET"
+verdict = R.verdict
 
 
 def save(doc, path):
@@ -155,9 +155,7 @@ def goals(cfg, rec, bitwise, paired):
 def table(doc):
   lines = []
   m, v, cfg = doc["machine"], doc["versions"], doc["config"]
-  lines.append(f"jax {v['jax']} (jaxlib {v['jaxlib']}, Python {v['python']}) "
-               f"on {m['device_kind']} x{m['device_count']} ({m['platform']}), "
-               f"host {m['host']}, {m['cpu_count']} CPUs"
+  lines.append(R.header(m, v)
                + (" -- interpret mode" if doc["interpret"] else ""))
   lines.append(f"model: {cfg['layers']} layers, batch {cfg['batch']} x seq "
                f"{cfg['seq']}, {cfg['heads']} heads x {cfg['head_dim']}, MLP "
@@ -183,6 +181,16 @@ def table(doc):
                    f" / {r['swapped']['launches'].get(name, 0):4d}")
     for goal, ok in r["goals"].items():
       lines.append(f"  goal {goal}: {verdict(ok)}")
+  goals = R.Goals()
+  for pname, r in doc["policies"].items():
+    for goal, ok in r["goals"].items():
+      goals.check(f"{pname}: {goal}", ok)
+  if goals.items:
+    lines.append("")
+    if doc["interpret"]:
+      lines.append("(interpret mode: the step-time goal says nothing about a "
+                   "GPU here)")
+    lines.append(goals.summary())
   return "\n".join(lines)
 
 
