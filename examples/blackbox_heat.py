@@ -1,5 +1,11 @@
 """A black-box simulator behind callbacks (seed 003): 1-D plasma heat diffusion.
 
+Seed 003 is pasteurlabs/tesseract-jax#27, one of the reports this project
+answers: differentiating a loss of a black-box simulator wrapped for JAX runs
+``apply`` and then ``vector_jacobian_product``, which repeats the forward
+simulation, because JAX cannot know that one call could keep what the
+gradient needs.
+
 The simulator is numpy/scipy code outside JAX, exposed as a tesseract-style
 component would be, through four ``jax.pure_callback`` endpoints:
 
@@ -174,14 +180,21 @@ def loss(F):
 
 
 def _time(fn, *args, repeat=3):
-  """Best of ``repeat`` wall times of ``fn(*args)`` in seconds, after a warm-up."""
+  """``repeat`` wall times of ``fn(*args)`` in seconds, after a warm-up."""
   fn(*args)  # compile / warm up
-  best = float("inf")
+  times = []
   for _ in range(repeat):
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - t0)
-  return best
+    times.append(time.perf_counter() - t0)
+  return times
+
+
+def _spread(xs, digits=3):
+  """``median [min-max]``."""
+  xs = np.asarray(xs)
+  return (f"{np.median(xs):.{digits}f} [{xs.min():.{digits}f}-"
+          f"{xs.max():.{digits}f}]")
 
 
 def interleaved(fns, *args, rounds=5):
@@ -219,7 +232,7 @@ def main(nx=200, nt=2000, rounds=5):
   g = jnp.ones_like(T0)
   t0_np = np.asarray(T0, np.float64)
   print(f"\nEndpoint times ({nx} cells, {nt} steps, numpy/scipy called "
-        "directly, best of 3):")
+        "directly), s, median [min-max] of 3:")
   endpoints = {
       "apply": lambda: sim.apply(t0_np),
       "apply_with_residuals": lambda: sim.apply_with_residuals(t0_np),
@@ -228,8 +241,9 @@ def main(nx=200, nt=2000, rounds=5):
   }
   alone = {}
   for name, fn in endpoints.items():
-    alone[name] = _time(lambda: fn())
-    print(f"  {name:24s} {alone[name]:.3f} s")
+    runs = _time(lambda: fn())
+    alone[name] = float(np.median(runs))
+    print(f"  {name:24s} {_spread(runs)}")
 
   modes = {
       "jax.custom_vjp (tesseract-jax)": loss(apply_then_vjp),
@@ -244,16 +258,17 @@ def main(nx=200, nt=2000, rounds=5):
     schedules[name] = dict(CALLS)
   times = interleaved(fns, T0, rounds=rounds)
   base = next(iter(fns))
+  ratios = {}
   print(f"\nOne jitted gradient step of sum(T_final**2); {rounds} rounds, each "
         "running every row once in turn.")
-  print("step: median wall time over the rounds. alone: the endpoint times "
-        "above, added up over the")
-  print("endpoints the row runs. ratio: step time / row 1's step time in the "
-        "same round, median [min-max].")
-  print(f"  {'implementation':36s} {'endpoints run':36s} {'step':>7s} "
+  print("step: wall time in s, median [min-max] over the rounds. alone: the "
+        "endpoint medians above, added up")
+  print("over the endpoints the row runs. ratio: step time / row 1's step "
+        "time in the same round, median [min-max].")
+  print(f"  {'implementation':36s} {'endpoints run':36s} {'step':>19s} "
         f"{'alone':>7s}  ratio to row 1")
   for name in fns:
-    step = float(np.median(times[name]))
+    step = _spread(times[name])
     alone_s = sum(alone[k] * v for k, v in schedules[name].items())
     calls = ", ".join(f"{k} {v}" for k, v in schedules[name].items())
     if name == base:
@@ -263,7 +278,16 @@ def main(nx=200, nt=2000, rounds=5):
       ratio = f"{np.median(r):.2f} [{r.min():.2f}-{r.max():.2f}]"
       if schedules[name] == schedules[base]:
         ratio += " same schedule as row 1: noise"
-    print(f"  {name:36s} {calls:36s} {step:5.3f} s {alone_s:5.3f} s  {ratio}")
+    print(f"  {name:36s} {calls:36s} {step:>19s} {alone_s:5.3f} s  {ratio}")
+    ratios[name] = None if name == base else float(np.median(
+        np.array(times[name]) / np.array(times[base])))
+  residual = ratios["smartvjp, no remat (residual path)"]
+  print(f"\nWhat to conclude: one smart_custom_vjp gives both schedules. "
+        "Without jax.checkpoint it runs\napply_with_residuals + bwd, so the "
+        "separate forward apply disappears (median step ratio "
+        f"{residual:.2f} here);\nunder jax.checkpoint it runs apply + "
+        "vector_jacobian_product, as tesseract-jax does, and keeps no "
+        "trajectory.")
   print(f"\nFinished in {time.perf_counter() - t_start:.1f} s.")
 
 

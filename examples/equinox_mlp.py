@@ -146,7 +146,7 @@ def main(steps=300):
         "|ours - equinox's| / max |equinox's| over all parameters.\n")
   print(f"  {'implementation':28s} {'rule calls':20s} {'kernel launches':20s} "
         "gradient difference")
-  reference = None
+  reference, calls, diffs = None, {}, {}
   for name, deco, fused in (("equinox.filter_custom_vjp", eqx.filter_custom_vjp,
                              False),
                             ("smartvjp.filter_custom_vjp",
@@ -161,7 +161,9 @@ def main(steps=300):
       scale = max(float(jnp.max(jnp.abs(b))) for b in reference)
       diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in
                  zip(leaves, reference)) / scale
+      diffs[name] = diff
       diff = f"{diff:.1e}"
+    calls[name] = PG.fmt(PG.rule_calls(launches))
     print(f"  {name:28s} {PG.fmt(PG.rule_calls(launches)):20s} "
           f"{PG.fmt(launches):20s} {diff}")
   print(f"\nTraining with smartvjp.filter_custom_vjp, {steps} SGD steps; loss: "
@@ -169,6 +171,12 @@ def main(steps=300):
   losses = train(smartvjp.filter_custom_vjp, steps=steps)
   print(f"  loss {losses[0]:.2e} -> {losses[-1]:.2e} "
         f"({losses[-1] / losses[0]:.1e} of the first step's)")
+  print(f"\nWhat to conclude: swapping equinox.filter_custom_vjp for "
+        f"smartvjp.filter_custom_vjp changes the gradients\nby at most "
+        f"{max(diffs.values()):.1e} (relative) and, under the checkpoint, runs "
+        f"{calls['smartvjp.filter_custom_vjp']} where equinox runs "
+        f"{calls['equinox.filter_custom_vjp']}\n(one fwd per layer becomes the "
+        f"cheaper f); with def_fwd_bwd, {calls['smartvjp + def_fwd_bwd']}.")
   print(f"Finished in {time.perf_counter() - t0:.1f} s.")
   return losses
 

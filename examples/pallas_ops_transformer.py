@@ -487,6 +487,19 @@ def main(cfg: Config | None = None):
         "fwd runs in\nboth passes, so every residual is written twice. The "
         "MLP's matmuls, saved under dots_saveable,\nare plain JAX; the "
         "kernels' residuals are not dots, so both policies recompute them.")
+  same = all(r["losses_equal"] and r["params_equal"] for r in results.values())
+  half = max(r["residual_bytes"]["swapped"] / r["residual_bytes"]["shipped"]
+             for r in results.values())
+  equal_launches = all(
+      len({sum(r["launches"][s].values()) for s in SCHEDULES}) == 1
+      for r in results.values())
+  print(f"\nWhat to conclude: swapping JAX's own shipped Pallas kernels into "
+        "smartvjp (smartvjp.import_swapped) "
+        + ("trains the\nsame model bit for bit" if same else
+           "CHANGES the training: WRONG") + f" and writes {half:.2f} of the "
+        "residual bytes written as shipped, with "
+        + ("the same number\nof kernel launches." if equal_launches else
+           "a different number\nof kernel launches (see the totals)."))
   print(f"Finished in {time.perf_counter() - t0:.1f} s.")
   return results
 

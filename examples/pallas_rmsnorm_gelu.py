@@ -281,6 +281,7 @@ def main():
         "plain JAX.\n")
   print(f"  {'remat':6s} {'implementation':34s} {'rule calls':20s} "
         f"{'arrays moved':>12s}  grad error")
+  moved_by, worst = {}, 0.0
   for remat, name, impl, fused in (
       (False, "jax.custom_vjp", "jax", False),
       (False, "smartvjp (fwd_bwd given, unused)", "smart", True),
@@ -297,10 +298,21 @@ def main():
     err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
               for a, b in zip(got, want))
     moved = sum(ARRAYS_MOVED[k] * n for k, n in LAUNCHES.items())
+    moved_by[remat, name] = moved
+    worst = max(worst, err)
     c = ", ".join(f"{k} {LAUNCHES[k]}" for k in ("f", "fwd", "bwd", "fwd_bwd")
                   if LAUNCHES[k])
     print(f"  {'yes' if remat else 'no':6s} {name:34s} {c:20s} {moved:12d}  "
           f"{err:.1e}")
+  agree = (f"every gradient matches plain JAX (largest error {worst:.1e}, "
+           "below 1e-5)" if worst < 1e-5 else
+           f"a gradient differs from plain JAX (error {worst:.1e}): WRONG")
+  print(f"\nWhat to conclude: {agree}.\nUnder remat smartvjp moves "
+        f"{moved_by[True, 'smartvjp, fwd + bwd']} M x D arrays where "
+        f"jax.custom_vjp moves {moved_by[True, 'jax.custom_vjp']}, and "
+        f"{moved_by[True, 'smartvjp, fused fwd_bwd']} with the fused "
+        "fwd_bwd:\nfor a memory-bound kernel whose residuals are as large as "
+        "its input, the fused rule is where most of the saving is.")
   print(f"Finished in {time.perf_counter() - t0:.1f} s.")
 
 

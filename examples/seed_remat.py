@@ -1,5 +1,12 @@
 """The seed program (jax-ml/jax#21303) with counting kernels, side by side.
 
+"The seed program" is the program of jax-ml/jax#21303, the report this
+project answers: ``F(x) = sin(x)`` as a ``jax.custom_vjp`` whose three rules
+(``f``, ``fwd``, ``bwd``) print when they run, differentiated through
+``jax.remat(F)``; it prints ``f_bwd, f_fwd, f_fwd``, where one ``f``, one
+``fwd`` and one ``bwd`` were expected. The rows below are that program and
+its neighbours (scan, a named residual saved by a policy, a fused rule).
+
 Under ``jax.remat``, ``jax.custom_vjp`` runs ``fwd`` twice and ``f`` never;
 ``smart_custom_vjp`` runs ``f`` in the forward pass and ``fwd`` once, in the
 backward pass. The rules here are Pallas kernels (``interpret=True``, so this
@@ -148,6 +155,22 @@ CASES = [
      lambda F: jax.jit(jax.grad(remat_loss(F)))),
 ]
 IMPLS = ["jax.custom_vjp", "optimize_remat", "smartvjp"]
+# cases where jax.custom_vjp has no such API, and the case that runs the same
+# program without it (what optimize_remat=True does instead)
+WITHOUT_API = {"remat(F) with fused fwd_bwd":
+               "jit(grad(remat(F))), fwd computes its residual"}
+# why smartvjp runs fewer kernels than optimize_remat=True, where it does
+WHY = {
+    "named residual, save_only_these_names":
+        "the policy saves the residual named \"res\": smartvjp runs fwd in "
+        "the forward pass and keeps it;\n    optimize_remat=True does not "
+        "follow the policy: it runs f forward and fwd again in the backward "
+        "pass",
+    "remat(F) with fused fwd_bwd":
+        "a fused fwd_bwd recomputes in one kernel what bwd needs and writes "
+        "no residual; jax.custom_vjp\n    takes no fused rule, so "
+        "optimize_remat=True runs fwd + bwd in the backward pass",
+}
 
 
 def measure(x):
@@ -173,12 +196,46 @@ def fmt_counts(c):
   return ", ".join(f"{k} {c[k]}" for k in order if c.get(k)) or "none"
 
 
+def against_optimize_remat(table):
+  """``(wins, losses, ties)``: the cases where smartvjp runs fewer kernel
+  launches than ``optimize_remat=True`` (or it raises), more, or as many;
+  each ``(case, smartvjp counts, optimize_remat counts, note)``."""
+  wins, losses, ties = [], [], []
+  for case, *_ in CASES:
+    counts, _, err = table[case, "smartvjp"]
+    other, note = case, ""
+    if table[case, "optimize_remat"][2] == "not in API":
+      other = WITHOUT_API[case]
+      note = " (no fused rule: the same program without one)"
+    opt, _, opt_err = table[other, "optimize_remat"]
+    if err:
+      losses.append((case, None, opt, note))
+    elif opt_err:
+      wins.append((case, counts, None, f" (raises {opt_err})"))
+    elif sum(counts.values()) < sum(opt.values()):
+      wins.append((case, counts, opt, note))
+    elif sum(counts.values()) > sum(opt.values()):
+      losses.append((case, counts, opt, note))
+    else:
+      ties.append((case, counts, opt, note))
+  return wins, losses, ties
+
+
+def _launches(c):
+  return ("an error" if c is None
+          else f"{fmt_counts(c)} ({sum(c.values())} launches)")
+
+
 def main():
   t0 = time.perf_counter()
   x = jnp.linspace(-1.0, 2.0, 8, dtype=jnp.float32)
   table = measure(x)
   plain = lambda x: jnp.sin(x)
   width = max(len(c) for c, *_ in CASES)
+  print("The seed program is jax-ml/jax#21303's, the report this project "
+        "answers: F(x) = sin(x) as a custom VJP with\nrules f, fwd and bwd, "
+        "differentiated through jax.remat(F), where jax.custom_vjp runs fwd "
+        "twice and f never.\n")
   print(f"Kernel launches per gradient step (jax {jax.__version__}, "
         f"{jax.devices()[0].platform}), counted by a callback in each kernel.\n"
         "Each rule (f, fwd, bwd, fwd_bwd) is one Pallas kernel (interpret "
@@ -203,6 +260,28 @@ def main():
              else f"{mismatched} of {checked} do not (marked WRONG)")
   print(f"\nGradients compared with the same program on plain jnp.sin "
         f"(jnp.allclose, rtol 1e-5, atol 1e-6): {verdict}.")
+
+  wins, losses, ties = against_optimize_remat(table)
+  print("\nWhere smartvjp beats jax.custom_vjp(optimize_remat=True) "
+        "(fewer kernel launches in the same program):")
+  for case, mine, opt, note in wins:
+    print(f"  {case}: smartvjp {_launches(mine)}, optimize_remat "
+          f"{_launches(opt)}{note}")
+    if case in WHY:
+      print(f"    {WHY[case]}.")
+  if not wins:
+    print("  no row")
+  for case, mine, opt, note in losses:
+    print(f"  Where optimize_remat=True runs fewer: {case}: smartvjp "
+          f"{_launches(mine)}, optimize_remat {_launches(opt)}{note}")
+  print(f"In the other {len(ties)} rows both run the same kernels.")
+  print("\nWhat to conclude: under jax.remat, jax.custom_vjp runs fwd twice "
+        "where fwd computes its residual (the\nseed's report); "
+        "optimize_remat=True and smartvjp both run f forward and fwd once, "
+        "backward.\nChoose smartvjp over optimize_remat=True when a policy "
+        "saves some of a call's residuals (by name,\nas above, or dots: see "
+        "benchmarks/cost.py) or when you have a fused fwd_bwd kernel: there "
+        "it runs\nfewer kernels.")
   print(f"Finished in {time.perf_counter() - t0:.1f} s.")
   return table
 

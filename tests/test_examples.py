@@ -46,6 +46,12 @@ def test_seed_remat_table(capsys):
   assert table[fused, "smartvjp"][0] == {"f": 1, "fwd_bwd": 1}
   scan = "scan of 4 remat(F) layers"
   assert table[scan, "smartvjp"][0] == {"f": 4, "fwd": 4, "bwd": 4}
+  # the closing rows: where smartvjp runs fewer kernels than optimize_remat
+  wins, losses, ties = seed.against_optimize_remat(table)
+  assert [w[0] for w in wins] == [named, fused] and not losses
+  assert len(ties) == len(seed.CASES) - 2
+  closing = out[out.index("Where smartvjp beats"):]
+  assert named in closing and fused in closing and "What to conclude" in closing
 
 
 def test_counts_benchmark_smartvjp_column():
@@ -63,6 +69,19 @@ def test_counts_benchmark_smartvjp_column():
   if counts.has_experimental_flags():   # remat3 rules: the same schedule
     for row, cells in table.items():
       assert cells[counts.REMAT3_SMART] == cells["smartvjp"], row
+  # the printed goal: smartvjp <= jax.custom_vjp in every row
+  goals = counts.R.Goals()
+  counts.check_goals(table, goals)
+  assert goals.items and goals.all_met, goals.render()
+  assert counts.row_goals(table)["checkpoint, fwd_bwd also given"]["smartvjp"]
+  assert "| met" in counts.render(table)
+  # the goal itself: more launches, or a fwd more, or a wrong value, fail it
+  ok = ({"fwd": 2, "bwd": 1}, True, None)
+  assert counts.no_more(({"f": 1, "fwd": 1, "bwd": 1}, True, None), ok)
+  assert not counts.no_more(({"f": 2, "fwd": 1, "bwd": 1}, True, None), ok)
+  assert not counts.no_more(({"fwd": 3}, True, None), ok)
+  assert not counts.no_more(({"f": 1}, False, None), ok)
+  assert counts.no_more((None, False, "TypeError"), (None, False, "TypeError"))
 
 
 def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
@@ -74,8 +93,14 @@ def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
   assert {"machine", "versions", "argv", "args", "started", "updated", "config",
           "results", "skipped", "errors", "device_memory_stats"} <= set(doc)
   assert {"device_kind", "platform", "device_count", "host",
-          "cpu_count"} <= set(doc["machine"])
-  assert {"jax", "jaxlib", "python"} <= set(doc["versions"])
+          "cpu_count", "cpu_model"} <= set(doc["machine"])
+  assert {"jax", "jaxlib", "python", "commit"} <= set(doc["versions"])
+  # a goal per workload, hidden size, smartvjp column and measurement
+  assert len(doc["goals"]) == 3 * 2 * len(gpu.WORKLOADS) * len(
+      doc["config"]["hiddens"])
+  assert all(set(g) == {"goal", "met"} for g in doc["goals"])
+  # memory and largest batch are deterministic: they hold on any machine
+  assert all(g["met"] for g in doc["goals"] if not g["goal"].startswith("step"))
   assert doc["argv"] == ["--smoke", "--out", str(out)]
   assert not doc["skipped"] and not doc["errors"]
   cfg = doc["config"]
@@ -106,6 +131,8 @@ def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
   gpu.main(["--from-json", str(out), "--markdown"])
   printed = capsys.readouterr().out
   assert "| workload | hidden | implementation |" in printed
+  assert "verdict: " in printed and "Goals (" in printed
+  assert "machine: " in printed and "smartvjp at commit" in printed
   assert all(f"`{impl}`" in printed for impl in gpu.IMPLS)
   # past the deadline nothing starts, and the JSON says what was skipped
   late = tmp_path / "late.json"
@@ -166,27 +193,36 @@ COMMANDS = readme_example_commands()
 
 # What each example's output must say, besides "Finished in": the labels
 # that tell a reader what its numbers count and what they are compared to.
+CONCLUSION = "What to conclude:"
 LABELS = {
-    "examples/seed_remat.py": ["Kernel launches per gradient step",
-                               "also rule calls", "jnp.allclose"],
+    "examples/seed_remat.py": ["The seed program is jax-ml/jax#21303's",
+                               "Kernel launches per gradient step",
+                               "also rule calls", "jnp.allclose",
+                               "Where smartvjp beats jax.custom_vjp"
+                               "(optimize_remat=True)", CONCLUSION],
     "examples/pallas_gelu_matmul.py": [
         "rule calls", "kernel launches", "max |ours - reference|",
-        "When the fused rule pays", "arrays moved"],
+        "When the fused rule pays", "arrays moved", "per call: f writes z",
+        CONCLUSION],
     "examples/pallas_rmsnorm_gelu.py": [
-        "rule calls", "arrays moved", "max |ours - reference| / max |reference|"],
+        "rule calls", "arrays moved", "max |ours - reference| / max |reference|",
+        CONCLUSION],
     # Without a GPU and jax_triton it prints one line saying what is missing.
     "examples/triton_gelu_matmul.py": ["Triton matmul+GELU (jax_triton.triton_call)"],
     "examples/equinox_mlp.py": ["rule calls", "kernel launches",
-                                "max |ours - equinox's|", "mean squared error"],
+                                "max |ours - equinox's|", "mean squared error",
+                                CONCLUSION],
     "examples/blackbox_heat.py": ["max |ours - reference| / max |reference|",
                                   "each running every row once in turn",
-                                  "median [min-max]", "same schedule"],
+                                  "median [min-max]", "same schedule",
+                                  CONCLUSION],
     "examples/pallas_ops_transformer.py": [
         "Kernel launches per training step", "residual bytes written",
         "must be equal bit for bit", "losses bitwise equal yes",
-        "parameters after the last step bitwise equal yes"],
+        "parameters after the last step bitwise equal yes",
+        "trains the\nsame model bit for bit", CONCLUSION],
     "examples/ffi_kernel.py": ["Rules as", "rule calls",
-                               "max |ours - 2 sin(x) cos(x)|"],
+                               "max |ours - 2 sin(x) cos(x)|", CONCLUSION],
 }
 
 
