@@ -296,7 +296,7 @@ def render(table, markdown=False):
   lines = []
   if markdown:
     lines.append("| program | " + " | ".join(f"`{i}`" for i in IMPLS)
-                 + " | smartvjp <= jax.custom_vjp |")
+                 + " | goal (smartvjp <= its anchor) |")
     lines.append("|---" * (len(IMPLS) + 2) + "|")
     for row, cells in table.items():
       lines.append(f"| {row} | " + " | ".join(cell(cells[i]) for i in IMPLS)
