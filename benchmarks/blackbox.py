@@ -315,8 +315,9 @@ def main(argv=None):
               f"{achieved.fmt(digits=3)})", achieved.median >= 0.95)
 
   heat_rows, ep_t = run_heat(repeats, *heat)
-  print(f"\nBlack-box heat simulator (seed 003; {heat[0]} cells, {heat[1]} "
-        "steps). Endpoint times, numpy/scipy called directly (ms): "
+  print(f"\nBlack-box heat simulator (seed 003: pasteurlabs/tesseract-jax#27; "
+        f"{heat[0]} cells, {heat[1]} steps). Endpoint times, numpy/scipy "
+        "called directly (ms): "
         + ", ".join(f"{k} {R.spread(v, 1e3, 0)}" for k, v in ep_t.items()))
   print(f"  {'implementation':45s} {'step ms':>24s} {'vs row 1':>22s} "
         f"{'vs its endpoints':>22s}")

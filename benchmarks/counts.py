@@ -324,7 +324,10 @@ def main(argv=None):
         "kernels); deterministic: one run, no spread.")
   print("goal column: smartvjp <= jax.custom_vjp and smartvjp (remat3 flags) "
         "<= vjp3+remat3 (right value, no more launches\nin all, no more fwd "
-        "or bwd launches; met where the anchor fails).\n")
+        "or bwd launches; met where the anchor fails).")
+  print("\"seed's fwd\": the fwd of the seed program (jax-ml/jax#21303, the "
+        "report this project answers), whose residual\nis its input x; the "
+        "other rows' fwd computes its residual (cos x).\n")
   print(render(table, args.markdown))
   goals = R.Goals()
   check_goals(table, goals)
