@@ -294,7 +294,11 @@ class smart_custom_vjp:
     if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
       return outs
     call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
-    outs = call_p.bind(*consts, *leaves, call=call)
+    if linearizing is not None:   # linearized now, by the current trace
+      with _call.made_under_linearize(call):
+        outs = call_p.bind(*consts, *leaves, call=call)
+    else:
+      outs = call_p.bind(*consts, *leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
 
   def _linearized(self, rules, nondiff, num_args, in_tree, avals, trace,
