@@ -412,3 +412,28 @@ def _api_docstring_blocks():
         inspect.getdoc(getattr(obj, m)) for m in re.findall(r"- (\w+)", rest)]
     count += sum(len(re.findall(r"^```", d or "", re.M)) // 2 for d in docs)
   return count
+
+
+# -- files the pages name ------------------------------------------------------------
+
+_REPO_PATH = re.compile(
+    r"`((?:smartvjp|tests|benchmarks|examples|tools|design|docs|\.ci)/"
+    r"[\w./-]*\w)(?::[\w]+)?`")
+# paths in JAX's repository, named as such by the sentence around them
+NOT_OURS = {"tests/custom_api_test.py", "tests/api_test.py"}
+
+
+def test_files_named_in_code_exist():
+  """A repository path written as code on a page (``smartvjp/_plan.py``)
+  names a file or folder that exists."""
+  missing = []
+  for page, source in PAGES.items():
+    text = open(os.path.join(ROOT, source), encoding="utf-8").read()
+    for path in _REPO_PATH.findall(text):
+      if path in NOT_OURS:
+        continue
+      here = os.path.dirname(source)
+      if not (os.path.exists(os.path.join(ROOT, path))
+              or os.path.exists(os.path.join(ROOT, here, path))):
+        missing.append(f"{page}: {path}")
+  assert not missing, missing
