@@ -8,8 +8,9 @@
 # the `docs` extra.
 #
 # Usage: tools/release_check.sh [PYTHON]   (default: python3; CI passes the
-# Python 3.13 interpreter). Everything happens in a temporary folder, removed
-# at exit; nothing is written to the repository. Set KEEP=1 to keep it.
+# Python 3.13 interpreter; it must be a git checkout). Everything happens in
+# a temporary folder, removed at exit; nothing is written to the repository.
+# Set KEEP=1 to keep the folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -47,8 +48,14 @@ EOF
 runtime_job=$!
 quiet_pip "$work/tools/bin/pip" -r "$work/tools.txt"
 
-step "python -m build (sdist, then the wheel from the sdist)"
-"$work/tools/bin/python" -m build --outdir "$work/dist" . > "$work/build.log" 2>&1 \
+step "python -m build (sdist, then the wheel from the sdist), from a copy of the files git tracks or would track"
+# (a copy: setuptools writes smartvjp.egg-info next to the sources, and a
+# stray local file must not reach the sdist)
+mkdir "$work/src"
+git ls-files -z --cached --others --exclude-standard \
+  | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
+  | tar --null -T - -cf - | tar -xf - -C "$work/src"
+"$work/tools/bin/python" -m build --outdir "$work/dist" "$work/src" > "$work/build.log" 2>&1 \
   || { cat "$work/build.log"; echo "FAILED: python -m build" >&2; exit 1; }
 # (setuptools says so when PYTHONDONTWRITEBYTECODE is set: not a problem)
 if grep -i "warning" "$work/build.log" | grep -v "byte-compiling is disabled"; then
