@@ -200,7 +200,7 @@ def check_bash(code: str, here: str) -> None:
   ``here``: the page's folder in the repository (for relative names)."""
   name, extras = _extras()
   commands = []
-  for line in code.splitlines():
+  for line in code.replace("\\\n", " ").splitlines():
     if not line.strip() or line.lstrip().startswith("#"):
       continue
     # $(...) substitutions are checked only for being well formed
