@@ -97,7 +97,7 @@ class smart_custom_vjp:
     (or ``fwd_bwd``, if given) in the rematerialized backward region. A
     residual that is just an input of the call is never recomputed, so a
     ``fwd`` whose residuals are all inputs runs in neither pass (``f``
-    forward, ``bwd`` backward).
+    forward, ``bwd`` backward; ``fwd`` is traced, to find that out).
   * Under ``jax.checkpoint`` with a policy that saves everything ``fwd``
     computes (``everything_saveable``, or ``save_only_these_names`` naming
     every residual): ``fwd`` in the forward pass, only ``bwd`` in the

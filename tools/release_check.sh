@@ -70,10 +70,14 @@ done
 step "twine check --strict"
 "$work/tools/bin/twine" check --strict "$sdist" "$wheel"
 
-step "the wheel holds the package and its metadata, nothing else"
-"$work/tools/bin/python" - "$wheel" "$version" <<'EOF'
-import sys, zipfile
-wheel, version = sys.argv[1:]
+step "the wheel holds the package and its metadata, the sdist also README, CHANGELOG and the build files"
+"$work/tools/bin/python" - "$wheel" "$version" "$sdist" <<'EOF'
+import sys, tarfile, zipfile
+wheel, version, sdist = sys.argv[1:]
+members = {n.split("/", 2)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
+want = {"smartvjp", "smartvjp.egg-info", "PKG-INFO", "README.md", "CHANGELOG.md",
+        "pyproject.toml", "setup.cfg", "MANIFEST.in"}
+assert members == want, sorted(members ^ want)
 names = zipfile.ZipFile(wheel).namelist()
 top = sorted({n.split("/")[0] for n in names})
 assert top == ["smartvjp", f"smartvjp-{version}.dist-info"], top
