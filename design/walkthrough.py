@@ -44,7 +44,7 @@ def stages() -> str:
   out = []
 
   def show(title, text):
-    out.append(f"**{title}**\n\n```\n{text}\n```\n")
+    out.append(f"**{title}**\n\n```text\n{text}\n```\n")
 
   show("1. `F(x)` traced: one `smartvjp_call` (f traced once per signature)",
        jax.make_jaxpr(F)(x))

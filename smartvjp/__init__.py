@@ -17,6 +17,7 @@ Public names:
 * ``import_swapped``, ``swap_custom_vjp``, ``swap_report``, ``SwapError``:
   ``smart_custom_vjp`` in code you do not own (a library's module-level
   ``@jax.custom_vjp``, JAX's shipped Pallas kernels).
+* ``__version__``: this version of smartvjp, a string (PEP 440).
 """
 
 from smartvjp._api import smart_custom_vjp
@@ -26,7 +27,10 @@ from smartvjp._equinox import filter_custom_vjp
 from smartvjp._swap import (SwapError, import_swapped, swap_custom_vjp,
                             swap_report)
 
-__version__ = "0.1.0"
+# The one place the version is written: pyproject.toml reads it from here
+# (setuptools' dynamic version, without importing the package), and
+# CHANGELOG.md has a section for it (tests/test_release.py checks both).
+__version__ = "0.2.0.dev0"
 
 __all__ = ["smart_custom_vjp", "filter_custom_vjp", "check_primals",
            "PrimalMismatchError", "import_swapped", "swap_custom_vjp",

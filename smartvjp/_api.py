@@ -31,103 +31,128 @@ _CACHE_SIZE = 256
 class smart_custom_vjp:
   """A ``jax.custom_vjp`` whose forward pass under remat runs ``f``, not ``fwd``.
 
-  Decorate the primal ``f``, then give its rules with :meth:`defvjp`, as with
+  Decorate the primal ``f``, then give its rules with ``defvjp``, as with
   ``jax.custom_vjp``. The difference shows under ``jax.checkpoint`` (remat):
-  ``jax.custom_vjp`` runs ``fwd`` in the forward pass, drops its residuals and
-  runs ``fwd`` again in the backward pass, so ``f`` never runs; here the
-  forward pass runs ``f`` and the backward pass runs ``fwd`` once (or the
-  fused ``fwd_bwd`` rule, if given). Example (self-contained; it runs as
-  written)::
+  ``jax.custom_vjp`` runs ``fwd`` in the forward pass, drops its residuals
+  and runs ``fwd`` again in the backward pass, so ``f`` never runs
+  (jax-ml/jax#21303); here the forward pass runs ``f`` and the backward pass
+  runs ``fwd`` once (or the fused ``fwd_bwd`` rule, if given). Example
+  (self-contained; it runs as written):
 
-    import jax
-    import jax.numpy as jnp
-    from smartvjp import smart_custom_vjp
+  ```python
+  import jax
+  import jax.numpy as jnp
+  from smartvjp import smart_custom_vjp
 
-    @smart_custom_vjp
-    def f(x, w):                  # the primal: returns only the output
-      return jnp.tanh(x @ w)
+  @smart_custom_vjp
+  def f(x, w):                  # the primal: returns only the output
+    return jnp.tanh(x @ w)
 
-    def f_fwd(x, w):              # the output and the residuals bwd needs
-      z = jnp.tanh(x @ w)
-      return z, (x, w, z)
+  def f_fwd(x, w):              # the output and the residuals bwd needs
+    z = jnp.tanh(x @ w)
+    return z, (x, w, z)
 
-    def f_bwd(res, g):            # one cotangent per argument of f
-      x, w, z = res
-      dy = g * (1 - z ** 2)
-      return dy @ w.T, x.T @ dy
+  def f_bwd(res, g):            # one cotangent per argument of f
+    x, w, z = res
+    dy = g * (1 - z ** 2)
+    return dy @ w.T, x.T @ dy
 
-    def f_fwd_bwd(x, w, g):       # optional fused rule: bwd's result from
-      z = jnp.tanh(x @ w)         # the arguments, keeping no residuals
-      dy = g * (1 - z ** 2)
-      return dy @ w.T, x.T @ dy
+  def f_fwd_bwd(x, w, g):       # optional fused rule: bwd's result from
+    z = jnp.tanh(x @ w)         # the arguments, keeping no residuals
+    dy = g * (1 - z ** 2)
+    return dy @ w.T, x.T @ dy
 
-    f.defvjp(f_fwd, f_bwd, fwd_bwd=f_fwd_bwd)
+  f.defvjp(f_fwd, f_bwd, fwd_bwd=f_fwd_bwd)
 
-    def loss(x, w):
-      return jnp.sum(jax.checkpoint(f)(x, w) ** 2)
+  def loss(x, w):
+    return jnp.sum(jax.checkpoint(f)(x, w) ** 2)
 
-    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
-    w = jnp.linspace(0.5, -0.5, 6).reshape(3, 2)
-    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
-    # forward pass: f; backward pass: f_fwd_bwd (f_fwd then f_bwd without it)
+  x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+  w = jnp.linspace(0.5, -0.5, 6).reshape(3, 2)
+  dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+  # forward pass: f; backward pass: f_fwd_bwd (f_fwd then f_bwd without it)
+  ```
 
   Args:
-    fun: the primal function ``f(*args) -> out``. Arguments and output are
-      pytrees of arrays (any shapes and dtypes, integer ones included).
-    nondiff_argnums: positions of arguments that are static (functions,
-      hashable or not; never tracers), passed to ``bwd`` first as in
-      ``jax.custom_vjp``.
-    nondiff_argnames: the same, by name.
+    fun: the primal function ``f(*args) -> out``. Its differentiable
+      arguments and its output are pytrees of arrays (any shapes and
+      dtypes; integer inputs get ``float0`` cotangents, as in JAX).
+    nondiff_argnums: positions of arguments that are not differentiated
+      (functions, other Python values, hashable or not; never tracers).
+      ``bwd`` receives them first, as in ``jax.custom_vjp``; ``fwd`` and
+      ``fwd_bwd`` receive them in their places.
+    nondiff_argnames: the same, by parameter name.
 
-  What runs where, per call site (counted as rule calls):
+  What runs where, per call site:
 
-  * plain evaluation, under ``jit`` or not: ``f`` only; ``fwd``/``bwd`` are
-    never traced.
-  * ``jax.grad``/``jax.vjp`` without remat: ``fwd`` then ``bwd``.
-  * under ``jax.checkpoint``/``jax.remat``, when the policy does not save
-    this call's residuals: ``f`` in the forward pass; ``fwd`` + ``bwd`` (or
-    ``fwd_bwd`` if given) in the rematerialized backward region. A residual
-    that is just an input of the call is never recomputed, so a ``fwd`` whose
-    residuals are all inputs does not run at all.
-  * under ``jax.checkpoint`` when the policy saves the residuals: ``fwd``
-    in the forward pass, ``bwd`` in the backward pass, ``f`` never.
+  * Evaluation, under ``jit`` or not: ``f`` only; ``fwd`` and ``bwd`` are
+    not traced.
+  * ``jax.grad``/``jax.vjp`` without remat: ``fwd``, then ``bwd`` in the
+    backward pass. Where they apply directly to the call (eagerly, inside
+    ``jit``, under ``vmap``), ``f`` is not traced, as with
+    ``jax.custom_vjp``: Python code in ``f`` that needs concrete values
+    (``if x > 0:``) works under eager ``jax.grad``.
+  * Under ``jax.checkpoint`` with a policy that saves nothing ``fwd``
+    computes (the default): ``f`` in the forward pass; ``fwd`` then ``bwd``
+    (or ``fwd_bwd``, if given) in the rematerialized backward region. A
+    residual that is just an input of the call is never recomputed, so a
+    ``fwd`` whose residuals are all inputs runs in neither pass (``f``
+    forward, ``bwd`` backward; ``fwd`` is traced, to find that out).
+  * Under ``jax.checkpoint`` with a policy that saves everything ``fwd``
+    computes (``everything_saveable``, or ``save_only_these_names`` naming
+    every residual): ``fwd`` in the forward pass, only ``bwd`` in the
+    backward pass; ``f`` does not run.
+  * A policy that saves some of what a JAX-coded ``fwd`` computes splits
+    ``fwd`` equation by equation, as ``jax.checkpoint`` splits code
+    inlined in it: the part that computes the saved values runs in the
+    forward pass, the rest in the backward region before ``bwd``; ``f``
+    does not run. A ``fwd`` whose work is one opaque kernel (a Pallas call,
+    a custom call, a callback) cannot be split and is recomputed whole
+    (``f`` forward, ``fwd`` backward); so is a JAX-coded ``fwd`` where an
+    estimate of the operations (matrix products by multiply-adds, others by
+    output size) finds the split no cheaper. Either way no kernel runs more
+    often than with ``jax.custom_vjp``.
+
+  ``f`` runs (is traced) where it runs with ``jax.custom_vjp``: plain calls,
+  ``jit(F)``, staged bodies (``scan``, ``cond``, ``jax.checkpoint``), and
+  in addition in the forward pass under remat.
 
   How a policy decides: each residual ``fwd`` computes is saveable if the
   policy says so for the equation of ``fwd``'s jaxpr producing it (a
   ``jax.ad_checkpoint.checkpoint_name(r, name)`` makes that the name, so
-  ``save_only_these_names`` works; a ``dot_general`` output is saveable under
-  ``dots_saveable``; a kernel's output is not) or for the call itself
-  (``everything_saveable`` saves, ``nothing_saveable`` recomputes). All
-  saveable (or offloadable): they are kept, with the primal outputs the
-  backward pass needs; otherwise everything is recomputed, since keeping a
-  part would still need ``fwd`` again in the backward region.
+  ``save_only_these_names`` works; a ``dot_general`` output is saveable
+  under ``dots_saveable``; a kernel's output is not) or for the call itself
+  (``everything_saveable`` saves, ``nothing_saveable`` recomputes).
 
   Where it differs from ``jax.custom_vjp`` (the full list, with reasons, is
-  ``design/limitations.md`` in the source repository; it is not installed
-  with the package):
+  ``design/limitations.md`` in the source repository and on the
+  documentation site; it is not installed with the package):
 
-  * ``f`` is traced to a jaxpr whenever an argument is a tracer, even under
-    eager ``jax.grad``, so Python code in ``f`` that needs concrete values
-    (``float(x)``, ``if x > 0:``) raises JAX's ``ConcretizationTypeError``
-    there. Plain eager calls run ``f`` on concrete values.
-  * The rules are traced once per signature and cached, like a jitted
-    function: Python state they read while tracing (a global, a mutable
-    closure) is baked in for later calls with the same shapes.
-  * A policy that saves some of a call's residuals but not others recomputes
-    the whole call (``f`` forward, ``fwd`` in the backward region).
+  * Where smartvjp runs ``f`` in ``fwd``'s place (the forward pass under
+    remat; under ``jit``, a ``fwd`` whose residuals are all inputs, or a
+    call that no cotangent reaches) the forward value is ``f``'s, where
+    ``jax.custom_vjp``'s is ``fwd``'s: keep ``f`` and ``fwd``'s primal
+    output equal; ``smartvjp.check_primals`` checks it under remat.
+  * Within one traced program (``jit``, ``make_jaxpr``) each rule is traced
+    once per signature (argument structure, shapes, dtypes and nondiff
+    values) and reused by every call with that signature; each new program
+    traces the rules again, so Python state they read while traced (a
+    global, a mutable closure) is read afresh, as with ``jax.custom_vjp``.
+    Eager ``jax.grad``/``jax.vjp`` run ``fwd`` and ``bwd`` on concrete
+    values at each call.
+  * Differentiating only values that ``f`` closes over (none of its
+    arguments) differentiates ``f`` itself, where ``jax.custom_vjp``
+    raises.
   * ``optimize_remat`` is accepted and ignored (the behaviour is always on).
-  * Beyond ``jax.custom_vjp``: forward mode (``jax.jvp``) transposes
-    ``g -> bwd(res, g)``, so ``bwd`` must be linear in ``g`` and written in
-    JAX (a nonlinear ``bwd`` is not detected); higher-order derivatives under
-    remat differentiate the rules themselves.
+  * Beyond ``jax.custom_vjp``: forward mode (``jax.jvp``, ``jax.jacfwd``,
+    ``jax.linearize``) transposes ``g -> bwd(res, g)``, so ``bwd`` must be
+    JAX code linear in ``g`` (an opaque ``bwd`` raises ``TypeError``; a
+    nonlinear one is not detected); higher-order derivatives under remat
+    differentiate the rules themselves, so they must be differentiable.
 
   Raises:
-    AttributeError: when called before ``defvjp``.
-    TypeError: when arguments cannot be bound to ``fun``'s signature, when a
-      nondiff argument is a tracer (``UnexpectedTracerError``), when a rule
-      returns the wrong structure, shape or dtype (the message names the
-      rule, the pytree path and expected vs actual), or when a closed-over
-      value is differentiated.
+    ValueError: at construction, when ``nondiff_argnames`` names something
+      that is not a parameter of ``fun``.
   """
 
   def __init__(self, fun: Callable[..., Any],
@@ -169,36 +194,44 @@ class smart_custom_vjp:
              fwd_bwd: Callable | None = None) -> None:
     """Defines the rules; the signature of ``jax.custom_vjp.defvjp`` + ``fwd_bwd``.
 
+    Give ``fwd`` and ``bwd``, or ``fwd_bwd`` alone, or all three.
+
     Args:
-      fwd: ``fwd(*args) -> (out, residuals)``, all arguments in place
-        (nondiff ones included); ``out`` must match ``f``'s output in pytree
-        structure, shapes and dtypes; ``residuals`` is any pytree of arrays.
+      fwd: ``fwd(*args) -> (out, residuals)``, all arguments in their places
+        (nondiff ones included). ``out`` has ``f``'s output structure, shapes
+        and dtypes; ``residuals`` is any pytree of JAX arrays.
       bwd: ``bwd(*nondiff_args, residuals, g) -> tuple`` with one cotangent
-        pytree (or ``None``) per differentiable argument; ``g`` has the
-        structure of ``f``'s output.
-      symbolic_zeros: as in ``jax.custom_vjp``: ``fwd`` (and ``fwd_bwd``)
-        receive ``jax.custom_derivatives.CustomVJPPrimal`` leaves with
-        ``.value``/``.perturbed``, and cotangents may be ``SymbolicZero``.
+        pytree (or ``None``) per differentiable argument, shaped like it;
+        ``g`` has the structure of ``f``'s output.
+      symbolic_zeros: as in ``jax.custom_vjp``: ``fwd`` and ``fwd_bwd``
+        receive ``jax.custom_derivatives.CustomVJPPrimal`` leaves (with
+        ``.value`` and ``.perturbed``), and ``bwd``/``fwd_bwd`` may receive
+        ``jax.custom_derivatives.SymbolicZero`` cotangents.
       optimize_remat: accepted for drop-in compatibility; it changes nothing
-        because smartvjp's remat behaviour is always on.
-      generic_batching: where ``jax.custom_vjp.defvjp`` has it (jax 0.12),
-        with its meaning: under ``vmap``, an output that ``f`` computes from
-        unmapped inputs only stays unmapped even when ``fwd`` maps it (it
-        takes the first example's value, and its whole cotangent goes to
-        the first example's ``bwd``). ``False`` (the default): when the call
-        is differentiated, ``fwd``'s mapping decides, as for the classic
-        ``jax.custom_vjp``.
+        (smartvjp's remat behaviour is always on).
+      generic_batching: only where ``jax.custom_vjp.defvjp`` has it (jax
+        0.12), with its meaning: under ``vmap``, an output that ``f``
+        computes from unmapped inputs only stays unmapped even when ``fwd``
+        maps it (it takes the first example's value, and its whole
+        cotangent goes to the first example's ``bwd``). ``False`` (the
+        default): when the call is differentiated, ``fwd``'s mapping
+        decides, as for the classic ``jax.custom_vjp``.
       fwd_bwd: optional fused rule ``fwd_bwd(*args, g) -> tuple`` returning
-        what ``bwd`` returns; it recomputes what it needs from the primal
-        arguments. Used in the rematerialized backward region instead of
-        ``fwd`` + ``bwd``, and everywhere when ``fwd``/``bwd`` are not given.
+        what ``bwd`` returns, recomputing what it needs from the arguments
+        (all in their places). Used in the rematerialized backward region
+        instead of ``fwd`` + ``bwd``, and everywhere when ``fwd`` and ``bwd``
+        are not given.
 
     Returns:
       None.
 
     Raises:
-      TypeError: unless ``fwd`` and ``bwd``, or ``fwd_bwd``, or all three
-        are given, or when a given rule is not callable.
+      TypeError: unless ``fwd`` and ``bwd``, or ``fwd_bwd``, or all three are
+        given; when a given rule is not callable; when ``symbolic_zeros`` or
+        ``generic_batching`` is not a bool (e.g. ``fwd_bwd`` passed by
+        position).
+      NotImplementedError: ``generic_batching`` given where the installed
+        ``jax.custom_vjp.defvjp`` has no such parameter (before jax 0.12).
     """
     del optimize_remat  # always on
     _jax_api.check_generic_batching(self.fun, "defvjp", generic_batching)
@@ -242,22 +275,41 @@ class smart_custom_vjp:
         signature and passed on (to ``f`` and to the rules) by position.
 
     Returns:
-      ``f``'s output, a pytree of arrays. Eagerly, with no transformation
-      active, ``f`` is simply called; otherwise the call is recorded as one
-      smartvjp primitive, and transformations pick the rule that runs.
+      ``f``'s output, a pytree of arrays. With no transformation active
+      ``f`` is simply called. Under a transformation the call is recorded as
+      one smartvjp primitive (where ``jax.grad``/``jax.vjp`` apply directly,
+      one that carries the traced ``fwd`` and no trace of ``f``), and the
+      transformations pick the rule that runs.
 
     Raises:
-      AttributeError: when ``defvjp`` has not been called yet.
-      TypeError: when the arguments do not fit ``f``'s signature, when a
-        differentiable argument holds a value that is not a JAX type, or
-        when a rule's output has the wrong structure, shape or dtype (raised
-        when the rule is traced, naming it).
+      AttributeError: when ``defvjp`` (or another definition method) has not
+        been called yet.
+      TypeError: when the arguments do not fit ``f``'s signature (keyword-only
+        parameters included); when a differentiable argument holds a value
+        that is not a JAX type; when a rule returns the wrong structure
+        (``fwd`` not an ``(out, residuals)`` pair, residuals that are not JAX
+        types, ``bwd`` or ``fwd_bwd`` not a tuple with one cotangent per
+        differentiable argument, or a cotangent of the wrong pytree
+        structure); when ``fwd``'s primal output differs from ``f``'s in
+        structure, shape or dtype where both are traced (a staged call
+        differentiated, remat; as ``jax.custom_vjp``, which checks only
+        there); under forward mode, when ``bwd`` cannot be transposed. Each
+        message names the rule, the pytree path and expected vs actual.
+      ValueError: when ``bwd`` (or ``fwd_bwd``) returns a cotangent whose
+        shape differs from its argument's, as ``jax.custom_vjp``; with JAX's
+        mutable array checks on (the default), as ``jax.custom_vjp``, when
+        one mutable array reference is passed through two differentiable
+        arguments or when ``f`` or ``fwd`` returns a reference.
       jax.errors.UnexpectedTracerError: when a tracer is passed at a nondiff
-        position (a subclass of ``TypeError``).
-      ValueError: with JAX's mutable array checks on (the default), as
-        ``jax.custom_vjp``: when one mutable array is passed through two
-        differentiable arguments (naming both), or when ``f`` returns a
-        mutable array reference (see ``_refs.py``).
+        position; when a value that ``f`` closes over is differentiated
+        together with its arguments, where ``jax.grad``/``jax.vjp`` apply
+        directly to the call (``jax.custom_vjp`` raises this type there).
+      CustomVJPException: when a value that ``f`` closes over is
+        differentiated together with its arguments in a staged call
+        (``jit(F)``, a ``scan`` or ``cond`` body, ``jax.checkpoint``): the
+        type ``jax.custom_vjp`` raises there, a private class of JAX's
+        (``CustomVJPException`` in its ``interpreters.ad`` module, not
+        exported by ``jax.errors``).
     """
     rules = self._rules
     if rules is None:
@@ -294,7 +346,11 @@ class smart_custom_vjp:
     if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
       return outs
     call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
-    outs = call_p.bind(*consts, *leaves, call=call)
+    if linearizing is not None:   # linearized now, by the current trace
+      with _call.made_under_linearize(call):
+        outs = call_p.bind(*consts, *leaves, call=call)
+    else:
+      outs = call_p.bind(*consts, *leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
 
   def _linearized(self, rules, nondiff, num_args, in_tree, avals, trace,
@@ -405,14 +461,17 @@ class smart_custom_vjp:
     """``jax.custom_vjp.defvjp_with_logs`` (jax 0.11.2): ``bwd`` returns
     ``(cotangents, logs)`` with ``logs`` ``None`` or a dict.
 
-    As in JAX, ``f_vjp.with_logs(ct)`` returns ``(cotangents, logs)``
-    with the logs of every such rule in the backward pass (through ``jit``,
-    ``scan``, ``vmap``, ``checkpoint``), and a plain ``f_vjp(ct)`` drops
-    them. A ``bwd`` that returns no pair, or logs that are neither ``None``
-    nor a dict, is a ``TypeError`` when it runs.
+    As in JAX, for ``out, f_vjp = jax.vjp(fn, x)``, ``f_vjp.with_logs(ct)``
+    returns ``(cotangents, logs)`` with the log entries of every such rule
+    in the backward pass (through ``jit``, ``scan``, ``vmap``,
+    ``checkpoint``), and a plain ``f_vjp(ct)`` drops them. A ``bwd`` that
+    returns no pair, or logs that are neither ``None`` nor a dict, raises
+    ``TypeError`` when it runs; a key logged twice in one backward pass
+    raises ``ValueError``, as in JAX. The other arguments are ``defvjp``'s.
 
     Raises:
-      NotImplementedError: when the installed JAX has no such method.
+      NotImplementedError: when the installed ``jax.custom_vjp`` has no such
+        method (before jax 0.11.2).
     """
     _jax_api.require_method(self.fun, "defvjp_with_logs")
     _jax_api.check_generic_batching(self.fun, "defvjp_with_logs",
@@ -429,11 +488,12 @@ class smart_custom_vjp:
     *accums)`` pushes cotangents into one accumulator per differentiable
     argument (pytrees of them, like the arguments) and returns ``None`` or
     logs. smartvjp hands it value accumulators (``accum(x)``), as JAX does
-    where a transformation wraps the rule. Logs as in
-    :meth:`defvjp_with_logs`.
+    where a transformation wraps the rule; the cotangents are the same as
+    ``jax.custom_vjp``'s. Logs as in ``defvjp_with_logs``.
 
     Raises:
-      NotImplementedError: when the installed JAX has no such method.
+      NotImplementedError: when the installed ``jax.custom_vjp`` has no such
+        method (before jax 0.12).
     """
     _jax_api.require_method(self.fun, "defvjp_with_accums")
     _jax_api.check_generic_batching(self.fun, "defvjp_with_accums",
@@ -457,7 +517,9 @@ class smart_custom_vjp:
     ``jax_custom_vjp3`` for this method; smartvjp does not.
 
     Raises:
-      NotImplementedError: when the installed JAX has no such method.
+      NotImplementedError: when the installed ``jax.custom_vjp`` has no such
+        method (before jax 0.12).
+      TypeError: when a rule is not callable.
     """
     _jax_api.require_method(self.fun, "defremat")
     _jax_api.check_generic_batching(self.fun, "defremat", generic_batching)
@@ -465,12 +527,14 @@ class smart_custom_vjp:
 
   def defremat_with_logs(self, fwd: Callable, rem: Callable, bwd: Callable,
                          generic_batching: bool | None = None) -> None:
-    """``jax.custom_vjp.defremat_with_logs`` (jax 0.12): :meth:`defremat`
+    """``jax.custom_vjp.defremat_with_logs`` (jax 0.12): ``defremat``
     whose ``bwd`` returns ``(cotangents, logs)`` (logs as in
-    :meth:`defvjp_with_logs`).
+    ``defvjp_with_logs``).
 
     Raises:
-      NotImplementedError: when the installed JAX has no such method.
+      NotImplementedError: when the installed ``jax.custom_vjp`` has no such
+        method (before jax 0.12).
+      TypeError: when a rule is not callable.
     """
     _jax_api.require_method(self.fun, "defremat_with_logs")
     _jax_api.check_generic_batching(self.fun, "defremat_with_logs",

@@ -25,6 +25,8 @@ itself; with respect to both them and the arguments, it is refused, as with
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -67,6 +69,25 @@ def closure_error(call, where: str = "", linearizing: bool = False):
   if linearizing:
     return UnexpectedTracerError(message)
   return jx.custom_vjp_exception(message)
+
+
+# The call being bound by ``smart_custom_vjp.__call__`` while the current
+# trace linearizes it where it is made (``jax.grad`` applied directly): there
+# ``jax.custom_vjp`` runs ``fwd`` on a closed-over tracer, which leaks, while a
+# staged call (a ``jit``, ``scan`` or ``cond`` body, ``jax.checkpoint``)
+# differentiated later is refused by its rule; the two raise different types.
+_made_under_linearize: contextvars.ContextVar = contextvars.ContextVar(
+    "smartvjp_made_under_linearize", default=None)
+
+
+@contextlib.contextmanager
+def made_under_linearize(call):
+  """Marks ``call`` as bound directly under a linearization (see above)."""
+  token = _made_under_linearize.set(call)
+  try:
+    yield
+  finally:
+    _made_under_linearize.reset(token)
 
 
 def _classify(call, nonzeros, linearizing=False) -> str:
@@ -134,8 +155,9 @@ def call_linearize(is_vjp, nonzeros, *primals_in, call):
   if call.eager is not None:   # fwd (or f) already ran on concrete values
     in_nz, primal_outs, residuals, fwd = call.eager
     return _linearized(call, in_nz, primal_outs, residuals, fwd)
+  direct = _made_under_linearize.get() is call
   if (call.fwd_only is None
-      and _classify(call, nonzeros, linearizing=True) == "closure"):
+      and _classify(call, nonzeros, linearizing=direct) == "closure"):
     return jx.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
                                  call=call)
   f_consts, primals = primals_in[:call.num_consts], primals_in[call.num_consts:]

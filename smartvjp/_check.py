@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Callable
 
 import jax
 import numpy as np
@@ -42,46 +43,62 @@ def _settings():
 
 
 class PrimalMismatchError(ValueError):
-  """``f`` and ``fwd`` disagree on the primal output beyond the tolerance."""
+  """``f`` and ``fwd`` disagree on the primal output beyond the tolerance.
+
+  Raised by the ``check_primals("raise")`` check when the computation runs
+  eagerly; under ``jit`` JAX raises its own runtime error
+  (``jax.errors.JaxRuntimeError``) whose message carries this one. A
+  subclass of ``ValueError``.
+  """
 
 
 class check_primals(contextlib.ContextDecorator):
-  """Checks, while tracing inside it, that ``f`` and ``fwd`` agree.
+  """Checks that ``f`` and ``fwd`` agree, in programs traced inside it.
 
   Under remat the forward pass uses ``f``'s output and the backward pass the
-  residuals of ``fwd``, so the two must compute the same primal output. Inside
-  ``with check_primals(...):`` (or in a function decorated with it), every
-  rematerialized call whose ``fwd`` computes residuals also runs ``f`` in the
-  backward pass and compares the outputs on the host. When ``fwd``'s
-  residuals are all inputs, ``fwd`` never runs and nothing is checked. The
-  setting is read when a program is traced, so a jitted function retraces
-  when it changes. Example (self-contained; it runs as written)::
+  residuals of ``fwd``, so the two must compute the same primal output.
+  Inside ``with check_primals(...):`` (or in a function decorated with it),
+  every rematerialized call whose ``fwd`` computes residuals also runs ``f``
+  in the backward pass and compares the two outputs on the host, leaf by
+  leaf. When ``fwd``'s residuals are all inputs, ``fwd`` does not run and
+  nothing is checked. The setting is read when a program is traced, and is
+  part of JAX's trace context, so a jitted function retraces when it
+  changes. The same check can be turned on globally with
+  ``jax.config.update("smartvjp_check_primals", "raise")`` (or ``"warn"``,
+  optionally followed by ``":rtol:atol"``). Example (self-contained; it
+  runs as written):
 
-    import jax
-    import jax.numpy as jnp
-    import smartvjp
+  ```python
+  import warnings
+  import jax
+  import jax.numpy as jnp
+  import smartvjp
 
-    @smartvjp.smart_custom_vjp
-    def f(x):
-      return jnp.sin(x)
+  @smartvjp.smart_custom_vjp
+  def f(x):
+    return jnp.sin(x)
 
-    def f_fwd(x):                 # a bug: its output is not f's
-      return jnp.sin(x) + 0.1, jnp.cos(x)
+  def f_fwd(x):                 # a bug: its output is not f's
+    return jnp.sin(x) + 0.1, jnp.cos(x)
 
-    f.defvjp(f_fwd, lambda c, g: (c * g,))
-    loss = lambda x: jnp.sum(jax.checkpoint(f)(x))
+  f.defvjp(f_fwd, lambda c, g: (c * g,))
+  loss = lambda x: jnp.sum(jax.checkpoint(f)(x))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
     with smartvjp.check_primals("warn"):
-      jax.grad(loss)(jnp.ones(3))   # RuntimeWarning: f and fwd disagree
+      jax.grad(loss)(jnp.ones(3))
+  assert "disagree" in str(caught[0].message)   # a RuntimeWarning
+  ```
 
   Args:
-    mode: ``"raise"`` (a :class:`PrimalMismatchError`; under ``jit`` JAX
-      surfaces it as its runtime error carrying this message), ``"warn"`` (a
-      ``RuntimeWarning``) or ``"off"``.
-    rtol, atol: relative and absolute tolerances, as in ``numpy.allclose``,
-      per output leaf.
+    mode: ``"raise"`` (a ``PrimalMismatchError``; under ``jit`` JAX
+      surfaces it as its runtime error carrying this message), ``"warn"``
+      (a ``RuntimeWarning``) or ``"off"``.
+    rtol: relative tolerance, as in ``numpy.allclose``, per output leaf.
+    atol: absolute tolerance, as in ``numpy.allclose``, per output leaf.
 
   Raises:
-    ValueError: for an unknown mode or a negative tolerance (at once).
+    ValueError: at once, for an unknown mode or a negative tolerance.
   """
 
   def __init__(self, mode: str = "raise", rtol: float = 1e-5,
@@ -105,7 +122,7 @@ class check_primals(contextlib.ContextDecorator):
     """Restores the previous setting."""
     return self._ctx.__exit__(*exc)
 
-  def __call__(self, func):
+  def __call__(self, func: Callable) -> Callable:
     """Decorator use: ``func`` runs with the check on.
 
     Args:

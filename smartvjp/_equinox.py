@@ -87,57 +87,61 @@ class filter_custom_vjp:
   The first argument ``vjp_arg`` is any pytree (an ``equinox.Module``, a
   tuple, ...): its inexact-array leaves get gradients; its other leaves, and
   everything in ``*args``/``**kwargs``, do not (arrays there must not be
-  differentiated). Give the rules with :meth:`def_fwd` and :meth:`def_bwd`,
-  optionally also the fused :meth:`def_fwd_bwd`. Under
+  differentiated). Give the rules with ``def_fwd`` and ``def_bwd``,
+  optionally also the fused ``def_fwd_bwd``. Under
   ``equinox.filter_checkpoint``/``jax.checkpoint`` the forward pass runs
   ``fn`` and the backward pass ``fn_fwd`` + ``fn_bwd`` (or ``fn_fwd_bwd``),
   where equinox's own runs ``fn_fwd`` in both. Example (self-contained; it
-  needs equinox and runs as written)::
+  needs equinox and runs as written):
 
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    import smartvjp
+  ```python
+  import equinox as eqx
+  import jax
+  import jax.numpy as jnp
+  import smartvjp
 
-    class Linear(eqx.Module):
-      w: jax.Array
+  class Linear(eqx.Module):
+    w: jax.Array
 
-    @smartvjp.filter_custom_vjp
-    def apply(layer, x):          # vjp_arg is layer; x gets no gradient
-      return jnp.tanh(x @ layer.w)
+  @smartvjp.filter_custom_vjp
+  def apply(layer, x):          # vjp_arg is layer; x gets no gradient
+    return jnp.tanh(x @ layer.w)
 
-    @apply.def_fwd
-    def apply_fwd(perturbed, layer, x):
-      z = jnp.tanh(x @ layer.w)
-      return z, z                 # (output, residuals)
+  @apply.def_fwd
+  def apply_fwd(perturbed, layer, x):
+    z = jnp.tanh(x @ layer.w)
+    return z, z                 # (output, residuals)
 
-    @apply.def_bwd
-    def apply_bwd(z, g, perturbed, layer, x):
-      return Linear(x.T @ (g * (1 - z ** 2)))   # shaped like layer
+  @apply.def_bwd
+  def apply_bwd(z, g, perturbed, layer, x):
+    return Linear(x.T @ (g * (1 - z ** 2)))   # shaped like layer
 
-    @apply.def_fwd_bwd            # optional: recomputes z, keeps nothing
-    def apply_fwd_bwd(g, perturbed, layer, x):
-      z = jnp.tanh(x @ layer.w)
-      return Linear(x.T @ (g * (1 - z ** 2)))
+  @apply.def_fwd_bwd            # optional: recomputes z, keeps nothing
+  def apply_fwd_bwd(g, perturbed, layer, x):
+    z = jnp.tanh(x @ layer.w)
+    return Linear(x.T @ (g * (1 - z ** 2)))
 
-    layer = Linear(jnp.linspace(0.5, -0.5, 6).reshape(3, 2))
-    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
-    loss = lambda layer: jnp.sum(jax.checkpoint(apply)(layer, x) ** 2)
-    grads = eqx.filter_grad(loss)(layer)     # a Linear; grads.w is 3 x 2
+  layer = Linear(jnp.linspace(0.5, -0.5, 6).reshape(3, 2))
+  x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+  loss = lambda layer: jnp.sum(jax.checkpoint(apply)(layer, x) ** 2)
+  grads = eqx.filter_grad(loss)(layer)     # a Linear; grads.w is 3 x 2
+  ```
 
   The rules' arguments: ``perturbed`` has ``vjp_arg``'s structure with a
   bool per leaf (is that leaf differentiated?); ``g`` (equinox's
   ``grad_obj``) has the output's structure, with ``None`` for output leaves
   that are not differentiated; ``fn_bwd`` and ``fn_fwd_bwd`` return one
   gradient per leaf of ``vjp_arg``, or ``None`` (no gradient; a value
-  returned for a leaf that is not an inexact array is dropped). See
-  ``smartvjp.smart_custom_vjp`` for what runs where and how remat policies
-  decide.
+  returned for a leaf that is not an inexact array is dropped). The rules
+  always see symbolic zeros, as equinox's do. See ``smart_custom_vjp`` for
+  what runs where and how remat policies decide.
+
+  Args:
+    fn: the primal ``fn(vjp_arg, *args, **kwargs)``; any pytree out.
 
   Raises:
-    RuntimeError: when called before its rules are defined, or when the
-      backward rule's gradient does not have ``vjp_arg``'s structure.
-    ImportError: when equinox is not installed.
+    ImportError: when the wrapper is first called or its rules are given
+      and equinox is not installed.
   """
 
   def __init__(self, fn: Callable):
@@ -278,7 +282,7 @@ class filter_custom_vjp:
                             if self.fn_fwd_bwd is not None else None))
     self.fn_wrapped = wrapped
 
-  def __call__(self, vjp_arg, /, *args: Any, **kwargs: Any):
+  def __call__(self, vjp_arg: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Evaluates ``fn(vjp_arg, *args, **kwargs)``; derivatives come from the rules.
 
     Args:
@@ -290,9 +294,11 @@ class filter_custom_vjp:
       ``fn``'s output (any pytree; its non-array leaves pass through).
 
     Raises:
-      RuntimeError: when the rules are not defined yet, or (under
-        differentiation) when an array in ``args``/``kwargs`` is
-        differentiated, or ``fn_bwd``'s gradient has the wrong structure.
+      RuntimeError: when the rules are not defined yet; under
+        differentiation, when an array in ``args``/``kwargs`` is
+        differentiated (equinox's error), or when ``fn_bwd``'s or
+        ``fn_fwd_bwd``'s gradient does not have ``vjp_arg``'s pytree
+        structure (``None`` allowed at any leaf).
     """
     if self.fn_wrapped is None:
       raise RuntimeError(

@@ -82,7 +82,7 @@ _api_util = _internals("_api_util", "jax._src.api_util", "debug_info",
                        "resolve_kwargs")
 _lu = _internals("_lu", "jax._src.linear_util", "wrap_init")
 _config = _internals("_config", "jax._src.config", "trace_context",
-                     "optional_string_state", "mutable_array_checks")
+                     "string_or_object_state", "mutable_array_checks")
 _cd = _internals("_cd", "jax._src.custom_derivatives", "CustomVJPPrimal")
 _ad_checkpoint = _internals(
     "_ad_checkpoint", "jax._src.ad_checkpoint", "name_p", "CheckpointName",
@@ -382,9 +382,16 @@ def config_key() -> Any:
 
 def define_string_option(name: str, help: str):
   """An optional-string JAX config option that is part of the trace context
-  (jitted functions retrace when it changes)."""
-  return _config.optional_string_state(name, default=None, help=help,
-                                       include_in_trace_context=True)
+  and of ``jax.jit``'s cache key, so that a jitted function already traced
+  is traced again when the option changes (``jax.jit`` reuses a compiled
+  function without looking at the trace context)."""
+  def validator(value):
+    if value is not None and not isinstance(value, str):
+      raise ValueError(f"{name} must be None or a string, got "
+                       f"{type(value).__name__} {value!r}.")
+  return _config.string_or_object_state(
+      name, None, help, validator=validator, include_in_jit_key=True,
+      include_in_trace_context=True)
 
 
 def mutable_array_checks_enabled() -> bool:

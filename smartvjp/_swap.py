@@ -4,18 +4,18 @@ Kernel and solver libraries (JAX's own Pallas ops among them) decorate their
 functions with ``jax.custom_vjp`` when they are imported; a user cannot edit
 those files. Two ways in, with different trade-offs, and a way to check:
 
-* :func:`import_swapped` loads a *fresh copy* of a module (and, on request,
+* ``import_swapped`` loads a *fresh copy* of a module (and, on request,
   of other modules it imports) in which ``jax.custom_vjp`` and
   ``jax.custom_derivatives.custom_vjp`` mean ``smart_custom_vjp``. Nothing
   global is patched, so it works whether or not the module was imported
   already, leaves everyone else's copy alone, covers ``jax.custom_vjp``
   looked up when the copy's functions run (not only at import), and is safe
   with threads.
-* :func:`swap_custom_vjp` is a context manager that patches the two public
+* ``swap_custom_vjp`` is a context manager that patches the two public
   names for the whole process while it is active: everything that looks them
   up inside the block (a first import, a decorator applied at trace time)
   gets ``smart_custom_vjp``.
-* :func:`swap_report` lists the ``custom_vjp`` functions a module holds and
+* ``swap_report`` lists the ``custom_vjp`` functions a module holds and
   says for each whether it is smartvjp's.
 
 Only JAX's public names are swapped; JAX's private modules are never touched.
@@ -77,9 +77,9 @@ def _never_fresh(name: str) -> str | None:
 class SwapError(RuntimeError):
   """smartvjp cannot swap ``smart_custom_vjp`` in where it was asked to.
 
-  Raised by :func:`import_swapped` when a module cannot be re-executed or
+  Raised by ``import_swapped`` when a module cannot be re-executed or
   would keep some ``jax.custom_vjp`` function (the message names each one
-  and where it comes from), and by :func:`swap_custom_vjp` when the patched
+  and where it comes from), and by ``swap_custom_vjp`` when the patched
   names were replaced by someone else inside the block.
   """
 
@@ -97,15 +97,27 @@ def swap_custom_vjp() -> Iterator[None]:
 
   Both public names, ``jax.custom_vjp`` and
   ``jax.custom_derivatives.custom_vjp``, are set to
-  :class:`smartvjp.smart_custom_vjp` on entry and restored to what they were
-  on exit, on an exception too. Example::
+  ``smartvjp.smart_custom_vjp`` on entry and restored to what they were
+  on exit, on an exception too. Typical use: ``import some_kernel_library``
+  inside the block, so that its ``@jax.custom_vjp`` decorators (and
+  ``functools.partial(jax.custom_vjp, nondiff_argnums=...)``) make
+  ``smart_custom_vjp`` functions. Example (self-contained; it runs as
+  written):
 
-    import smartvjp
+  ```python
+  import jax
+  import jax.numpy as jnp
+  import smartvjp
 
-    with smartvjp.swap_custom_vjp():
-      import some_kernel_library      # its @jax.custom_vjp decorators, and
-                                      # functools.partial(jax.custom_vjp,
-                                      # nondiff_argnums=...), are smartvjp's
+  with smartvjp.swap_custom_vjp():
+    @jax.custom_vjp               # smart_custom_vjp inside the block
+    def f(x):
+      return jnp.sin(x)
+
+  f.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+  assert isinstance(f, smartvjp.smart_custom_vjp)
+  assert jax.custom_vjp is not smartvjp.smart_custom_vjp   # restored
+  ```
 
   What it reaches: every lookup of ``jax.custom_vjp`` (or of
   ``jax.custom_derivatives.custom_vjp``, or ``from jax import custom_vjp``)
@@ -120,7 +132,7 @@ def swap_custom_vjp() -> Iterator[None]:
   * functions decorated before the block: they stay ``jax.custom_vjp``
     objects. A module imported before the block is not imported again by an
     ``import`` inside it (Python returns the cached module); use
-    :func:`import_swapped` for a fresh copy of it;
+    ``import_swapped`` for a fresh copy of it;
   * ``jax.custom_vjp`` looked up after the block, e.g. by a function that
     creates its ``custom_vjp`` when it is first traced, if that happens after
     the exit (a function traced and cached by ``jax.jit`` inside the block
@@ -133,7 +145,7 @@ def swap_custom_vjp() -> Iterator[None]:
   too. Blocks in different threads run one at a time: a thread entering
   while another thread's block is active waits for it to end (blocks nest
   freely in one thread; only the outermost exit restores). Where other
-  threads import or trace code concurrently, prefer :func:`import_swapped`,
+  threads import or trace code concurrently, prefer ``import_swapped``,
   which patches nothing global. JAX's own modules reach ``custom_vjp``
   through its private modules, so JAX's internals are unaffected.
 
@@ -141,7 +153,7 @@ def swap_custom_vjp() -> Iterator[None]:
   ``isinstance(obj, jax.custom_vjp)`` test in the block is a test for
   ``smart_custom_vjp``.
 
-  Check the result with :func:`swap_report`, or look for smartvjp's
+  Check the result with ``swap_report``, or look for smartvjp's
   primitives (names beginning ``smartvjp_``) instead of ``custom_vjp_call``
   in ``jax.make_jaxpr(fn)(*args)``.
 
@@ -342,17 +354,27 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
 
   The module's code runs again, from its file, with ``jax.custom_vjp`` and
   ``jax.custom_derivatives.custom_vjp`` meaning
-  :class:`smartvjp.smart_custom_vjp`, and the new module object is returned.
+  ``smartvjp.smart_custom_vjp``, and the new module object is returned.
   The module already in ``sys.modules`` (if any) and everything that uses it
-  are left as they are; nothing global is patched. Example (JAX's shipped
-  Pallas attention kernel)::
+  are left as they are; nothing global is patched. Example with one of
+  JAX's shipped Pallas kernels (self-contained; it runs as written, on a CPU
+  in Pallas' interpret mode):
 
-    import smartvjp
-    attention = smartvjp.import_swapped(
-        "jax.experimental.pallas.ops.gpu.attention")
-    out = jax.checkpoint(attention.mha)(q, k, v, None)   # q, k, v: [B, T, H, D]
-    # under remat: the output-only kernel forward, the residual-writing
-    # kernel once, in the backward pass (jax.custom_vjp: twice)
+  ```python
+  import jax
+  import jax.numpy as jnp
+  import smartvjp
+
+  rms = smartvjp.import_swapped("jax.experimental.pallas.ops.gpu.rms_norm")
+  assert all(smartvjp.swap_report(rms).values())   # every custom_vjp swapped
+
+  x = jnp.linspace(-1.0, 1.0, 2 * 4 * 32).reshape(2, 4, 32)
+  w, b = jnp.ones(32), jnp.zeros(32)
+  norm = lambda x: rms.rms_norm(x, w, b, interpret=True)
+  dx = jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(norm)(x) ** 2)))(x)
+  # under remat: the output-only kernel in the forward pass, the
+  # residual-writing kernel once, in the backward pass (jax.custom_vjp: twice)
+  ```
 
   What is swapped, in the copy's own code: module-level decorators
   (``@jax.custom_vjp``, ``functools.partial(jax.custom_vjp,
@@ -399,12 +421,12 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
       ``name`` imports ``custom_vjp`` functions from another library (the
       ``SwapError`` says which). A library whose ``custom_vjp`` functions are
       made by another library's code at its import, such as diffrax through
-      equinox, is better swapped with :func:`swap_custom_vjp` around its
+      equinox, is better swapped with ``swap_custom_vjp`` around its
       first import: a second copy of equinox beside the first is not
       something that stack supports.
 
   Returns:
-    The new module. :func:`swap_report` of it lists its ``custom_vjp``
+    The new module. ``swap_report`` of it lists its ``custom_vjp``
     functions, all smartvjp's.
 
   Raises:
@@ -417,7 +439,9 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
       one of JAX's private modules; or, after loading, the copy still holds
       ``jax.custom_vjp`` functions (the message lists them, each with the
       module it comes from, to add to ``include`` where that helps).
-    Any exception the module's own code raises while it runs.
+
+  An exception that the module's own code raises while it runs propagates
+  unchanged.
   """
   _check_name("name", name)
   if isinstance(include, str):
@@ -591,7 +615,7 @@ def swap_report(module: types.ModuleType) -> dict[str, bool]:
   ``custom_vjp_call`` in ``jax.make_jaxpr(fn)(*args)``.
 
   Args:
-    module: a module object, e.g. one returned by :func:`import_swapped`.
+    module: a module object, e.g. one returned by ``import_swapped``.
 
   Returns:
     ``{dotted name: is_smart}``, e.g.

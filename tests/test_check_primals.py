@@ -105,3 +105,16 @@ def test_prng_key_outputs_are_compared_by_key_data():
     g = jax.grad(lambda x: jnp.sum(jax.checkpoint(f_key)(x, k)[0]))(X)
     jax.effects_barrier()
   np.testing.assert_allclose(g, jax.random.normal(k, X.shape), rtol=1e-6)
+
+
+def test_a_jitted_function_traced_before_the_check_is_traced_again():
+  """The option is part of jax.jit's cache key: a function compiled without
+  the check is not reused inside ``with check_primals(...)`` (and back)."""
+  grad = remat_grad(make(1.0))
+  grad(X).block_until_ready()
+  with smartvjp.check_primals("raise"):
+    with pytest.raises(Exception, match="disagree"):
+      grad(X).block_until_ready()
+      jax.effects_barrier()
+  grad(X).block_until_ready()   # the unchecked compilation again: no error
+  jax.effects_barrier()

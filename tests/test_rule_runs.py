@@ -60,6 +60,10 @@ PROGRAMS = {
     "jit(grad(checkpoint))": lambda F: jax.jit(jax.grad(
         _loss(jax.checkpoint(F))))(X),
     "grad(checkpoint)": lambda F: jax.grad(_loss(jax.checkpoint(F)))(X),
+    "grad(vmap(F))": lambda F: jax.grad(lambda x: jnp.sum(
+        jax.vmap(F)(jnp.stack([x, x + 1.0]))))(X),
+    "jit(grad(vmap(F)))": lambda F: jax.jit(jax.grad(lambda x: jnp.sum(
+        jax.vmap(F)(jnp.stack([x, x + 1.0])))))(X),
     "jit(grad(checkpoint(scan)))": lambda F: jax.jit(jax.grad(lambda x: jnp.sum(
         jax.lax.scan(lambda c, _: (jax.checkpoint(F)(c), None), x, None,
                      length=3)[0])))(X),
@@ -86,7 +90,8 @@ def test_rule_bodies_run_as_with_custom_vjp(program):
 
 
 @pytest.mark.parametrize("program", ["jit(grad)", "eager grad",
-                                     "jit(vmap(grad))"])
+                                     "jit(vmap(grad))", "grad(vmap(F))",
+                                     "jit(grad(vmap(F)))"])
 def test_f_is_not_traced_where_only_fwd_runs(program):
   """The examples of the issue: no trace of ``f`` at all, and values equal."""
   got = _runs(smartvjp.smart_custom_vjp, program)

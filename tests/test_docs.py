@@ -1,0 +1,439 @@
+"""The documentation site cannot drift from the code: every code block of its
+pages (``docs/*.md`` and the files ``docs/hooks.py`` adds from ``design/``
+and the root) runs or is checked here, and the site builds strictly.
+
+* ``python`` blocks run, each page's in order, in one namespace per page. A
+  block that cannot run here says why in a ``<!-- docs-test: skip: REASON -->``
+  comment right above it; it is still compiled.
+* ``bash`` blocks are checked: each command is one this file knows, and the
+  files, script options and extras it names exist (``check_bash``); or the
+  block is skipped with a reason, as above.
+* ``text`` blocks are output: the paragraph above names the command that
+  prints it (a script of the repository), or the block is generated and
+  checked (``design/walkthrough.py --check``).
+* ``mkdocs build --strict`` runs when MkDocs is installed (the ``docs``
+  extra; CI runs it in ``tools/release_check.sh``), and every code block in
+  the built pages is one of the blocks above.
+
+The docstring examples that the API reference shows run in
+``tests/test_docstrings.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+
+import jax
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+DOCS = os.path.join(ROOT, "docs")
+
+
+def _load_hooks():
+  spec = importlib.util.spec_from_file_location(
+      "smartvjp_docs_hooks", os.path.join(DOCS, "hooks.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+HOOKS = _load_hooks()
+
+
+def site_pages() -> dict[str, str]:
+  """``{page (relative to docs/): repository file it is made from}``."""
+  pages = {os.path.relpath(p, DOCS): os.path.relpath(p, ROOT)
+           for p in glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True)}
+  for source, dest in HOOKS.PAGES.items():
+    pages[dest] = source
+  return dict(sorted(pages.items()))
+
+
+PAGES = site_pages()
+
+
+# -- blocks ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Block:
+  page: str
+  line: int          # 1-based line of the opening fence in the source file
+  lang: str
+  code: str
+  skip: str | None   # the reason given in a docs-test: skip comment
+  before: str        # the prose between the previous block or heading and this one
+
+  @property
+  def id(self):
+    return f"{self.page}:{self.line}"
+
+
+_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>[^`]*)$")
+_SKIP = re.compile(r"<!--\s*docs-test:\s*skip:\s*(?P<reason>.*?)\s*-->")
+
+
+def blocks_of(page: str) -> list[Block]:
+  text = open(os.path.join(ROOT, PAGES[page]), encoding="utf-8").read()
+  lines = text.splitlines()
+  out, i, prose_start = [], 0, 0
+  while i < len(lines):
+    m = _FENCE.match(lines[i])
+    if lines[i].startswith("#"):
+      prose_start = i + 1
+    if not m:
+      i += 1
+      continue
+    fence, indent = m.group("fence"), len(m.group("indent"))
+    lang = m.group("info").strip().split(" ")[0]
+    j = i + 1
+    while j < len(lines) and not lines[j].strip().startswith(fence):
+      j += 1
+    code = "\n".join(line[indent:] for line in lines[i + 1:j]) + "\n"
+    prev = [line for line in lines[prose_start:i]]
+    skip = None
+    k = i - 1
+    while k >= 0 and not lines[k].strip():
+      k -= 1
+    if k >= 0:
+      found = _SKIP.search(lines[k])
+      if found:
+        skip = found.group("reason")
+    out.append(Block(page, i + 1, lang, code, skip, "\n".join(prev)))
+    i = j + 1
+    prose_start = i
+  return out
+
+
+ALL_BLOCKS = [b for page in PAGES for b in blocks_of(page)]
+
+
+def test_every_block_has_a_known_language():
+  bad = [f"{b.id} ({b.lang or 'no language'})" for b in ALL_BLOCKS
+         if b.lang not in ("python", "bash", "text")]
+  assert not bad, ("give each fenced block a language: python (run), bash "
+                   f"(checked) or text (output): {bad}")
+
+
+def test_no_indented_code_blocks():
+  """An indented code block would escape the checks below: use fences."""
+  found = []
+  for page, source in PAGES.items():
+    in_fence, prev_blank, prev_text = False, True, ""
+    for n, line in enumerate(open(os.path.join(ROOT, source),
+                                  encoding="utf-8"), 1):
+      if _FENCE.match(line.rstrip("\n")):
+        in_fence = not in_fence
+      elif (not in_fence and prev_blank and line.startswith("    ")
+            and line.strip()
+            and not re.match(r"\s*([-*+]|\d+\.)\s", prev_text)
+            and not prev_text.startswith(" ")):
+        found.append(f"{page}:{n}")
+      if line.strip():
+        prev_text = line
+      prev_blank = not line.strip()
+  assert not found, found
+
+
+def test_skipped_blocks_give_a_reason_naming_files_that_exist():
+  for b in ALL_BLOCKS:
+    if b.skip is None:
+      continue
+    assert len(b.skip.split()) >= 5, f"{b.id}: say why the block is skipped"
+    here = os.path.dirname(PAGES[b.page])
+    for name in re.findall(r"[\w./-]+\.(?:py|patch|md)\b", b.skip):
+      assert (os.path.exists(os.path.join(ROOT, name))
+              or os.path.exists(os.path.join(ROOT, here, name))), (b.id, name)
+    if b.lang == "python":
+      compile(b.code, b.id, "exec")
+
+
+# -- python ------------------------------------------------------------------------
+
+PYTHON_PAGES = sorted({b.page for b in ALL_BLOCKS
+                       if b.lang == "python" and b.skip is None})
+
+
+@pytest.mark.parametrize("page", PYTHON_PAGES)
+def test_python_blocks_run(page):
+  namespace = {"__name__": "__docs__"}
+  ran = 0
+  for b in blocks_of(page):
+    if b.lang != "python" or b.skip is not None:
+      continue
+    exec(compile(b.code, b.id, "exec"), namespace)
+    ran += 1
+  assert ran
+
+
+# -- bash --------------------------------------------------------------------------
+
+def _extras():
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+    project = tomllib.load(fh)["project"]
+  return project["name"], set(project["optional-dependencies"])
+
+
+def _check_script(path, args, here):
+  """``python PATH ARGS``: the file exists and knows each ``--option``."""
+  full = next((p for p in (os.path.join(ROOT, path), os.path.join(ROOT, here, path))
+               if os.path.isfile(p)), None)
+  assert full, f"no such file: {path}"
+  source = open(full, encoding="utf-8").read()
+  for a in args:
+    if a.startswith("--"):
+      option = a.split("=")[0]
+      assert f'"{option}"' in source or f"'{option}'" in source, (
+          f"{path} has no option {option}")
+
+
+def check_bash(code: str, here: str) -> None:
+  """Each command of a bash block is one we know and what it names exists.
+  ``here``: the page's folder in the repository (for relative names)."""
+  name, extras = _extras()
+  commands = []
+  for line in code.replace("\\\n", " ").splitlines():
+    if not line.strip() or line.lstrip().startswith("#"):
+      continue
+    # $(...) substitutions are checked only for being well formed
+    line = re.sub(r'"\$\((.*?)\)"', "SUBSTITUTION", line)
+    for part in re.split(r"&&|\|\||;|\|", line):
+      words = shlex.split(part)
+      if words:
+        commands.append(words)
+  assert commands
+  for words in commands:
+    cmd, args = words[0], words[1:]
+    if re.fullmatch(r"python(3(\.\d+)?)?", cmd):
+      if args[:1] == ["-m"]:
+        assert args[1] in ("pytest", "venv", "build", "twine", "mkdocs", "pip",
+                           "http.server"), f"python -m {args[1]}"
+      else:
+        _check_script(args[0], args[1:], here)
+    elif cmd == "pip":
+      assert args[0] == "install", words
+      for a in args[1:]:
+        if a in ("-e", "-q", "--upgrade"):
+          continue
+        m = re.fullmatch(r"\.(?:\[(?P<extras>[\w,]+)\])?", a)
+        if m:
+          assert set((m.group("extras") or "").split(",")) - {""} <= extras, a
+        else:
+          assert a == name, f"pip install {a}: not this project"
+    elif cmd == "test":
+      assert args[:1] in (["-d"], ["-f"]), words
+    elif cmd in (".", "source"):
+      assert args == [".venv/bin/activate"], words
+    elif cmd == "cd":
+      assert args == ["SUBSTITUTION"] or os.path.isdir(
+          os.path.join(ROOT, args[0])), words
+    elif cmd == "patch":
+      assert args[0] == "-p1" and args[1] == "<", words
+      target = args[2].replace(".../", "")
+      assert os.path.isfile(os.path.join(ROOT, here, target)), target
+    elif cmd == "mkdocs":
+      assert args[0] in ("serve", "build"), words
+      assert os.path.isfile(os.path.join(ROOT, "mkdocs.yml"))
+    else:
+      raise AssertionError(f"unknown command {cmd!r}: teach check_bash about "
+                           "it, or skip the block with a reason")
+
+
+BASH_BLOCKS = [b for b in ALL_BLOCKS if b.lang == "bash"]
+
+
+@pytest.mark.parametrize("block", BASH_BLOCKS, ids=lambda b: b.id)
+def test_bash_blocks_are_checked(block):
+  if block.skip is not None:
+    pytest.skip(block.skip)
+  check_bash(block.code, os.path.dirname(PAGES[block.page]))
+
+
+def test_check_bash_catches_what_it_should():
+  here = "design/upstream"
+  check_bash('pip install -e ".[examples]" && python examples/seed_remat.py', "")
+  for wrong in ('pip install -e ".[nonsense]"', "python examples/missing.py",
+                "python design/upstream/check.py --no-such-option",
+                "patch -p1 < .../missing.patch", "rm -rf /", "pip install numpy"):
+    with pytest.raises(AssertionError):
+      check_bash(wrong, here)
+
+
+# -- text (output) -----------------------------------------------------------------
+
+WALKTHROUGH = re.compile(
+    r"<!-- walkthrough:begin -->.*?_Generated by `python design/walkthrough.py` "
+    r"\(jax (?P<version>[^)]+)\)\._(?P<body>.*?)<!-- walkthrough:end -->", re.S)
+
+
+def _in_walkthrough(block):
+  text = open(os.path.join(ROOT, PAGES[block.page]), encoding="utf-8").read()
+  m = WALKTHROUGH.search(text)
+  if not m:
+    return False
+  start = text[:m.start()].count("\n") + 1
+  end = text[:m.end()].count("\n") + 1
+  return start < block.line < end
+
+
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang == "text"],
+                         ids=lambda b: b.id)
+def test_text_blocks_are_the_output_of_a_named_script(block):
+  if _in_walkthrough(block):
+    return   # generated and compared by test_walkthrough_is_current
+  scripts = re.findall(r"`python3? ([\w/.-]+\.py)", block.before)
+  assert scripts, (f"{block.id}: say which command prints this output in the "
+                   "paragraph above it")
+  for path in scripts:
+    assert os.path.isfile(os.path.join(ROOT, path)), path
+
+
+def test_walkthrough_is_current():
+  text = open(os.path.join(ROOT, "design", "architecture.md"),
+              encoding="utf-8").read()
+  version = WALKTHROUGH.search(text).group("version")
+  if version != jax.__version__:
+    pytest.skip(f"the walkthrough was generated with jax {version}; its "
+                f"jaxprs differ on jax {jax.__version__} (checked where they "
+                "match)")
+  run = subprocess.run([sys.executable, "design/walkthrough.py", "--check"],
+                       cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           [ROOT, os.environ.get("PYTHONPATH", "")])})
+  assert run.returncode == 0, run.stdout + run.stderr
+
+
+# -- the site's structure ----------------------------------------------------------
+
+def _nav_entries():
+  text = open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8").read()
+  nav = text.split("\nnav:\n")[1].split("\n\n")[0]
+  return re.findall(r"^\s*- (?:[^:\n]+: )?(\S+\.md)\s*$", nav, re.M)
+
+
+def test_nav_lists_every_page_once():
+  nav = _nav_entries()
+  assert sorted(nav) == sorted(PAGES), (sorted(nav), sorted(PAGES))
+
+
+def _url(page):
+  """The page's folder in the built site (MkDocs' directory URLs)."""
+  if page == "index.md" or page.endswith("/index.md"):
+    return page[:-len("index.md")]
+  return page[:-len(".md")] + "/"
+
+
+def test_pages_have_distinct_urls():
+  urls = [_url(p) for p in PAGES]
+  assert len(set(urls)) == len(urls), sorted(urls)
+
+
+def test_relative_links_resolve():
+  for page, source in PAGES.items():
+    text = open(os.path.join(ROOT, source), encoding="utf-8").read()
+    if source in HOOKS.PAGES:
+      text = HOOKS.rewrite_links(source, text)   # raises on a missing target
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+      if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+        continue
+      path = os.path.normpath(os.path.join(os.path.dirname(page),
+                                           target.split("#")[0]))
+      assert path in PAGES, f"{page}: link to {target} (no page {path})"
+
+
+def test_hooks_render_links_to_other_files_as_code():
+  text = "See [`the tool`](../tools/jax_suite.py) and [plan](../smartvjp/_plan.py)."
+  out = HOOKS.rewrite_links("design/architecture.md", text)
+  assert out == "See `the tool` and plan (`smartvjp/_plan.py`)."
+  linked = HOOKS.rewrite_links("design/architecture.md", text,
+                               "https://example.org/tree/main")
+  assert "(https://example.org/tree/main/tools/jax_suite.py)" in linked
+  with pytest.raises(ValueError, match="does not exist"):
+    HOOKS.rewrite_links("design/architecture.md", "[x](missing.md)")
+
+
+def test_api_reference_covers_every_public_name():
+  import smartvjp
+  text = open(os.path.join(DOCS, "api.md"), encoding="utf-8").read()
+  shown = re.findall(r"^::: smartvjp\.(\w+)$", text, re.M)
+  public = [n for n in smartvjp.__all__ if n != "__version__"]
+  assert sorted(shown) == sorted(public)
+  for name, members in re.findall(
+      r"^::: smartvjp\.(\w+)\n    options:\n      members:\n((?:        - \w+\n)+)",
+      text, re.M):
+    for member in re.findall(r"- (\w+)", members):
+      assert callable(getattr(getattr(smartvjp, name), member)), (name, member)
+
+
+# -- mkdocs build --strict -----------------------------------------------------------
+
+def test_mkdocs_build_strict(tmp_path):
+  if importlib.util.find_spec("mkdocs") is None:
+    pytest.skip("MkDocs is not installed in this environment (pip install -e "
+                "'.[docs]'); CI builds the site in tools/release_check.sh")
+  site = tmp_path / "site"
+  run = subprocess.run(
+      [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+      cwd=ROOT, capture_output=True, text=True,
+      env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+  assert run.returncode == 0, run.stdout + run.stderr
+  # every code block on the built pages is one that this file runs or checks
+  # (or, on the API reference, a signature or a docstring example, which
+  # tests/test_docstrings.py runs)
+  for page in PAGES:
+    html = (site / _url(page) / "index.html").read_text(encoding="utf-8")
+    built = html.count("<pre")
+    if page == "api.md":
+      built -= html.count('<div class="doc-signature highlight"><pre')
+      expected = _api_docstring_blocks()
+    else:
+      expected = len(blocks_of(page))
+    assert built == expected, (page, built, expected)
+
+
+def _api_docstring_blocks():
+  """Fenced blocks in the docstrings the API reference shows."""
+  import inspect
+  import smartvjp
+  text = open(os.path.join(DOCS, "api.md"), encoding="utf-8").read()
+  count = 0
+  for name, rest in re.findall(r"^::: smartvjp\.(\w+)\n((?:    .*\n)*)", text,
+                               re.M):
+    obj = getattr(smartvjp, name)
+    docs = [inspect.getdoc(obj)] + [
+        inspect.getdoc(getattr(obj, m)) for m in re.findall(r"- (\w+)", rest)]
+    count += sum(len(re.findall(r"^```", d or "", re.M)) // 2 for d in docs)
+  return count
+
+
+# -- files the pages name ------------------------------------------------------------
+
+_REPO_PATH = re.compile(
+    r"`((?:smartvjp|tests|benchmarks|examples|tools|design|docs|\.ci)/"
+    r"[\w./-]*\w)(?::[\w]+)?`")
+# paths in JAX's repository, named as such by the sentence around them
+NOT_OURS = {"tests/custom_api_test.py", "tests/api_test.py"}
+
+
+def test_files_named_in_code_exist():
+  """A repository path written as code on a page (``smartvjp/_plan.py``)
+  names a file or folder that exists."""
+  missing = []
+  for page, source in PAGES.items():
+    text = open(os.path.join(ROOT, source), encoding="utf-8").read()
+    for path in _REPO_PATH.findall(text):
+      if path in NOT_OURS:
+        continue
+      here = os.path.dirname(source)
+      if not (os.path.exists(os.path.join(ROOT, path))
+              or os.path.exists(os.path.join(ROOT, here, path))):
+        missing.append(f"{page}: {path}")
+  assert not missing, missing
