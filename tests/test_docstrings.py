@@ -138,7 +138,7 @@ CLAIMS = [
     C(SCV, "(or fwd_bwd, if given)",
       "tests/test_contract.py::test_checkpoint_with_fwd_bwd"),
     C(SCV, "a fwd whose residuals are all inputs runs in neither pass (f "
-      "forward, bwd backward)",
+      "forward, bwd backward; fwd is traced, to find that out)",
       "tests/test_contract.py::test_seed_fwd_residual_is_input"),
     C(SCV, "fwd in the forward pass, only bwd in the backward pass; f does "
       "not run", "tests/test_contract.py::test_everything_saveable"),
