@@ -136,3 +136,17 @@ def test_setup_commands_reuse_one_venv():
                               ". .venv/bin/activate && pip install -e ")
   assert demo.endswith("python examples/seed_remat.py")
   assert tests.endswith('pip install -e ".[test]" && python -m pytest')
+
+
+def test_readme_is_short_and_its_links_resolve():
+  text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  assert len(text.split()) <= 1800, "the README is a summary; details go to docs/"
+  targets = re.findall(r"\]\(([^)\s]+)\)", text)
+  local = [t for t in targets if not t.startswith(("http://", "https://"))]
+  assert local, "the README links into the docs"
+  for target in local:
+    assert os.path.exists(os.path.join(ROOT, target.split("#")[0])), target
+  # the two seed reports are linked by address
+  for seed in ("https://github.com/jax-ml/jax/issues/21303",
+               "https://github.com/pasteurlabs/tesseract-jax/issues/27"):
+    assert seed in targets, seed
