@@ -32,6 +32,7 @@ Forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``), beyond
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
@@ -138,12 +139,28 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
   except Exception as e:  # noqa: BLE001 - re-raised with context below
     if rule_failed and e is rule_failed[0]:
       raise   # the rule failed (or returned bad cotangents): its own error
-    raise TypeError(
+    raise _not_transposable_error(type(e))(
         f"forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) "
         f"of smart_custom_vjp function {call.name} needs a {which} rule "
         f"({call.rules.rule_name(which)}) that JAX can transpose in its "
         f"cotangent argument (JAX code, linear in g); transposing it failed "
         f"with: {type(e).__name__}: {e}") from e
+
+
+@functools.cache
+def _not_transposable_error(cause: type) -> type:
+  """The exception for a rule JAX cannot transpose: a ``TypeError`` (what
+  ``jax.custom_vjp`` raises for forward mode) that is also an instance of
+  the transposition's own error type, which is what ``jax.custom_vjp``
+  raises where it differentiates the rule instead (``jax.jvp`` of
+  ``jax.grad`` with a ``bwd`` that calls a ``jax.pure_callback``: its
+  ``ValueError``)."""
+  if issubclass(TypeError, cause) or issubclass(cause, TypeError):
+    return TypeError
+  try:
+    return type("NotTransposableError", (TypeError, cause), {})
+  except TypeError:   # base classes whose instance layouts conflict
+    return TypeError
 
 
 def lin_forward(*args, call, fwd, in_nz, reload):

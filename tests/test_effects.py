@@ -148,3 +148,33 @@ def test_debug_effects_run_as_with_custom_vjp(where, seed, used, jit, remat,
   if remat and grad and where in ("f", "fwd"):
     want = 1
   assert got == want
+
+
+@pytest.mark.parametrize("with_fwd", [True, False], ids=["fwd_bwd_too", "fwd_bwd_only"])
+def test_print_in_f_with_fused_rule_under_checkpoint_runs_twice(with_fwd):
+  """design/limitations.md ("Debug effects under checkpoint"): with fwd_bwd,
+  the rematerialized f is dead but kept for its effect, as in a plain
+  checkpointed function; f 1 where it has no effect (test_contract.py)."""
+  seen = []
+
+  def f(x):
+    jax.debug.callback(lambda: seen.append("f"))
+    return jnp.sin(x)
+
+  F = smart_custom_vjp(f)
+  fwd_bwd = lambda x, g: (g * jnp.cos(x),)
+  if with_fwd:
+    F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,),
+             fwd_bwd=fwd_bwd)
+  else:
+    F.defvjp(fwd_bwd=fwd_bwd)
+
+  def plain(x):
+    jax.debug.callback(lambda: seen.append("plain"))
+    return jnp.sin(x)
+
+  for fn in (F, plain):
+    g = jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(fn)(x))))(X)
+    jax.effects_barrier()
+    np.testing.assert_allclose(g, np.cos(X), rtol=1e-6)
+  assert seen.count("f") == seen.count("plain") == 2

@@ -84,3 +84,31 @@ def test_opaque_bwd_forward_mode_error():
   with pytest.raises(TypeError, match="forward-mode.*needs a bwd rule \\(bwd\\) "
                      "that JAX can transpose"):
     jax.jvp(F, (X,), (X,))
+
+
+def test_untransposable_rule_error_is_also_jax_custom_vjp_s_type():
+  """Where jax.custom_vjp differentiates an opaque backward rule (jvp of
+  grad), it raises the callback's ValueError; smartvjp's forward-mode
+  refusal is a TypeError that is also an instance of that type (found by
+  tools/fuzz_dropin.py, seed 200710)."""
+  import numpy as np
+
+  def opaque_vjp(x, g):
+    return jax.pure_callback(
+        lambda x, g: np.asarray(np.cos(x) * g, np.float32),
+        jax.ShapeDtypeStruct(g.shape, g.dtype), x, g)
+
+  x = jnp.array([0.3, -1.2, 2.0], jnp.float32)
+  ref = jax.custom_vjp(jnp.sin)
+  ref.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (opaque_vjp(x, g),))
+  F = smart_custom_vjp(jnp.sin)
+  F.defvjp(fwd_bwd=lambda x, g: (opaque_vjp(x, g),))
+  hvp = lambda G: jax.jvp(jax.grad(lambda y: jnp.sum(jax.jit(G)(y))), (x,), (x,))
+  with pytest.raises(Exception) as theirs:
+    hvp(ref)
+  with pytest.raises(TypeError, match="needs a fwd_bwd rule") as ours:
+    hvp(F)
+  assert type(theirs.value) is not TypeError
+  assert isinstance(ours.value, type(theirs.value))
+  with pytest.raises(TypeError, match="needs a fwd_bwd rule"):
+    jax.jvp(F, (x,), (x,))
