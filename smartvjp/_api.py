@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -346,10 +347,10 @@ class smart_custom_vjp:
     if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
       return outs
     call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
-    if linearizing is not None:   # linearized now, by the current trace
-      with _call.made_under_linearize(call):
-        outs = call_p.bind(*consts, *leaves, call=call)
-    else:
+    # linearized now, by the current trace (as opposed to staged and
+    # differentiated later): the two refuse a closure with different errors
+    with (_call.made_under_linearize(call) if linearizing is not None
+          else contextlib.nullcontext()):
       outs = call_p.bind(*consts, *leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
 

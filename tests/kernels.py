@@ -140,6 +140,42 @@ def sin_rules(never_dce=False, prefix=""):
   return f, fwd, bwd, fwd_bwd
 
 
+def counting_sin(decorator, counts=None, *, concrete=False,
+                 with_fwd_bwd=False):
+  """``(F, counts)``: ``F`` is sin under ``decorator`` (``jax.custom_vjp`` or
+  ``smart_custom_vjp``) with JAX-coded rules whose Python bodies count their
+  runs, traced or eager, in ``counts`` (a new ``Counter`` by default; a dict
+  given must hold a key for every rule). With ``concrete``, ``f`` branches on
+  a value, which fails on a tracer; with ``with_fwd_bwd``, ``fwd_bwd`` is
+  given too (smartvjp only)."""
+  counts = collections.Counter() if counts is None else counts
+
+  def f(x):
+    counts["f"] += 1
+    if concrete and bool(jnp.all(x > -10.0)):   # needs a concrete x
+      return jnp.sin(x)
+    return jnp.sin(x)
+
+  def fwd(x):
+    counts["fwd"] += 1
+    return jnp.sin(x), jnp.cos(x)
+
+  def bwd(c, g):
+    counts["bwd"] += 1
+    return (c * g,)
+
+  def fwd_bwd(x, g):
+    counts["fwd_bwd"] += 1
+    return (jnp.cos(x) * g,)
+
+  F = decorator(f)
+  if with_fwd_bwd:
+    F.defvjp(fwd, bwd, fwd_bwd=fwd_bwd)
+  else:
+    F.defvjp(fwd, bwd)
+  return F, counts
+
+
 def xw_rules(prefix=""):
   """(f, fwd, bwd, fwd_bwd) for sin(x) * w, each one callback kernel.
 

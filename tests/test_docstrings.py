@@ -466,35 +466,12 @@ def test_every_docstring_example_runs():
 X = jnp.linspace(-1.0, 1.0, 3)
 
 
-def counting(decorator=smart_custom_vjp, counts=None, concrete=False):
-  """sin with rules whose Python bodies count their runs (trace or call)."""
-  counts = collections.Counter() if counts is None else counts
-
-  def f(x):
-    counts["f"] += 1
-    if concrete and bool(jnp.all(x > -10.0)):   # needs a concrete x
-      return jnp.sin(x)
-    return jnp.sin(x)
-
-  def fwd(x):
-    counts["fwd"] += 1
-    return jnp.sin(x), jnp.cos(x)
-
-  def bwd(c, g):
-    counts["bwd"] += 1
-    return (c * g,)
-
-  F = decorator(f)
-  F.defvjp(fwd, bwd)
-  return F, counts
-
-
 def test_evaluation_runs_f_only():
-  F, n = counting(concrete=True)
+  F, n = K.counting_sin(smart_custom_vjp, concrete=True)
   np.testing.assert_allclose(F(X), jnp.sin(X))      # f simply called
   assert dict(n) == {"f": 1}
   n.clear()
-  F, n = counting()
+  F, n = K.counting_sin(smart_custom_vjp)
   jax.jit(F)(X)
   jax.make_jaxpr(F)(X)
   assert n["f"] >= 1 and n["fwd"] == n["bwd"] == 0
@@ -503,7 +480,7 @@ def test_evaluation_runs_f_only():
 @pytest.mark.parametrize("program", ["eager grad", "eager vjp", "jit(grad)",
                                      "vmap(grad)"])
 def test_direct_grad_does_not_trace_f(program):
-  F, n = counting(concrete=True)          # f would fail on a tracer
+  F, n = K.counting_sin(smart_custom_vjp, concrete=True)  # f fails on a tracer
   loss = lambda x: jnp.sum(F(x))
   run = {"eager grad": lambda: jax.grad(loss)(X),
          "eager vjp": lambda: jax.vjp(F, X)[1](X)[0],
@@ -513,7 +490,7 @@ def test_direct_grad_does_not_trace_f(program):
                                                    else 1.0), rtol=1e-6)
   assert n["f"] == 0 and n["fwd"] == 1 and n["bwd"] == 1
   # the same with jax.custom_vjp: f runs nowhere either
-  G, m = counting(jax.custom_vjp, concrete=True)
+  G, m = K.counting_sin(jax.custom_vjp, concrete=True)
   jax.grad(lambda x: jnp.sum(G(x)))(X)
   assert m["f"] == 0
 

@@ -9,34 +9,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import kernels as K
 import smartvjp
 
 X = jnp.linspace(-1.0, 1.0, 3)
 
 
 def _build(decorator, counts, with_fwd_bwd=False):
-  def f(x):
-    counts["f"] += 1
-    return jnp.sin(x)
-
-  def fwd(x):
-    counts["fwd"] += 1
-    return jnp.sin(x), jnp.cos(x)
-
-  def bwd(c, g):
-    counts["bwd"] += 1
-    return (c * g,)
-
-  def fwd_bwd(x, g):
-    counts["fwd_bwd"] += 1
-    return (jnp.cos(x) * g,)
-
-  F = decorator(f)
-  if with_fwd_bwd:
-    F.defvjp(fwd, bwd, fwd_bwd=fwd_bwd)
-  else:
-    F.defvjp(fwd, bwd)
-  return F
+  return K.counting_sin(decorator, counts, with_fwd_bwd=with_fwd_bwd)[0]
 
 
 def _loss(F):
