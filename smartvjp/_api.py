@@ -331,7 +331,10 @@ class smart_custom_vjp:
     if _versions.ALIASED_REFS_CHECKED_AT_CALL or plain:
       check_aliased_arguments(rules, "fun", len(args), in_tree, leaves)
     if plain:   # plain eager evaluation, as jax.custom_vjp
-      out = self.fun(*args)
+      # f gets its differentiable arguments rebuilt from their leaves (fresh
+      # pytree objects, as jax.custom_vjp gives it), the nondiff ones as given
+      out = self.fun(*_rebuilt_args(self.nondiff_argnums, nondiff, in_tree,
+                                    leaves, len(args)))
       check_f_output(rules, out)
       return out
     linearizing = _linearizing(leaves)
@@ -597,6 +600,15 @@ def _aval(rules, dyn, i, x):
         f"was called with a value of type {type(x).__name__} at "
         f"(differentiable) arguments{path}, which is not a valid JAX type; "
         "mark non-array arguments with nondiff_argnums.") from None
+
+
+def _rebuilt_args(nondiff_argnums, nondiff, in_tree, leaves, num_args):
+  """The positional arguments with the differentiable ones unflattened anew
+  from ``leaves`` (``in_tree`` is the tree of their tuple) and the nondiff
+  ones (``nondiff``, at ``nondiff_argnums``) as given."""
+  dyn = iter(tree_util.tree_unflatten(in_tree, list(leaves)))
+  static = dict(zip(nondiff_argnums, nondiff))
+  return [static[i] if i in static else next(dyn) for i in range(num_args)]
 
 
 def _resolve_kwargs(fun, args, kwargs):

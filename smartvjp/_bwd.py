@@ -65,8 +65,11 @@ def _bind_rule(call, which, key, user, inputs, cts):
   """
   zero_in = tuple(type(c) is jx.SymbolicZero for c in cts)
   args = [*inputs, *(c for c, z in zip(cts, zero_in) if not z)]
-  if jx.is_eval_trace() and not any(isinstance(a, jx.Tracer) for a in args):
-    return user(inputs, cts)  # concrete values: run the rule itself, eagerly
+  if jx.stages_nothing():
+    # eager (perhaps under vmap or jvp, as in an eager vmap(grad(F))): the
+    # rule runs on the values themselves, as jax.custom_vjp runs bwd, so an
+    # unbatched residual reaches it as a concrete array
+    return user(inputs, cts)
   avals = tuple(jx.get_aval(a) for a in args)
   cache_key = (which, key, avals, zero_in, jx.config_key(),
                bwd_checks_disabled())

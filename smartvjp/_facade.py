@@ -68,7 +68,7 @@ _ad = _internals(
     "_ad", "jax._src.interpreters.ad", "is_undefined_primal",
     "instantiate_zeros", "primitive_jvps", "primitive_transposes",
     "primitive_linearizations", "fallback_linearize_rule", "LinearizeTrace",
-    "LinearizeTracer", "JVPTracer", "ValAccum", "NullAccum",
+    "LinearizeTracer", "JVPTrace", "JVPTracer", "ValAccum", "NullAccum",
     "CustomVJPException",
     since=(V.TRANSPOSE_RETURNS_LOGS,
            ("fancy_transposes", "GradAccum", "UndefinedPrimal")))
@@ -272,6 +272,18 @@ def is_eval_trace(trace=None) -> bool:
   """True for plain eager evaluation (no transformation)."""
   return isinstance(current_trace() if trace is None else trace,
                     _core.EvalTrace)
+
+
+def stages_nothing(trace=None) -> bool:
+  """True where every trace from ``trace`` (default: the current one) down
+  to plain evaluation is ``vmap``, ``jvp`` or a linearization's primal side:
+  values are computed now, nothing is staged into a jaxpr, so a rule called
+  here sees concrete values wherever they are not being transformed."""
+  t = current_trace() if trace is None else trace
+  while isinstance(t, (_batching.BatchTrace, _ad.JVPTrace,
+                       _ad.LinearizeTrace)):
+    t = getattr(t, "parent_trace", None)
+  return isinstance(t, _core.EvalTrace)
 
 
 def parent_trace(trace):

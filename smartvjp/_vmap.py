@@ -22,7 +22,7 @@ from jax import tree_util
 
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
-from smartvjp._spec import CallSpec, Rules, trace_call
+from smartvjp._spec import CallSpec, Rules, is_static_residual, trace_call
 
 # The vmap (trace tag, axis data) whose batching rule for one of smartvjp's
 # primitives is running (set by the primitives' bind, see _primitive.py).
@@ -158,16 +158,28 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
 
   def fwd(*leaves):
     vals, perturbed = _fwd_values(rules, leaves, n)
+    statics = {}
 
     def one(*vals):
       out, res = rules.fwd(*call.full_args(call.fwd_inputs(vals, perturbed)))
       out_leaves, seen["out_tree"] = tree_util.tree_flatten(out)
-      return tuple(out_leaves), res
-    return vmapped(one, list(in_dims), note)(*vals)
+      # Python scalars among the residuals stay Python values, unbatched, as
+      # jax.custom_vjp hands them to bwd; only array residuals are batched
+      res_leaves, statics["tree"] = tree_util.tree_flatten(res)
+      statics["leaves"] = [r if is_static_residual(r) else None
+                           for r in res_leaves]
+      return tuple(out_leaves), [r for r in res_leaves
+                                 if not is_static_residual(r)]
+    out, dynamic = vmapped(one, list(in_dims), note)(*vals)
+    it = iter(dynamic)
+    res = [next(it) if s is None else s for s in statics["leaves"]]
+    return out, tree_util.tree_unflatten(statics["tree"], res)
   fwd.mapped_outputs = seen
 
   def bwd(res, g):
     arrays, rebuild = _split_symbolic(list(g))
+    res_axes = tree_util.tree_map(
+        lambda r: None if is_static_residual(r) else 0, res)
 
     def one(res, arrays):
       with _jax_api.collecting_logs() as sink:   # per example, batched out
@@ -175,7 +187,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
         cts = flatten_cotangents(
             call, rules.bwd(*call.nondiff, res, py_g), "bwd")
       return _none_for_zeros(cts), _jax_api.merged_logs(sink)
-    out, logs = vmapped(one, (0, 0))(res, arrays)
+    out, logs = vmapped(one, (res_axes, 0))(res, arrays)
     _jax_api.deposit_logs(logs)
     return _sum_unbatched(out, in_dims)
 
