@@ -135,7 +135,7 @@ def test_setup_commands_reuse_one_venv():
     assert command.startswith("test -d .venv || python3 -m venv .venv && "
                               ". .venv/bin/activate && pip install -e ")
   assert demo.endswith("python examples/seed_remat.py")
-  assert tests.endswith('pip install -e ".[test]" && python -m pytest')
+  assert tests.endswith('pip install -e ".[test]" && python -m pytest -n auto')
 
 
 def test_readme_is_short_and_its_links_resolve():
