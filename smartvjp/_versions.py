@@ -3,7 +3,8 @@
 Supported: jax/jaxlib 0.10.x, 0.11.x and 0.12.x. Each flag below is decided
 by the installed JAX's version number and names the release that changed
 the behaviour; ``tests/test_versions.py`` asserts each flag's value on every
-combination CI runs (0.10.0, the newest 0.10.x, 0.11.x and 0.12.x) and, with
+release CI installs (0.10.0, 0.10.1, 0.10.2, 0.11.0, 0.11.1, 0.11.2, 0.12.0
+and 0.12.0.1) and, with
 a small probe, that the installed JAX really behaves as the flag says, so a
 release that moves a change fails a test instead of a user's program.
 
@@ -22,16 +23,16 @@ def _since(*release: int) -> bool:
   return JAX_VERSION[:len(release)] >= release
 
 
-# -- jax 0.10.1 -----------------------------------------------------------------
+# -- jax 0.10.2 -----------------------------------------------------------------
 
 # An effect on a jaxpr input (a reference read or written) names the input's
 # Var inside a jaxpr and its position in what an abstract evaluation rule
 # returns (core.positional_effects); before, it held a position everywhere.
-EFFECTS_NAME_VARS = _since(0, 10, 1)
+EFFECTS_NAME_VARS = _since(0, 10, 2)
 
 # state.discharge.discharge_state takes a ClosedJaxpr and returns one; before,
 # (jaxpr, consts) in and out.
-DISCHARGE_STATE_TAKES_CLOSED_JAXPR = _since(0, 10, 1)
+DISCHARGE_STATE_TAKES_CLOSED_JAXPR = _since(0, 10, 2)
 
 # -- jax 0.11.0 -----------------------------------------------------------------
 
@@ -52,7 +53,7 @@ REMAT3_RULE_GETS_TRACE = _since(0, 11, 0)
 REMAT3_PERTURBS_EVERY_INPUT = not _since(0, 11, 0)
 
 # Under remat3, checkpoint_name inside a custom_vjp fwd binds the high-level
-# CheckpointNameFwd (beside CheckpointName, which 0.10.1 added).
+# CheckpointNameFwd (beside CheckpointName).
 HAS_CHECKPOINT_NAME_FWD = _since(0, 11, 0)
 
 # -- jax 0.11.1 -----------------------------------------------------------------
