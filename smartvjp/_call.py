@@ -37,7 +37,6 @@ from smartvjp import _facade as jx
 from smartvjp import _plan
 from smartvjp import _policy
 from smartvjp import _vmap
-from smartvjp._bwd import flatten_cotangents
 from smartvjp._fwd import bind_fwd
 from smartvjp._jvp import lin_params
 from smartvjp._primal import bind_primal
@@ -47,7 +46,8 @@ from smartvjp._primitive import (
 from smartvjp._refs import check_aliased_refs
 from smartvjp._spec import (
     Rules, eager_f, eager_fwd, pruned, select_outputs, trace_call)
-from smartvjp._typecheck import check_fwd_output_types, check_primal_out
+from smartvjp._typecheck import (
+    check_fwd_output_types, check_primal_out, flatten_cotangents)
 
 
 def closure_error(call, where: str = "", linearizing: bool = False):
@@ -173,7 +173,7 @@ def call_linearize(is_vjp, nonzeros, *primals_in, call):
   decided = _plan.plan(_policy.facts(call, None), None)
   if decided.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
     primal_outs = (eager_f(call, primals) if eager else
-                   call_p.bind(*f_consts, *primals, call=call))
+                   bind_primal(call, None, f_consts, [], primals))
     return _linearized(call, in_nz, primal_outs, primals, None)
   if call.fwd_only is not None:   # fwd traced where the call was made
     fwd, fwd_consts = call.fwd_only, f_consts

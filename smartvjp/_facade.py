@@ -676,6 +676,11 @@ def register_batching(prim, rule):
   _batching.fancy_primitive_batchers[prim] = rule
 
 
+def batching_rule(prim):
+  """The batching rule registered for ``prim`` (:func:`register_batching`)."""
+  return _batching.fancy_primitive_batchers[prim]
+
+
 def register_pp(prim, rule):
   """``rule(eqn, context, settings) -> doc``; see :func:`pp_eqn`."""
   _core.pp_eqn_rules[prim] = rule

@@ -23,15 +23,20 @@ from smartvjp._primitive import (
     rule_jvp, scope)
 
 
-def _plain_call(call, fwd) -> bool:
-  """A plain ``smartvjp_call`` stands in: without ``fwd`` (only ``fwd_bwd``
-  given: nothing else to differentiate), or where references are involved."""
-  return fwd is None or uses_references(call)
+def _plain_call(call) -> bool:
+  """A plain ``smartvjp_call`` stands in where references are involved (its
+  rules handle them; here nothing is differentiated any more)."""
+  return uses_references(call)
+
+
+def _num_fwd_consts(fwd) -> int:
+  return 0 if fwd is None else fwd.num_consts
 
 
 def bind_primal(call, fwd, f_consts, fwd_consts, primals) -> list:
-  """``f``'s outputs for a differentiated call (``fwd`` its rule)."""
-  if _plain_call(call, fwd):
+  """``f``'s outputs for a differentiated call (``fwd`` its rule; ``None``
+  where only ``fwd_bwd`` is given)."""
+  if _plain_call(call):
     return call_p.bind(*f_consts, *primals, call=call)
   return primal_p.bind(*f_consts, *fwd_consts, *primals, call=call, fwd=fwd)
 
@@ -39,7 +44,7 @@ def bind_primal(call, fwd, f_consts, fwd_consts, primals) -> list:
 def primal_eqn(call, fwd, f_consts, fwd_consts, primals, outvars, like):
   """The equation :func:`bind_primal` would bind, with ``like``'s source
   information; also returns whether it reads ``fwd_consts``."""
-  if _plain_call(call, fwd):
+  if _plain_call(call):
     ins = [*f_consts, *primals]
     return jx.new_eqn(ins, outvars, call_p, dict(call=call),
                       jx.eqn_effects(call.jaxpr, ins), like), False
@@ -49,7 +54,8 @@ def primal_eqn(call, fwd, f_consts, fwd_consts, primals, outvars, like):
 
 def split_args(args, call, fwd) -> tuple[list, list, list]:
   """``[*f_consts, *fwd_consts, *primals]`` as three lists."""
-  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
+  n1 = call.num_consts
+  n2 = n1 + _num_fwd_consts(fwd)
   return list(args[:n1]), list(args[n1:n2]), list(args[n2:])
 
 
@@ -64,7 +70,11 @@ def primal_eval(*args, call, fwd):
 
 def _jvp(primals, tangents, *, call, fwd):
   """The JVP of ``fwd``'s code for the primal outputs (where JAX runs
-  ``fwd``)."""
+  ``fwd``); of ``f``'s where only ``fwd_bwd`` is given, as of a ``fwd`` that
+  returns ``f``'s outputs with the inputs as residuals."""
+  if fwd is None:
+    return rule_jvp(primal_eval, "fun", list(primals), list(tangents),
+                    call=call, fwd=None)
   _, fwd_consts, xs = split_args(primals, call, fwd)
   _, fwd_consts_t, xs_t = split_args(tangents, call, fwd)
 
@@ -76,17 +86,20 @@ def _jvp(primals, tangents, *, call, fwd):
 
 
 def _batch(axis_data, args, dims, *, call, fwd):
-  from smartvjp._call import batch_call   # pylint: disable=g-import-not-at-top
+  """Batched as the ``smartvjp_call`` it evaluates, by that primitive's
+  registered batching rule (looked up, not imported: ``_call`` builds on
+  this module)."""
   f_consts, _, primals = split_args(args, call, fwd)
   cdims, _, pdims = split_args(dims, call, fwd)
-  return batch_call(axis_data, [*f_consts, *primals], [*cdims, *pdims],
-                    call=call)
+  return jx.batching_rule(call_p)(axis_data, [*f_consts, *primals],
+                                  [*cdims, *pdims], call=call)
 
 
 def _discharge(should, *args, call, fwd):
   """``f`` on its own inputs (``fwd``'s constants are not read): ``f`` may
   create and free references of its own (``jax.new_ref`` inside ``f``)."""
-  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
+  n1 = call.num_consts
+  n2 = n1 + _num_fwd_consts(fwd)
   with jax.named_scope(scope(call, "f")):
     return discharged(call.jaxpr, should, args,
                       [*range(n1), *range(n2, len(args))])

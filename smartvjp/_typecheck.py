@@ -18,10 +18,11 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _facade as jx
-from smartvjp._errors import rule_error
+from smartvjp._errors import describe_tree, rule_error
 
 
 def _leaf_paths(tree) -> list:
@@ -234,3 +235,138 @@ def check_primal_out(call, primal_out) -> None:
               "return the same type (a kernel's result, such as a "
               "jax.pure_callback's, is typed invariant: jax.lax.pcast(x, "
               "axis_names, to='varying') makes it varying)." if same else "."))
+
+
+# -- the cotangents a bwd or fwd_bwd rule returns ---------------------------------
+# What a rule may return is what jax.custom_vjp accepts (_flatten_bwd in
+# jax/_src/custom_derivatives.py; tests/test_cotangents.py runs a table of
+# outputs through both).
+
+def bwd_checks_disabled() -> bool:
+  """``jax_disable_bwd_checks``: cotangents are passed on unchecked."""
+  return bool(getattr(jax.config, "jax_disable_bwd_checks", False))
+
+
+_NO_CT = object()   # a None cotangent: no contribution to the input
+
+
+def _spread(call, out, which) -> list:
+  """One cotangent (or ``_NO_CT``) per primal leaf, in ``in_tree`` order.
+
+  Each entry of ``out`` covers the argument subtree at its position: ``None``
+  means zeros for all its leaves, and any other value (an array, a
+  ``SymbolicZero``) stands for every leaf below it, as ``jax.custom_vjp``
+  allows. The user's pytrees are only flattened, never rebuilt.
+  """
+  rules = call.rules
+  arg_trees = tree_util.treedef_children(call.in_tree)
+  if isinstance(out, list) and len(out) == len(arg_trees):
+    out = tuple(out)
+  if not isinstance(out, tuple):
+    raise rule_error(
+        TypeError, rules, which,
+        f"must return a tuple with one cotangent (or None) per "
+        f"differentiable argument of {rules.name}, i.e. of length "
+        f"{len(arg_trees)} matching the structure {call.in_tree}, but "
+        f"returned {describe_tree(out)}.")
+  out_tree = tree_util.tree_structure(out, is_leaf=lambda x: x is None)
+  dummy = tree_util.tree_unflatten(
+      call.in_tree, [object() for _ in range(call.in_tree.num_leaves)])
+  try:
+    subtrees = out_tree.flatten_up_to(dummy)
+  except ValueError:
+    what = ("a tuple with one cotangent (or None) per differentiable "
+            f"argument of {rules.name}, i.e. of length {len(arg_trees)}"
+            if len(out) != len(arg_trees) else "cotangents")
+    raise rule_error(
+        TypeError, rules, which,
+        f"must return {what} matching the structure {call.in_tree} (None "
+        f"or one array may stand for any subtree), but returned pytree "
+        f"structure {out_tree}.") from None
+  flat = []
+  for ct, sub in zip(tree_util.tree_leaves(out, is_leaf=lambda x: x is None),
+                     subtrees):
+    count = len(tree_util.tree_leaves(sub))
+    flat.extend([_NO_CT if ct is None else ct] * count)
+  return flat
+
+
+def _same_but_dtype(want, got) -> bool:
+  """jax.custom_vjp's tolerance for a cotangent of another dtype: same shape
+  (and sharding), and either the input's cotangent is inexact (a float or
+  complex of any precision, even an integer array, passes through as
+  returned) or the cotangent has an extended dtype."""
+  if not (isinstance(want, jx.ShapedArray) and isinstance(got, jx.ShapedArray)):
+    return False
+  if want.shape != got.shape:
+    return False
+  if not jx.typecompat(want, got.update(dtype=want.dtype,
+                                       weak_type=want.weak_type)):
+    return False
+  return (jax.dtypes.issubdtype(got.dtype, jax.dtypes.extended)
+          or jnp.issubdtype(want.dtype, jnp.inexact))
+
+
+def _accepts(want, got) -> bool:
+  if jx.typecompat(want, got):
+    return True
+  inner = getattr(want, "inner_aval", None)   # a mutable array reference
+  if inner is not None and jx.typecompat(jx.ct_aval(inner), got):
+    return True
+  return _same_but_dtype(want, got)
+
+
+def flatten_cotangents(call, out, which: str) -> list:
+  """Checks a rule's cotangent output; returns arrays or ``Zero`` per leaf.
+
+  Matches what ``jax.custom_vjp`` accepts: a list for the tuple, ``None``
+  for any subtree, one value for a whole subtree, a ``SymbolicZero`` of the
+  input's cotangent type, cotangents of integer inputs ignored, and a
+  cotangent of another dtype passed on unchanged (not cast) when the input's
+  cotangent is inexact. ``jax_disable_bwd_checks`` passes any array on.
+  """
+  rules = call.rules
+  flat = _spread(call, out, which)
+  paths = [tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(
+      tree_util.tree_unflatten(call.in_tree, list(call.in_avals)))[0]]
+  unchecked = bwd_checks_disabled()
+  results = []
+  for path, aval, ct in zip(paths, call.in_avals, flat):
+    ct_aval = jx.ct_aval(aval)
+    if ct is _NO_CT or ct_aval.dtype == jx.float0:
+      results.append(jx.Zero(ct_aval))
+      continue
+    if type(ct) is jx.SymbolicZero:
+      if not jx.typecompat(ct_aval, ct.aval):
+        raise rule_error(
+            ValueError, rules, which,
+            f"returned a SymbolicZero of type {ct.aval.str_short()} at "
+            f"output{path}, but the corresponding input's cotangent type is "
+            f"{ct_aval.str_short()} (input {aval.str_short()}); return None "
+            "there for a zero cotangent.")
+      results.append(jx.Zero(ct.aval))
+      continue
+    try:
+      got = jx.get_aval(ct)
+    except TypeError:
+      raise rule_error(
+          TypeError, rules, which,
+          f"returned a value of type {type(ct).__name__} at "
+          f"output{path}, which is not a JAX array.") from None
+    if not unchecked and not _accepts(ct_aval, got):
+      raise rule_error(
+          ValueError, rules, which,
+          f"returned a cotangent of type {got.str_short()} at "
+          f"output{path}, but the corresponding input of {rules.name} has "
+          f"type {aval.str_short()} (expected cotangent "
+          f"{ct_aval.str_short()}){_sharding_hint(ct_aval, got)}.")
+    results.append(ct)
+  return results
+
+
+def _sharding_hint(want, got) -> str:
+  if (want.shape, want.dtype) != (got.shape, got.dtype):
+    return ""
+  return ("; shape and dtype agree, so the sharding or the varying manual "
+          "axes (shard_map) differ, and a psum over the missing axes is "
+          "usually what is needed")

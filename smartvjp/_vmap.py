@@ -23,6 +23,7 @@ from jax import tree_util
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
 from smartvjp._spec import CallSpec, Rules, is_static_residual, trace_call
+from smartvjp._typecheck import flatten_cotangents
 
 # The vmap (trace tag, axis data) whose batching rule for one of smartvjp's
 # primitives is running (set by the primitives' bind, see _primitive.py).
@@ -128,7 +129,6 @@ def _fwd_values(rules, leaves, n):
 def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
   """The user's rules under vmap, over flat leaves (batched ones at axis 0);
   every output is batched (per-example values and cotangents)."""
-  from smartvjp._bwd import flatten_cotangents  # the checks of bwd's outputs
   rules = call.rules
   n = call.num_primals
   tag = _current_tag(axis_data)

@@ -9,6 +9,7 @@ table names a rule or function that is not the registered one.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pathlib
 import re
@@ -105,3 +106,60 @@ def test_each_primitive_is_defined_in_its_own_module():
   for prim, rules in RULES.items():
     homes = {_where(fn)[0] for fn in rules.values()} - shared
     assert len(homes) == 1, (prim, sorted(homes))
+
+
+# -- the import graph of smartvjp/ ---------------------------------------------------
+
+def _smartvjp_imports(path: pathlib.Path) -> list[tuple[str, bool]]:
+  """(imported smartvjp module, whether the import is inside a function) for
+  each ``from smartvjp import _m`` / ``from smartvjp._m import ...`` in a
+  file (docstrings' examples are strings, not imports, and are not seen)."""
+  tree = ast.parse(path.read_text())
+  found = []
+
+  def visit(node, in_function):
+    for child in ast.iter_child_nodes(node):
+      inner = in_function or isinstance(
+          child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+      if isinstance(child, ast.ImportFrom) and child.module:
+        if child.module == "smartvjp":
+          found.extend((a.name, in_function) for a in child.names
+                       if a.name.startswith("_"))
+        elif child.module.startswith("smartvjp."):
+          found.append((child.module.split(".")[1], in_function))
+      visit(child, inner)
+  visit(tree, False)
+  return found
+
+
+def _graph() -> dict[str, set[str]]:
+  graph = {}
+  for path in (ROOT / "smartvjp").glob("_*.py"):
+    graph[path.stem] = {m for m, _ in _smartvjp_imports(path)} - {path.stem}
+  return graph
+
+
+def test_no_function_local_import_of_a_smartvjp_module():
+  """Every module imports the modules it uses at its top, so the import
+  graph below is the whole graph (no function-local import closing a
+  cycle that the test cannot see)."""
+  local = sorted((p.name, m) for p in (ROOT / "smartvjp").glob("*.py")
+                 for m, inner in _smartvjp_imports(p) if inner)
+  assert not local, local
+
+
+def test_import_graph_has_no_cycle():
+  graph = _graph()
+  state: dict[str, int] = {}   # 1: on the current path, 2: done
+
+  def visit(m, path):
+    state[m] = 1
+    for n in sorted(graph.get(m, ())):
+      if state.get(n) == 1:
+        raise AssertionError("import cycle: " + " -> ".join(path + [m, n]))
+      if n not in state:
+        visit(n, path + [m])
+    state[m] = 2
+  for m in sorted(graph):
+    if m not in state:
+      visit(m, [])
