@@ -7,9 +7,6 @@ import os
 
 import pytest
 
-# one worker runs them all (pyproject.toml: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("cost")
-
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks",
                      "cost.py")
 _spec = importlib.util.spec_from_file_location("smartvjp_cost_bench", _PATH)

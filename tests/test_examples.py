@@ -12,9 +12,6 @@ import time
 
 import pytest
 
-# one worker runs them all (pyproject.toml: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("examples")
-
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 EXAMPLE_TIMEOUT_S = 300   # each takes under a minute alone on a 2-core CPU
 
