@@ -36,27 +36,25 @@ DISCHARGE_STATE_TAKES_CLOSED_JAXPR = _since(0, 10, 2)
 
 # -- jax 0.11.0 -----------------------------------------------------------------
 
-# checkify rules and checkify_jaxpr_flat take a leading CheckifyContext.
-CHECKIFY_TAKES_CTX = _since(0, 11, 0)
-
-# State discharge rules take a DischargeContext (with should_discharge)
-# first; before, (in_avals, out_avals).
-DISCHARGE_RULE_TAKES_CTX = _since(0, 11, 0)
-
 # remat3 rules receive the RematTrace (policy in trace.policy, and
 # trace.custom_vjp_rules); 0.10.x passed the policy itself.
 REMAT3_RULE_GETS_TRACE = _since(0, 11, 0)
 
-# remat3 differentiates the rematerialized region with respect to every input
-# of the checkpoint, values its body closes over included, until 0.11.0;
-# from 0.11.0 only with respect to the checkpoint's perturbed inputs.
-REMAT3_PERTURBS_EVERY_INPUT = not _since(0, 11, 0)
-
-# Under remat3, checkpoint_name inside a custom_vjp fwd binds the high-level
-# CheckpointNameFwd (beside CheckpointName).
-HAS_CHECKPOINT_NAME_FWD = _since(0, 11, 0)
-
 # -- jax 0.11.1 -----------------------------------------------------------------
+
+# remat3 differentiates the rematerialized region with respect to every input
+# of the checkpoint, values its body closes over included, until 0.11.1;
+# from 0.11.1 only with respect to the checkpoint's perturbed inputs.
+REMAT3_PERTURBS_EVERY_INPUT = not _since(0, 11, 1)
+
+# The backward pass collects backward-pass logs (VJP.with_logs) from
+# ad.fancy_transposes, whose rules get gradient accumulators and return None
+# or a dict; jax.custom_vjp.defvjp_with_logs exists.
+TRANSPOSE_RETURNS_LOGS = _since(0, 11, 1)
+
+# State discharge rules take a DischargeContext (with should_discharge)
+# first; before, (in_avals, out_avals).
+DISCHARGE_RULE_TAKES_CTX = _since(0, 11, 1)
 
 # A linearization rule returns five values (primal_out, tangent_nzs_out,
 # residuals, structured_res, linearized), linearized called as
@@ -66,10 +64,12 @@ LINEARIZE_HAS_STRUCTURED_RES = _since(0, 11, 1)
 
 # -- jax 0.11.2 -----------------------------------------------------------------
 
-# The backward pass collects backward-pass logs (VJP.with_logs) from
-# ad.fancy_transposes, whose rules get gradient accumulators and return None
-# or a dict; jax.custom_vjp.defvjp_with_logs exists.
-TRANSPOSE_RETURNS_LOGS = _since(0, 11, 2)
+# checkify rules and checkify_jaxpr_flat take a leading CheckifyContext.
+CHECKIFY_TAKES_CTX = _since(0, 11, 2)
+
+# Under remat3, checkpoint_name inside a custom_vjp fwd binds the high-level
+# CheckpointNameFwd (beside CheckpointName).
+HAS_CHECKPOINT_NAME_FWD = _since(0, 11, 2)
 
 # -- jax 0.12.0 -----------------------------------------------------------------
 

@@ -30,19 +30,19 @@ EXPECTED = {
     "DISCHARGE_STATE_TAKES_CLOSED_JAXPR":
         (False, False, True, True, True, True, True, True),
     "CHECKIFY_TAKES_CTX":
-        (False, False, False, True, True, True, True, True),
+        (False, False, False, False, False, True, True, True),
     "DISCHARGE_RULE_TAKES_CTX":
-        (False, False, False, True, True, True, True, True),
+        (False, False, False, False, True, True, True, True),
     "REMAT3_RULE_GETS_TRACE":
         (False, False, False, True, True, True, True, True),
     "REMAT3_PERTURBS_EVERY_INPUT":
-        (True, True, True, False, False, False, False, False),
+        (True, True, True, True, False, False, False, False),
     "HAS_CHECKPOINT_NAME_FWD":
-        (False, False, False, True, True, True, True, True),
+        (False, False, False, False, False, True, True, True),
     "LINEARIZE_HAS_STRUCTURED_RES":
         (False, False, False, False, True, True, True, True),
     "TRANSPOSE_RETURNS_LOGS":
-        (False, False, False, False, False, True, True, True),
+        (False, False, False, False, True, True, True, True),
     "DCE_RULE_TAKES_LIVE_INS":
         (False, False, False, False, False, False, True, True),
     "ALIASED_REFS_CHECKED_AT_CALL":
