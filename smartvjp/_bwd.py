@@ -1,18 +1,13 @@
 """``smartvjp_bwd``: the user's ``bwd`` or ``fwd_bwd``, called, checked and
 traced when a transpose runs, with all the primitive's rules.
 
-What a rule may return is what ``jax.custom_vjp`` accepts (``_flatten_bwd``
-in ``jax/_src/custom_derivatives.py``; ``tests/test_cotangents.py`` runs a
-table of outputs through both): one entry per differentiable argument,
-``None`` or a single value for a whole subtree, the shapes of the
-corresponding inputs, any float precision (passed on as returned), and
-cotangents of integer inputs ignored (they are ``float0``).
+What a rule may return, and the check of it, is
+``_typecheck.flatten_cotangents``.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _facade as jx

@@ -117,7 +117,9 @@ def call_jvp(primals, tangents, *, call):
     return select_outputs(call, outs), select_outputs(call, out_tangents)
   nonzeros = [type(t) is not jx.Zero for t in tangents]
   if _classify(call, nonzeros) == "closure":   # f itself differentiated
-    return rule_jvp(call_eval, "fun", primals, tangents, call=call)
+    return rule_jvp(call_eval, "fun", primals, tangents, call=call,
+                    what="differentiation with respect to values it closes "
+                    "over")
   prim_t = tangents[call.num_consts:]
   in_nz = tuple(nz and possible for nz, possible in
                 zip(nonzeros[call.num_consts:], call.in_nz_possible))

@@ -167,12 +167,13 @@ def discharged(jaxpr, should, args, positions=None):
   return new_args, list(outs[:n])
 
 
-def rule_jvp(impl, role, primals, tangents, /, **params):
+def rule_jvp(impl, role, primals, tangents, /, *,
+             what: str = "higher-order differentiation", **params):
   """JAX's JVP of a rule's code (higher order: grad of grad, hessian), with
   respect to the inputs that move only (as ``jax.custom_vjp`` differentiates
   its rules), so a nested call inside the rule sees its closed-over values
   held fixed. JAX's own exception goes on (an opaque rule's, say), with a
-  note naming the rule."""
+  note naming the rule and ``what`` differentiated it."""
   call = params["call"]
   moving = [type(t) is not jx.Zero for t in tangents]
 
@@ -185,8 +186,6 @@ def rule_jvp(impl, role, primals, tangents, /, **params):
         on_moving, tuple(p for p, m in zip(primals, moving) if m),
         tuple(t for t, m in zip(tangents, moving) if m))
   except Exception as e:  # noqa: BLE001 - JAX's error, with a note added
-    what = ("differentiation with respect to values it closes over"
-            if role == "fun" else "higher-order differentiation")
     e.add_note(
         f"smartvjp: {what} of smart_custom_vjp function {call.name} needs "
         f"the derivative of its {role} rule ({call.rules.rule_name(role)}), "

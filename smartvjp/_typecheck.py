@@ -13,6 +13,13 @@
   over that axis.
 * On the error path of a call differentiated without tracing ``f``, ``fwd``
   is named when its primal output was the cause (:func:`blame_fwd`).
+* A ``bwd`` or ``fwd_bwd`` returns what ``jax.custom_vjp`` accepts
+  (``_flatten_bwd`` in ``jax/_src/custom_derivatives.py``;
+  ``tests/test_cotangents.py`` runs a table of outputs through both): one
+  entry per differentiable argument, ``None`` or a single value for a whole
+  subtree, the shapes of the corresponding inputs, any float precision
+  (passed on as returned), and cotangents of integer inputs ignored (they
+  are ``float0``) (:func:`flatten_cotangents`).
 """
 
 from __future__ import annotations
@@ -238,9 +245,6 @@ def check_primal_out(call, primal_out) -> None:
 
 
 # -- the cotangents a bwd or fwd_bwd rule returns ---------------------------------
-# What a rule may return is what jax.custom_vjp accepts (_flatten_bwd in
-# jax/_src/custom_derivatives.py; tests/test_cotangents.py runs a table of
-# outputs through both).
 
 def bwd_checks_disabled() -> bool:
   """``jax_disable_bwd_checks``: cotangents are passed on unchecked."""

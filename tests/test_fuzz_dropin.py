@@ -17,36 +17,38 @@ OK = ("same", "same-as-plain", "unchecked (jax raises, rule not exact)")
 REFUSED = "refused (jax.custom_vjp"   # smartvjp refuses where JAX is wrong
 
 
-def test_random_programs_agree_with_jax_custom_vjp(tmp_path):
+def _fuzz(tmp_path, *args) -> list[dict]:
+  """``tools/fuzz_dropin.py --flags 0 *args`` with 4 CPU devices: one result
+  per program."""
   out = tmp_path / "fuzz.jsonl"
   env = dict(os.environ, PYTHONPATH=str(ROOT),
              XLA_FLAGS="--xla_force_host_platform_device_count=4")
   subprocess.run(
-      [sys.executable, str(ROOT / "tools" / "fuzz_dropin.py"), "--seed",
-       "1000", "--count", "16", "--flags", "0", "--out", str(out)],
+      [sys.executable, str(ROOT / "tools" / "fuzz_dropin.py"), *args,
+       "--flags", "0", "--out", str(out)],
       check=True, env=env, cwd=tmp_path, timeout=600, capture_output=True)
-  results = [json.loads(line) for line in out.read_text().splitlines()]
+  return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _disagreeing(results) -> list[dict]:
+  return [r for r in results
+          if r["verdict"] not in OK and not r["verdict"].startswith(REFUSED)]
+
+
+def test_random_programs_agree_with_jax_custom_vjp(tmp_path):
+  results = _fuzz(tmp_path, "--seed", "1000", "--count", "16")
   assert len(results) == 16
-  bad = [r for r in results
-         if r["verdict"] not in OK and not r["verdict"].startswith(REFUSED)]
+  bad = _disagreeing(results)
   assert not bad, bad
 
 
 def test_random_programs_inside_shard_map_agree(tmp_path):
   """The same inside shard_map(check_vma=True), forward over reverse and
   opaque rules included (``--place shard_map``)."""
-  out = tmp_path / "fuzz.jsonl"
-  env = dict(os.environ, PYTHONPATH=str(ROOT),
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  subprocess.run(
-      [sys.executable, str(ROOT / "tools" / "fuzz_dropin.py"), "--seed",
-       "0", "--count", "8", "--flags", "0", "--place", "shard_map",
-       "--out", str(out)],
-      check=True, env=env, cwd=tmp_path, timeout=600, capture_output=True)
-  results = [json.loads(line) for line in out.read_text().splitlines()]
+  results = _fuzz(tmp_path, "--seed", "0", "--count", "8",
+                  "--place", "shard_map")
   assert len(results) == 8
-  bad = [r for r in results
-         if r["verdict"] not in OK and not r["verdict"].startswith(REFUSED)]
+  bad = _disagreeing(results)
   assert not bad, bad
 
 
@@ -59,13 +61,6 @@ FOUND = [(200710, "any"), (300520, "shard_map")]
 
 @pytest.mark.parametrize("seed,place", FOUND)
 def test_programs_the_fuzzer_found_agree(tmp_path, seed, place):
-  out = tmp_path / "fuzz.jsonl"
-  env = dict(os.environ, PYTHONPATH=str(ROOT),
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  subprocess.run(
-      [sys.executable, str(ROOT / "tools" / "fuzz_dropin.py"), "--seed",
-       str(seed), "--count", "1", "--flags", "0", "--place", place,
-       "--out", str(out)],
-      check=True, env=env, cwd=tmp_path, timeout=600, capture_output=True)
-  (result,) = [json.loads(line) for line in out.read_text().splitlines()]
+  (result,) = _fuzz(tmp_path, "--seed", str(seed), "--count", "1",
+                    "--place", place)
   assert result["verdict"] in OK, result
