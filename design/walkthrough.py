@@ -56,9 +56,9 @@ def stages() -> str:
       jax.checkpoint_policies.nothing_saveable)
   show("3a. Policy partial eval under `nothing_saveable`: the known side "
        "(forward pass) runs `f`", known)
-  show("3b. ... and the staged side (backward region) keeps the jvp, marked "
-       f"`remat=True`; {num_res} intermediates saved, the staged side reads "
-       "only the input", staged)
+  show("3b. ... and the staged side (backward region) keeps the jvp, its "
+       f"schedule `forward=f backward=fwd+bwd`; {num_res} intermediates "
+       "saved, the staged side reads only the input", staged)
   known_s, staged_s, _, _, _ = pe.partial_eval_jaxpr_custom(
       jvp.jaxpr, [False, True], [True, True], False, False,
       jax.checkpoint_policies.everything_saveable)

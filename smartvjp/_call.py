@@ -131,7 +131,8 @@ def call_jvp(primals, tangents, *, call):
   check_fwd_output_types(call, fwd)   # f and fwd may both run (remat)
   nz_tangents = [t for t, nz in zip(prim_t, in_nz) if nz]
   outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,
-                    call=call, fwd=fwd, in_nz=in_nz, remat=False)
+                    call=call, fwd=fwd, in_nz=in_nz,
+                    schedule=_policy.schedule_without_policy(call, fwd))
   return outs[:call.num_outs], call.expand_tangents(outs[call.num_outs:])
 
 
@@ -406,7 +407,8 @@ def _remat3(ctx, *in_vals, call):
     avals += [a.to_tangent_aval() for a, nz in zip(call.in_avals, in_nz) if nz]
     answers = _policy.answers(
         ctx.policy, call, fwd, jvp_p, avals,
-        dict(call=call, fwd=fwd, in_nz=in_nz, remat=False))
+        dict(call=call, fwd=fwd, in_nz=in_nz,
+             schedule=_policy.schedule_without_policy(call, fwd)))
   decided = _plan.plan(_policy.facts(call, fwd, remat_rules_usable), answers)
   if decided.kind is _plan.Kind.REMAT_RULES:
     call, fwd = swapped[-1]
@@ -414,13 +416,13 @@ def _remat3(ctx, *in_vals, call):
     decided = _plan.fwd_or_f(_policy.facts(call, fwd),
                              (None,) * fwd.num_new_res)
   if decided.kind is _plan.Kind.RECOMPUTE:
-    return _recompute(call, fwd, f_consts, fwd_consts, primals)
+    return _recompute(call, fwd, decided, f_consts, fwd_consts, primals)
   if decided.kind is _plan.Kind.SPLIT:
-    return _split(call, decided.split, f_consts, fwd_consts, primals)
+    return _split(call, decided, f_consts, fwd_consts, primals)
   return _save(call, fwd, decided, f_consts, fwd_consts, primals)
 
 
-def _recompute(call, fwd, f_consts, fwd_consts, primals):
+def _recompute(call, fwd, decided, f_consts, fwd_consts, primals):
   """``f`` forward; the rem side runs ``fwd`` (or ``fwd_bwd``) when
   differentiated."""
   outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
@@ -428,7 +430,7 @@ def _recompute(call, fwd, f_consts, fwd_consts, primals):
 
   def rem(fwd_consts, *rem_in):
     return rem_p.bind(*rem_in[:k], *fwd_consts, *rem_in[k:], call=call,
-                      fwd=fwd, remat=True)
+                      fwd=fwd, schedule=decided.schedule)
   return list(outs), list(fwd_consts), rem
 
 
@@ -468,15 +470,16 @@ def _save(call, fwd, decided, f_consts, fwd_consts, primals):
     back = [r if s is None else jax.device_put(r, jx.memory_space("device"))
             for r, s in zip(saved[n_out:], spaces)]
     return rem_p.bind(*rem_in[:k], *saved[:n_out], *back, *fwd_consts,
-                      *rem_in[k:], call=call, fwd=spec, remat=False)
+                      *rem_in[k:], call=call, fwd=spec,
+                      schedule=decided.schedule)
   return list(outs[:n_out]), saved, rem
 
 
-def _split(call, split, f_consts, fwd_consts, primals):
+def _split(call, decided, f_consts, fwd_consts, primals):
   """The part of ``fwd`` producing the saved values forward; the rem side
   rebuilds the rest from them (a saved primal output is read, not
   rebuilt)."""
-  n_out = call.num_outs
+  split, n_out = decided.split, call.num_outs
   outs = bind_fwd(*fwd_consts, *primals, call=call, fwd=split.known)
   extra = iter(outs[n_out:])
   saved = [next(extra) if o is None else outs[o] for o in split.saved_outputs]
@@ -492,7 +495,7 @@ def _split(call, split, f_consts, fwd_consts, primals):
 
   def rem(saved, *rem_in):
     return rem_p.bind(*rem_in[:k], *saved, *fwd_consts, *rem_in[k:],
-                      call=call, fwd=staged, remat=False)
+                      call=call, fwd=staged, schedule=decided.schedule)
   return list(outs[:n_out]), saved, rem
 
 

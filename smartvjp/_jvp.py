@@ -10,12 +10,13 @@ place"):
 * policy-driven (``jax.checkpoint``): :func:`_partial_eval_custom` splits the
   equation into the forward pass (known) and the rematerialized backward
   region (staged) as the plan says: ``f`` forward and the whole jvp staged
-  (``remat=True``), ``fwd`` forward and the linear part staged, or part of a
-  JAX-coded ``fwd`` forward and the rest rebuilt in the staged jvp;
+  (its ``schedule`` param the plan's, which recomputes), ``fwd`` forward and
+  the linear part staged, or part of a JAX-coded ``fwd`` forward and the
+  rest rebuilt in the staged jvp;
 * trace-time (a ``JaxprTrace``: the backward pass of ``jax.checkpoint``, and
-  linearize without direct linearize): :func:`_partial_eval` runs the
-  ``fwd`` side (or, recomputed with ``fwd_bwd`` given, ``f``) and stages the
-  linear part.
+  linearize without direct linearize): :func:`_partial_eval` runs what the
+  equation's ``schedule`` says the backward side starts with (the ``fwd``
+  side, or ``f`` where ``fwd_bwd`` runs) and stages the linear part.
 
 ``smartvjp_lin``: ``[*residuals, *nz_tangents] -> nz_tangent_outs``, the
 call's linear map: from ``fwd``'s residuals (``fwd`` given; the transpose
@@ -52,13 +53,6 @@ from smartvjp._primitive import (
 from smartvjp._spec import tangent_avals
 from smartvjp._typecheck import (
     blame_fwd, check_f_output_invariance, check_fwd_output_invariance)
-
-
-def runs_fwd_bwd(call, fwd, remat: bool) -> bool:
-  """The backward side runs ``fwd_bwd`` (see ``_plan.backward_rule``)."""
-  facts = _plan.Facts(has_fwd=fwd is not None,
-                      has_fwd_bwd=call.rules.fwd_bwd is not None)
-  return _plan.backward_rule(facts, remat) == "fwd_bwd"
 
 
 def lin_params(call, fwd, in_nz, reload=None) -> dict:
@@ -232,7 +226,7 @@ define(lin_p, impl=lin_forward, abstract_eval=_lin_abstract_eval,
 
 # -- smartvjp_jvp: evaluation (forward mode) ----------------------------------------
 
-def _jvp_abstract_eval(*avals, call, fwd, in_nz, remat):
+def _jvp_abstract_eval(*avals, call, fwd, in_nz, schedule):
   nc, nw = call.num_consts, (fwd.num_consts if fwd is not None else 0)
   # inputs [*f_consts, *fwd_consts, *primals, *tangents]: f's and fwd's own
   # input positions moved there
@@ -244,10 +238,10 @@ def _jvp_abstract_eval(*avals, call, fwd, in_nz, remat):
   return [*call.out_avals, *tangent_avals(call.out_avals, call.out_nz)], effects
 
 
-def jvp_forward(*args, call, fwd, in_nz, remat):
+def jvp_forward(*args, call, fwd, in_nz, schedule):
   """Forward mode: ``fwd`` (or ``f``, with ``fwd_bwd`` alone) for the primal
   outputs, then the linear map's forward mode."""
-  del remat
+  del schedule
   f_consts, fwd_consts, primals, nz_t = call.split_jvp_args(args, fwd)
   if fwd is None:
     primal_outs = eval_scoped(call.jaxpr, scope(call, "f"),
@@ -332,7 +326,8 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
     # f in the forward pass, the whole jvp in the backward region
     known, _ = primal_eqn(call, fwd, f_consts, fwd_consts, primals,
                           eqn.outvars[:n_out], eqn)
-    staged = jx.eqn_with(eqn, params=dict(eqn.params, remat=True))
+    staged = jx.eqn_with(eqn, params=dict(eqn.params,
+                                          schedule=decided.schedule))
     return (known, staged, unks_out, [True] * n_all,
             _residuals(eqn, inst_in, staged))
   # fwd (or f in its place) forward, its residuals kept; the linear part
@@ -382,7 +377,7 @@ def _split(eqn, inst_in, split):
              for i, v in enumerate(eqn.outvars)]
   staged = jx.new_eqn(
       [*f_consts, *saved, *fwd_consts, *primals, *tangents], outvars, jvp_p,
-      dict(eqn.params, fwd=split.staged, remat=False),
+      dict(eqn.params, fwd=split.staged, schedule=_plan.SPLIT_REBUILT),
       call.jaxpr.effects | split.staged.jaxpr.effects, eqn)
   unks_out = [False] * n_out + [True] * (len(eqn.outvars) - n_out)
   inst_out = [i not in kept_outs for i in range(len(eqn.outvars))]
@@ -392,11 +387,11 @@ def _split(eqn, inst_in, split):
 
 # -- smartvjp_jvp: trace-time partial evaluation (the rematerialized region) --------
 
-def _partial_eval(trace, *tracers, call, fwd, in_nz, remat):
+def _partial_eval(trace, *tracers, call, fwd, in_nz, schedule):
   """Primal inputs known, tangents not: the primal side runs now (the
-  ``fwd`` side, or ``f`` where ``fwd_bwd`` will run) and the linear part is
-  staged."""
-  params = dict(call=call, fwd=fwd, in_nz=in_nz, remat=remat)
+  ``fwd`` side, or ``f`` where ``fwd_bwd`` will run, as ``schedule`` says)
+  and the linear part is staged."""
+  params = dict(call=call, fwd=fwd, in_nz=in_nz, schedule=schedule)
   n_known = len(tracers) - sum(in_nz)
   known_tracers, tangent_tracers = tracers[:n_known], tracers[n_known:]
   vals = jx.pe_known_values(known_tracers)
@@ -404,14 +399,14 @@ def _partial_eval(trace, *tracers, call, fwd, in_nz, remat):
     return jx.pe_default(trace, jvp_p, tracers, params)
   f_consts, fwd_consts, primals, _ = call.split_jvp_args(vals, fwd)
   with jx.set_current_trace(jx.parent_trace(trace)):
-    if runs_fwd_bwd(call, fwd, remat):
+    if schedule.runs_fwd_bwd:
       primal_outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
       lin_inputs, lin_fwd = primals, None
     else:
       primal_outs, lin_inputs = bind_fwd_side(call, fwd, f_consts, fwd_consts,
                                               primals)
       lin_fwd = fwd
-      if remat and fwd.num_new_res:  # f ran in the forward pass, fwd here
+      if schedule.recomputes and fwd.num_new_res:  # f ran forward, fwd here
         maybe_check(call, f_consts, primals, primal_outs)
   staged_in = [*(jx.pe_instantiate(trace, x) for x in lin_inputs),
                *tangent_tracers]
@@ -457,7 +452,7 @@ def _linear_part(eqn):
     return None
   _, fwd_consts, primals, tangents = call.split_jvp_args(eqn.invars, fwd)
   fwd_inputs = [*fwd_consts, *primals]
-  if runs_fwd_bwd(call, fwd, eqn.params["remat"]):
+  if eqn.params["schedule"].runs_fwd_bwd:
     ins, params = primals, lin_params(call, None, in_nz)
   else:
     passed = _passed_through(fwd)
@@ -506,8 +501,8 @@ def _jvp_dce(used_outputs, eqn):
 
 # -- smartvjp_jvp: batching -----------------------------------------------------------
 
-def _jvp_batch(axis_data, args, dims, *, call, fwd, in_nz, remat):
-  params = dict(call=call, fwd=fwd, in_nz=in_nz, remat=remat)
+def _jvp_batch(axis_data, args, dims, *, call, fwd, in_nz, schedule):
+  params = dict(call=call, fwd=fwd, in_nz=in_nz, schedule=schedule)
   effects = call.jaxpr.effects | (fwd.jaxpr.effects if fwd is not None
                                   and fwd.jaxpr is not None else set())
   if _vmap.unbatched(axis_data, dims, effects):
@@ -528,7 +523,7 @@ def _jvp_batch(axis_data, args, dims, *, call, fwd, in_nz, remat):
   bcall, bconsts = _vmap.batched_call(call, f_consts, cdims, pdims, axis_data)
   bfwd, bfwd_consts = bcall.fwd_for(in_nz)
   outs = jvp_p.bind(*bconsts, *bfwd_consts, *primals, *tangents, call=bcall,
-                    fwd=bfwd, in_nz=in_nz, remat=remat)
+                    fwd=bfwd, in_nz=in_nz, schedule=schedule)
   return outs, [0] * len(outs)
 
 

@@ -9,6 +9,12 @@ facts (``Facts``) and the remat policy's answers (``Answers``) and carry out
 the ``Plan``; nothing here traces or touches JAX, so the decision is tested
 as a table (``tests/test_plan.py``).
 
+A plan's ``Schedule`` (what runs forward, what runs backward) is a frozen,
+hashable value that travels in the params of the equations that carry the
+call on (``smartvjp_jvp``, ``smartvjp_rem``): the rules that meet them later
+(trace-time partial evaluation of the rematerialized region, dead-code
+elimination, evaluation, remat3 again) read it and do not decide again.
+
 The schedule is the one jax-ml/jax#21303 asks for: under remat the forward
 pass runs ``f`` and only the rematerialized backward region runs ``fwd`` (or
 the fused ``fwd_bwd``), unless the policy saves what ``fwd`` computes.
@@ -88,12 +94,53 @@ class Kind(enum.Enum):
   REMAT_RULES = "the defremat rules instead"
 
 
+class Forward(enum.Enum):
+  """What the forward pass runs for a call's primal outputs."""
+  F = "f"
+  FWD = "fwd"
+  PART_OF_FWD = "part of fwd"
+
+
+class Backward(enum.Enum):
+  """What the backward side of a call runs."""
+  BWD = "bwd"                  # on the residuals the forward pass kept
+  FWD_THEN_BWD = "fwd+bwd"     # fwd (or what a split left of it), then bwd
+  FWD_BWD = "fwd_bwd"          # the fused rule on the primal inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Where a differentiated call's rules run: ``forward`` for its primal
+  outputs, ``backward`` for its cotangents."""
+  forward: Forward
+  backward: Backward
+
+  @property
+  def runs_fwd_bwd(self) -> bool:
+    return self.backward is Backward.FWD_BWD
+
+  @property
+  def recomputes(self) -> bool:
+    """The whole call runs again in the backward region: ``f`` forward and
+    the rules that rebuild the residuals backward."""
+    return self.forward is Forward.F and self.backward is not Backward.BWD
+
+  def __str__(self):
+    return f"{self.forward.value} forward, {self.backward.value} backward"
+
+
+# the backward side of a split: the rest of fwd rebuilt from the saved values
+SPLIT_REBUILT = Schedule(Forward.PART_OF_FWD, Backward.FWD_THEN_BWD)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The decision. ``spaces`` (for ``FWD``): one memory space, or ``None``
-  for device memory, per residual ``fwd`` computes; ``split`` (for
-  ``SPLIT``): what ``Answers.split`` returned."""
+  """The decision. ``schedule``: what runs in each pass; ``spaces`` (for
+  ``FWD``): one memory space, or ``None`` for device memory, per residual
+  ``fwd`` computes; ``split`` (for ``SPLIT``): what ``Answers.split``
+  returned."""
   kind: Kind
+  schedule: Schedule
   spaces: tuple = ()
   split: Any = None
 
@@ -102,23 +149,29 @@ class Plan:
     return any(s is not None for s in self.spaces)
 
 
+def _recompute(facts: Facts) -> Plan:
+  backward = (Backward.FWD_BWD if not facts.has_fwd or facts.has_fwd_bwd
+              else Backward.FWD_THEN_BWD)
+  return Plan(Kind.RECOMPUTE, Schedule(Forward.F, backward))
+
+
 def fwd_or_f(facts: Facts, spaces: tuple = ()) -> Plan:
   """Where ``fwd`` is to run with its residuals kept (forward under remat,
   or in the rematerialized region): ``fwd``, or ``f`` in its place when
   ``fwd`` computes nothing ``f`` does not and neither has effects."""
   if (facts.num_computed == 0 and not facts.keeps_effects
       and facts.f_matches_fwd):
-    return Plan(Kind.F_FOR_FWD)
-  return Plan(Kind.FWD, spaces)
+    return Plan(Kind.F_FOR_FWD, Schedule(Forward.F, Backward.BWD))
+  return Plan(Kind.FWD, Schedule(Forward.FWD, Backward.BWD), spaces)
 
 
 def plan(facts: Facts, answers: Answers | None) -> Plan:
   """Where the rules of one differentiated call run.
 
   ``answers`` is ``None`` where no remat policy applies (``jax.grad``,
-  ``jax.vjp``, ``jax.linearize``, inside ``jit`` or not): ``fwd`` runs now
-  and ``bwd`` in the transpose, as with ``jax.custom_vjp``; with ``fwd_bwd``
-  alone, ``f`` now and ``fwd_bwd`` in the transpose.
+  ``jax.vjp``, ``jax.linearize``, inside ``jit`` or not, and ``jax.jvp``):
+  ``fwd`` runs now and ``bwd`` in the transpose, as with ``jax.custom_vjp``;
+  with ``fwd_bwd`` alone, ``f`` now and ``fwd_bwd`` in the transpose.
 
   Under remat (a ``jax.checkpoint`` policy, on JAX's default path or its
   remat3 path), in this order:
@@ -134,12 +187,14 @@ def plan(facts: Facts, answers: Answers | None) -> Plan:
     like any other value);
   * something recomputed and ``defremat`` rules usable: those instead;
   * everything kept: ``fwd`` forward (``f`` in its place when ``fwd``
-    computes nothing more); else recompute the whole call.
+    computes nothing more); else recompute the whole call, whose backward
+    region runs ``fwd_bwd`` where it is given, else ``fwd`` then ``bwd``.
   """
   if not facts.has_fwd:
-    return Plan(Kind.RECOMPUTE)
+    return _recompute(facts)
   if answers is None:
-    return Plan(Kind.FWD, (None,) * (facts.num_computed or 0))
+    return Plan(Kind.FWD, Schedule(Forward.FWD, Backward.BWD),
+                (None,) * (facts.num_computed or 0))
   if facts.always_save:
     return fwd_or_f(facts, (None,) * (facts.num_computed or 0))
   if facts.num_computed == 0:
@@ -154,22 +209,13 @@ def plan(facts: Facts, answers: Answers | None) -> Plan:
       and facts.num_computed):
     split = answers.split()
     if split is not None:
-      return Plan(Kind.SPLIT, split=split)
+      return Plan(Kind.SPLIT, SPLIT_REBUILT, split=split)
   if kept is None and facts.remat_rules and facts.remat_rules_usable():
-    return Plan(Kind.REMAT_RULES)
+    # the schedule is the defremat rules' own: ask fwd_or_f with their facts
+    return Plan(Kind.REMAT_RULES, Schedule(Forward.FWD, Backward.BWD))
   if kept is not None:
     return fwd_or_f(facts, kept)
-  return Plan(Kind.RECOMPUTE)
-
-
-def backward_rule(facts: Facts, recomputed: bool) -> str:
-  """Which rule a call's backward side runs: ``"fwd_bwd"`` (the primal
-  inputs in, the cotangents out, nothing kept) when it is the only rule, or
-  when the call is recomputed and it is given; else ``"bwd"``, after
-  ``fwd`` (or after nothing, when ``fwd``'s residuals were kept)."""
-  if not facts.has_fwd or (recomputed and facts.has_fwd_bwd):
-    return "fwd_bwd"
-  return "bwd"
+  return _recompute(facts)
 
 
 def answer_for_chain(call: Asked, chain_answers) -> Asked:

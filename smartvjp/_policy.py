@@ -204,6 +204,14 @@ def facts(call, fwd, remat_rules_usable=lambda: True) -> _plan.Facts:
       f_matches_fwd=call.jaxpr is not None and f_matches_fwd(call, fwd))
 
 
+def schedule_without_policy(call, fwd) -> _plan.Schedule:
+  """The schedule of a call no remat policy has been asked about yet (a
+  ``smartvjp_jvp`` as ``jax.jvp`` or ``jax.checkpoint``'s JVP binds it):
+  ``fwd`` then ``bwd``, or ``f`` then ``fwd_bwd`` where it is the only
+  rule."""
+  return _plan.plan(facts(call, fwd), None).schedule
+
+
 def named_policy(policy):
   """``policy`` asked about a remat3 ``checkpoint_name`` (a high-level
   primitive) as about JAX's ``name_p`` equation, as the default path asks."""

@@ -144,6 +144,10 @@ def pp_rule(eqn, context, settings):
     shown[which] = rules.rule_name(which)
   if fwd is not None and fwd.num_new_res and prim is not rem_p:
     shown["num_res"] = fwd.num_new_res
+  schedule = params.pop("schedule", None)
+  if schedule is not None:   # the plan's, as forward=... backward=...
+    shown["forward"] = schedule.forward.value
+    shown["backward"] = schedule.backward.value
   shown.update((k, v) for k, v in params.items() if v is not None)
   return jx.pp_eqn(jx.eqn_with(eqn, params=shown), context, settings)
 

@@ -7,8 +7,9 @@ once more on the trace of the rematerialized region, which the backward pass
 differentiates later; ``smartvjp_call``'s remat3 rule (``_call.py``) leaves
 this equation there. It carries the decision until then: ``fwd`` is the
 rem side's ``fwd`` (the user's, the part of it a split rebuilds, or a
-pass-through of what the forward pass saved), and ``remat`` marks a call
-recomputed whole. Differentiated, it is ``smartvjp_jvp`` with that ``fwd``
+pass-through of what the forward pass saved), and ``schedule`` is the plan's
+(``_plan.Schedule``: whether the call is recomputed whole, and whether its
+backward side runs ``fwd_bwd``). Differentiated, it is ``smartvjp_jvp`` with that ``fwd``
 (so every other rule applies unchanged); undifferentiated, it evaluates the
 primal outputs (``f``'s where ``fwd_bwd`` will run, else ``fwd``'s).
 """
@@ -23,28 +24,27 @@ from smartvjp import _facade as jx
 from smartvjp import _versions
 from smartvjp import _vmap
 from smartvjp._call import closure_error
-from smartvjp._jvp import runs_fwd_bwd
 from smartvjp._primal import bind_primal, split_args
 from smartvjp._primitive import (
     dce_whole, define, discharged, eval_scoped, jvp_p, pp_rule, rem_p, scope)
 
 
-def _abstract_eval(*avals, call, fwd, remat):
+def _abstract_eval(*avals, call, fwd, schedule):
   effects = set(fwd.jaxpr.effects)
-  if runs_fwd_bwd(call, fwd, remat):
+  if schedule.runs_fwd_bwd:
     effects |= set(call.jaxpr.effects)
   return list(call.out_avals), effects
 
 
-def _eval(*args, call, fwd, remat):
+def _eval(*args, call, fwd, schedule):
   f_consts, fwd_consts, primals = split_args(args, call, fwd)
-  if runs_fwd_bwd(call, fwd, remat):
+  if schedule.runs_fwd_bwd:
     return eval_scoped(call.jaxpr, scope(call, "f"), [*f_consts, *primals])
   outs = eval_scoped(fwd.jaxpr, scope(call, "fwd"), [*fwd_consts, *primals])
   return outs[:call.num_outs]
 
 
-def _jvp(primals, tangents, *, call, fwd, remat):
+def _jvp(primals, tangents, *, call, fwd, schedule):
   """``smartvjp_jvp`` with the rem side's ``fwd``. A tangent of what ``f``
   closes over is refused, with the error ``jax.custom_vjp`` raises under
   remat3, except where remat3 perturbs every input of the checkpoint,
@@ -59,19 +59,19 @@ def _jvp(primals, tangents, *, call, fwd, remat):
     raise closure_error(call, "inside jax.checkpoint under JAX's jax_remat3 "
                         "flag")
   if not any(in_nz):
-    return (rem_p.bind(*primals, call=call, fwd=fwd, remat=remat),
+    return (rem_p.bind(*primals, call=call, fwd=fwd, schedule=schedule),
             call.expand_tangents([]))
   nz_t = [t for t, nz in zip(arg_t, in_nz) if nz]
   outs = jvp_p.bind(*f_consts, *fwd_consts, *args, *nz_t, call=call, fwd=fwd,
-                    in_nz=in_nz, remat=remat)
+                    in_nz=in_nz, schedule=schedule)
   return outs[:call.num_outs], call.expand_tangents(outs[call.num_outs:])
 
 
-def _discharge(should, *args, call, fwd, remat):
+def _discharge(should, *args, call, fwd, schedule):
   """:func:`_eval` with the rule's references discharged (``f`` or ``fwd``
   creating references of their own)."""
   n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
-  if runs_fwd_bwd(call, fwd, remat):
+  if schedule.runs_fwd_bwd:
     with jax.named_scope(scope(call, "f")):
       return discharged(call.jaxpr, should, args,
                         [*range(n1), *range(n2, len(args))])
@@ -81,13 +81,13 @@ def _discharge(should, *args, call, fwd, remat):
   return new_args, outs[:call.num_outs]
 
 
-def _remat3(ctx, *in_vals, call, fwd, remat):
+def _remat3(ctx, *in_vals, call, fwd, schedule):
   """The rem side rematerialized again (a checkpoint inside a checkpointed
   scan or function): where ``fwd`` was to run in the backward pass, the new
   forward pass runs ``f`` for the primal outputs and ``fwd`` stays in the new
   backward region; otherwise the saved values are replayed."""
-  params = dict(call=call, fwd=fwd, remat=remat)
-  if not remat or not ctx.custom_vjp_rules:
+  params = dict(call=call, fwd=fwd, schedule=schedule)
+  if not schedule.recomputes or not ctx.custom_vjp_rules:
     outs = rem_p.bind(*in_vals, **params)
     return outs, (), lambda _res, *rem_in: rem_p.bind(*rem_in, **params)
   f_consts, fwd_consts, primals = split_args(in_vals, call, fwd)
@@ -95,13 +95,13 @@ def _remat3(ctx, *in_vals, call, fwd, remat):
   return list(outs), (), lambda _res, *rem_in: rem_p.bind(*rem_in, **params)
 
 
-def _batch(axis_data, args, dims, *, call, fwd, remat):
+def _batch(axis_data, args, dims, *, call, fwd, schedule):
   """A rem side still undifferentiated when a vmap batches it (a
   ``jax.grad`` inside ``jax.vmap`` that does not differentiate the call's
   inputs): the batched call with its batched rules, and the rem side's
   ``fwd`` batched with every input and output mapped at axis 0, so that its
   residuals are laid out as the batched ``bwd`` expects them."""
-  params = dict(call=call, fwd=fwd, remat=remat)
+  params = dict(call=call, fwd=fwd, schedule=schedule)
   if _vmap.unbatched(axis_data, dims, _abstract_eval(**params)[1]):
     return rem_p.bind(*args, **params), [None] * call.num_outs
   args, _ = _vmap.to_front_or_none(
@@ -119,7 +119,7 @@ def _batch(axis_data, args, dims, *, call, fwd, remat):
       in_avals[s] if type(s) is int else next(new_res)
       for s in bfwd.res_src if s is None or type(s) is int))
   outs = rem_p.bind(*bconsts, *extra, *fwd_in, *primals, call=bcall,
-                    fwd=bfwd, remat=remat)
+                    fwd=bfwd, schedule=schedule)
   return outs, [0] * len(outs)
 
 

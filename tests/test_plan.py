@@ -10,7 +10,7 @@ import pytest
 
 from smartvjp._plan import (
     RECOMPUTE, SAVE, Answer, Answers, Asked, Facts, Kind, answer_for_chain,
-    backward_rule, plan)
+    fwd_or_f, plan)
 
 FWD_BWD = Facts(has_fwd=True, has_fwd_bwd=False)          # defvjp(fwd, bwd)
 ALL_THREE = Facts(has_fwd=True, has_fwd_bwd=True)         # + fwd_bwd=
@@ -32,75 +32,87 @@ def _split(value):
 
 
 ROWS = [
-    # (name, facts, answers, expected kind)
-    ("grad without remat", FWD_BWD, None, Kind.FWD),
-    ("grad without remat, fwd_bwd also given", ALL_THREE, None, Kind.FWD),
-    ("grad without remat, fwd computes nothing", INPUTS_ONLY, None, Kind.FWD),
+    # (name, facts, answers, expected kind, expected schedule)
+    ("grad without remat", FWD_BWD, None, Kind.FWD, "fwd forward, bwd backward"),
+    ("grad without remat, fwd_bwd also given", ALL_THREE, None,
+     Kind.FWD, "fwd forward, bwd backward"),
+    ("grad without remat, fwd computes nothing", INPUTS_ONLY, None,
+     Kind.FWD, "fwd forward, bwd backward"),
     ("eager grad: fwd not traced yet",
      Facts(has_fwd=True, has_fwd_bwd=False, num_computed=None), None,
-     Kind.FWD),
-    ("only fwd_bwd, no remat", ONLY_FUSED, None, Kind.RECOMPUTE),
+     Kind.FWD, "fwd forward, bwd backward"),
+    ("only fwd_bwd, no remat", ONLY_FUSED, None,
+     Kind.RECOMPUTE, "f forward, fwd_bwd backward"),
     ("only fwd_bwd, checkpoint", ONLY_FUSED,
-     Answers(RECOMPUTE, ()), Kind.RECOMPUTE),
+     Answers(RECOMPUTE, ()), Kind.RECOMPUTE, "f forward, fwd_bwd backward"),
     ("checkpoint (nothing saveable)", FWD_BWD,
-     Answers(RECOMPUTE, (RECOMPUTE,)), Kind.RECOMPUTE),
+     Answers(RECOMPUTE, (RECOMPUTE,)), Kind.RECOMPUTE, "f forward, fwd+bwd backward"),
     ("checkpoint, fwd_bwd also given", ALL_THREE,
-     Answers(RECOMPUTE, (RECOMPUTE,)), Kind.RECOMPUTE),
+     Answers(RECOMPUTE, (RECOMPUTE,)), Kind.RECOMPUTE, "f forward, fwd_bwd backward"),
     ("checkpoint, the seed's fwd (residual is the input)", INPUTS_ONLY,
-     Answers(RECOMPUTE, ()), Kind.RECOMPUTE),
+     Answers(RECOMPUTE, ()), Kind.RECOMPUTE, "f forward, fwd+bwd backward"),
     ("everything_saveable, the seed's fwd", INPUTS_ONLY,
-     Answers(SAVE, ()), Kind.F_FOR_FWD),
+     Answers(SAVE, ()), Kind.F_FOR_FWD, "f forward, bwd backward"),
     ("everything_saveable", FWD_BWD, Answers(SAVE, (SAVE,), _split(None)),
-     Kind.FWD),
+     Kind.FWD, "fwd forward, bwd backward"),
     ("everything_saveable, opaque fwd", OPAQUE, Answers(SAVE, (SAVE, SAVE)),
-     Kind.FWD),
+     Kind.FWD, "fwd forward, bwd backward"),
     ("named residual saved by save_only_these_names, opaque fwd",
      Facts(has_fwd=True, has_fwd_bwd=False, num_computed=1, splittable=False),
-     Answers(RECOMPUTE, (SAVE,)), Kind.FWD),
+     Answers(RECOMPUTE, (SAVE,)), Kind.FWD, "fwd forward, bwd backward"),
     ("kernel fwd, dots_saveable (its outputs are not dots)", OPAQUE,
-     Answers(RECOMPUTE, (RECOMPUTE, RECOMPUTE)), Kind.RECOMPUTE),
+     Answers(RECOMPUTE, (RECOMPUTE, RECOMPUTE)),
+     Kind.RECOMPUTE, "f forward, fwd+bwd backward"),
     ("kernel fwd, one residual named and saved, the other not", OPAQUE,
-     Answers(RECOMPUTE, (SAVE, RECOMPUTE)), Kind.RECOMPUTE),
+     Answers(RECOMPUTE, (SAVE, RECOMPUTE)), Kind.RECOMPUTE, "f forward, fwd+bwd backward"),
     ("saveable rules, dots_saveable (y = x @ w saved): nothing to rebuild",
-     FWD_BWD, Answers(RECOMPUTE, (SAVE,), _split(None)), Kind.FWD),
+     FWD_BWD, Answers(RECOMPUTE, (SAVE,), _split(None)),
+     Kind.FWD, "fwd forward, bwd backward"),
     ("saveable rules, dots_saveable, gelu(y) recomputed from the saved y",
-     FWD_BWD, Answers(RECOMPUTE, (SAVE,), _split("split")), Kind.SPLIT),
+     FWD_BWD, Answers(RECOMPUTE, (SAVE,), _split("split")),
+     Kind.SPLIT, "part of fwd forward, fwd+bwd backward"),
     ("mixed rules, dots_saveable: y saved, gelu'(y) rebuilt", FWD_BWD,
-     Answers(RECOMPUTE, (SAVE, RECOMPUTE), _split("split")), Kind.SPLIT),
+     Answers(RECOMPUTE, (SAVE, RECOMPUTE), _split("split")),
+     Kind.SPLIT, "part of fwd forward, fwd+bwd backward"),
     ("mixed rules, dots_saveable, split not worth it", FWD_BWD,
-     Answers(RECOMPUTE, (SAVE, RECOMPUTE), _split(None)), Kind.RECOMPUTE),
+     Answers(RECOMPUTE, (SAVE, RECOMPUTE), _split(None)),
+     Kind.RECOMPUTE, "f forward, fwd+bwd backward"),
     ("named rules, save_only_these_names(res): the rest rebuilt", FWD_BWD,
-     Answers(RECOMPUTE, (RECOMPUTE, SAVE), _split("split")), Kind.SPLIT),
+     Answers(RECOMPUTE, (RECOMPUTE, SAVE), _split("split")),
+     Kind.SPLIT, "part of fwd forward, fwd+bwd backward"),
     ("offloaded residual: never split", FWD_BWD,
-     Answers(RECOMPUTE, (HOST,), _split("split")), Kind.FWD),
+     Answers(RECOMPUTE, (HOST,), _split("split")), Kind.FWD, "fwd forward, bwd backward"),
     ("references among the inputs: not split",
      Facts(has_fwd=True, has_fwd_bwd=False, splittable=False),
-     Answers(RECOMPUTE, (SAVE,), _split("split")), Kind.FWD),
+     Answers(RECOMPUTE, (SAVE,), _split("split")), Kind.FWD, "fwd forward, bwd backward"),
     ("defremat rules alone: kept whatever the policy",
      Facts(has_fwd=True, has_fwd_bwd=False, always_save=True),
-     Answers(RECOMPUTE, (RECOMPUTE,)), Kind.FWD),
+     Answers(RECOMPUTE, (RECOMPUTE,)), Kind.FWD, "fwd forward, bwd backward"),
     ("defremat rules alone, fwd computes nothing",
      Facts(has_fwd=True, has_fwd_bwd=False, always_save=True, num_computed=0),
-     Answers(RECOMPUTE, ()), Kind.F_FOR_FWD),
+     Answers(RECOMPUTE, ()), Kind.F_FOR_FWD, "f forward, bwd backward"),
     ("defvjp + defremat, recomputed: the defremat rules",
      Facts(has_fwd=True, has_fwd_bwd=False, remat_rules=True),
-     Answers(RECOMPUTE, (RECOMPUTE,), _split("split")), Kind.REMAT_RULES),
+     Answers(RECOMPUTE, (RECOMPUTE,), _split("split")),
+     Kind.REMAT_RULES, "fwd forward, bwd backward"),
     ("defvjp + defremat, saved: the defvjp rules",
      Facts(has_fwd=True, has_fwd_bwd=False, remat_rules=True),
-     Answers(SAVE, (SAVE,)), Kind.FWD),
+     Answers(SAVE, (SAVE,)), Kind.FWD, "fwd forward, bwd backward"),
     ("fwd computes nothing, but fwd has a debug print",
      Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0,
-           keeps_effects=True), Answers(SAVE, ()), Kind.FWD),
+           keeps_effects=True), Answers(SAVE, ()), Kind.FWD, "fwd forward, bwd backward"),
     ("fwd computes nothing, but its output type differs from f's",
      Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0,
-           f_matches_fwd=False), Answers(SAVE, ()), Kind.FWD),
+           f_matches_fwd=False), Answers(SAVE, ()), Kind.FWD, "fwd forward, bwd backward"),
 ]
 
 
-@pytest.mark.parametrize("name,facts,answers,kind", ROWS,
+@pytest.mark.parametrize("name,facts,answers,kind,schedule", ROWS,
                          ids=[r[0] for r in ROWS])
-def test_plan_table(name, facts, answers, kind):
-  assert plan(facts, answers).kind is kind
+def test_plan_table(name, facts, answers, kind, schedule):
+  decided = plan(facts, answers)
+  assert decided.kind is kind
+  assert str(decided.schedule) == schedule
 
 
 def test_offload_spaces_come_from_the_answers():
@@ -121,12 +133,26 @@ def test_split_is_asked_only_when_it_could_apply():
     assert split is None or not split.calls, facts
 
 
-@pytest.mark.parametrize("facts,recomputed,rule", [
-    (ONLY_FUSED, False, "fwd_bwd"), (ONLY_FUSED, True, "fwd_bwd"),
-    (ALL_THREE, True, "fwd_bwd"), (ALL_THREE, False, "bwd"),
-    (FWD_BWD, True, "bwd"), (FWD_BWD, False, "bwd")])
-def test_backward_rule(facts, recomputed, rule):
-  assert backward_rule(facts, recomputed) == rule
+@pytest.mark.parametrize("facts,spaces,schedule", [
+    (FWD_BWD, (None,), "fwd forward, bwd backward"), (FWD_BWD, ("pinned_host",), "fwd forward, bwd backward"),
+    (INPUTS_ONLY, (), "f forward, bwd backward"),
+    (Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0,
+           keeps_effects=True), (), "fwd forward, bwd backward")])
+def test_fwd_or_f_keeps_the_residuals(facts, spaces, schedule):
+  """Where the adapters place a ``fwd`` whose residuals are kept (the
+  ``defremat`` rules chosen): nothing is rebuilt backward."""
+  decided = fwd_or_f(facts, spaces)
+  assert str(decided.schedule) == schedule
+  assert not decided.schedule.recomputes and not decided.schedule.runs_fwd_bwd
+
+
+def test_schedule_is_a_hashable_value_that_says_what_recomputes():
+  """The schedule travels in equation params (hashed by JAX's caches)."""
+  rows = {plan(facts, answers).schedule for _, facts, answers, _, _ in ROWS}
+  assert len(rows) == 5   # (f, fwd, part of fwd) x (bwd, fwd+bwd, fwd_bwd)
+  assert {str(s) for s in rows if s.recomputes} == {"f forward, fwd+bwd backward",
+                                                    "f forward, fwd_bwd backward"}
+  assert {str(s) for s in rows if s.runs_fwd_bwd} == {"f forward, fwd_bwd backward"}
 
 
 def test_answer_for_a_residual_follows_its_producers_lazily():
