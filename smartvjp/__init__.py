@@ -14,18 +14,18 @@ Public names:
 * ``filter_custom_vjp``: replaces ``equinox.filter_custom_vjp``.
 * ``check_primals``, ``PrimalMismatchError``: an opt-in check that ``f`` and
   ``fwd`` agree.
-* ``import_swapped``, ``swap_custom_vjp``, ``swap_report``, ``SwapError``:
+* ``import_swapped``, ``swap_custom_vjp``, ``SwapError``:
   ``smart_custom_vjp`` in code you do not own (a library's module-level
-  ``@jax.custom_vjp``, JAX's shipped Pallas kernels).
+  ``@jax.custom_vjp``, JAX's shipped Pallas kernels); ``swap_report``,
+  ``SwapReport``: whether a program's custom rules are smartvjp's.
 * ``__version__``: this version of smartvjp, a string (PEP 440).
 """
 
 from smartvjp._api import smart_custom_vjp
 from smartvjp._check import PrimalMismatchError, check_primals
 from smartvjp._equinox import filter_custom_vjp
-# after smart_custom_vjp is bound: _swap imports it from this package
-from smartvjp._swap import (SwapError, import_swapped, swap_custom_vjp,
-                            swap_report)
+from smartvjp._swap import SwapError, import_swapped, swap_custom_vjp
+from smartvjp._swap_report import SwapReport, swap_report
 
 # The one place the version is written: pyproject.toml reads it from here
 # (setuptools' dynamic version, without importing the package), and
@@ -34,4 +34,4 @@ __version__ = "0.2.0.dev0"
 
 __all__ = ["smart_custom_vjp", "filter_custom_vjp", "check_primals",
            "PrimalMismatchError", "import_swapped", "swap_custom_vjp",
-           "swap_report", "SwapError", "__version__"]
+           "swap_report", "SwapReport", "SwapError", "__version__"]

@@ -54,7 +54,7 @@ _core = _internals(
     "_core", "jax._src.core", "Primitive", "Var", "Literal", "Tracer",
     "ShapedArray", "typeof", "typecompat", "mem_kind_to_space", "trace_ctx",
     "EvalTrace", "eval_jaxpr", "unmapped_aval", "mapped_aval", "pp_eqn_rules",
-    "pp_eqn", "set_current_trace", "DropVar", "get_referent",
+    "pp_eqn", "set_current_trace", "DropVar", "get_referent", "Jaxpr",
     "NamedAxisEffect",
     since=(V.EFFECTS_NAME_VARS,
            ("positional_effects", "resolve_input_effects")))
@@ -260,6 +260,72 @@ def checkpoint_name_of(prim, params):
   if hi is not None and isinstance(hi, kinds):
     return hi.params["name"]
   return None
+
+
+# -- reading a traced program (swap_report) -------------------------------------
+
+def is_jax_private_module(name: str) -> bool:
+  """``name`` is one of JAX's private modules (where JAX's own APIs, such as
+  ``jax.custom_gradient``, define their functions)."""
+  return name == "jax._src" or name.startswith("jax._src.")
+
+
+def jaxprs_in_eqn(eqn):
+  """The jaxprs an equation holds: call, loop and branch bodies, and a
+  high-level primitive's own."""
+  values = list(eqn.params.values())
+  hi = eqn.params.get("_prim")
+  if hi is not None:
+    values += [getattr(hi, "jaxpr", None),
+               getattr(getattr(hi, "traced", None), "jaxpr", None)]
+  for value in values:
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(v, ClosedJaxpr):
+        yield v.jaxpr
+      elif isinstance(v, _core.Jaxpr):
+        yield v
+
+
+def _user_function(fn, depth=3):
+  """The function a user wrote behind JAX's wrappers of it (a
+  ``WrappedFun``, a partial, a closure made in JAX's private modules)."""
+  while True:
+    if hasattr(fn, "f") and callable(fn.f):   # lu.WrappedFun
+      fn = fn.f
+    elif hasattr(fn, "func") and callable(fn.func):   # functools.partial
+      fn = fn.func
+    else:
+      break
+  if depth and is_jax_private_module(getattr(fn, "__module__", "") or ""):
+    for cell in getattr(fn, "__closure__", None) or ():
+      try:
+        inner = _user_function(cell.cell_contents, depth - 1)
+      except ValueError:   # an empty cell
+        continue
+      if callable(inner) and not is_jax_private_module(
+          getattr(inner, "__module__", "") or ""):
+        return inner
+  return fn
+
+
+def custom_vjp_call_parts(eqn):
+  """For an equation of a ``jax.custom_vjp`` call (``custom_vjp_call``, or
+  ``CustomVJPTraced`` under ``jax_custom_vjp3``): ``(f's name as JAX
+  recorded it or None, the user's bwd or JAX's wrapper of it)``; else
+  ``None``."""
+  hi = eqn.params.get("_prim")
+  if hi is not None:
+    if type(hi).__name__ != "CustomVJPTraced":
+      return None
+    traced = getattr(hi, "traced", None)
+    return getattr(traced, "fun_name", None), _user_function(hi.bwd)
+  if eqn.primitive.name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
+    return None
+  body = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+  body = getattr(body, "jaxpr", body)
+  info = getattr(body, "debug_info", None)
+  return (getattr(info, "func_name", None),
+          _user_function(eqn.params.get("bwd")))
 
 
 # -- traces ------------------------------------------------------------------------

@@ -15,8 +15,8 @@ those files. Two ways in, with different trade-offs, and a way to check:
   names for the whole process while it is active: everything that looks them
   up inside the block (a first import, a decorator applied at trace time)
   gets ``smart_custom_vjp``.
-* ``swap_report`` lists the ``custom_vjp`` functions a module holds and
-  says for each whether it is smartvjp's.
+* ``swap_report`` (``_swap_report.py``) says whether a program's custom
+  rules, or a module's, are smartvjp's.
 
 Only JAX's public names are swapped; JAX's private modules are never touched.
 """
@@ -37,18 +37,13 @@ from typing import Iterable, Iterator
 import jax
 import jax.custom_derivatives
 
-# smartvjp/__init__.py binds the public class before it imports this module.
-from smartvjp import smart_custom_vjp
+from smartvjp._api import smart_custom_vjp
+# JAX's class, captured there before any swap can be active
+from smartvjp._swap_report import JAX_CUSTOM_VJP as _JAX_CUSTOM_VJP
+from smartvjp._swap_report import entries, made_inside_jax
 
-__all__ = ["SwapError", "import_swapped", "swap_custom_vjp", "swap_report"]
+__all__ = ["SwapError", "import_swapped", "swap_custom_vjp"]
 
-# JAX's class, captured before any swap can be active.
-_JAX_CUSTOM_VJP = jax.custom_derivatives.custom_vjp
-if not isinstance(_JAX_CUSTOM_VJP, type) or _JAX_CUSTOM_VJP is smart_custom_vjp:
-  raise ImportError(
-      "smartvjp: jax.custom_derivatives.custom_vjp is not JAX's class at "
-      f"import (found {_JAX_CUSTOM_VJP!r}); import smartvjp before anything "
-      "replaces it")
 _JAX = jax
 _JAX_CD = jax.custom_derivatives
 
@@ -366,11 +361,11 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
   import smartvjp
 
   rms = smartvjp.import_swapped("jax.experimental.pallas.ops.gpu.rms_norm")
-  assert all(smartvjp.swap_report(rms).values())   # every custom_vjp swapped
 
   x = jnp.linspace(-1.0, 1.0, 2 * 4 * 32).reshape(2, 4, 32)
   w, b = jnp.ones(32), jnp.zeros(32)
   norm = lambda x: rms.rms_norm(x, w, b, interpret=True)
+  assert smartvjp.swap_report(norm, x).ok   # every custom rule it calls
   dx = jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(norm)(x) ** 2)))(x)
   # under remat: the output-only kernel in the forward pass, the
   # residual-writing kernel once, in the backward pass (jax.custom_vjp: twice)
@@ -426,8 +421,9 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
       something that stack supports.
 
   Returns:
-    The new module. ``swap_report`` of it lists its ``custom_vjp``
-    functions, all smartvjp's.
+    The new module. ``swap_report(fn, *args)`` of a function that uses it
+    says whether every custom rule the program calls is smartvjp's (and
+    why not, for each that is not).
 
   Raises:
     ModuleNotFoundError: ``name`` does not exist (as ``importlib``).
@@ -502,13 +498,17 @@ def _restore_parent_attributes(created, saved):
 
 def _check_copy(name, created):
   """Raises SwapError if a module of the copy holds jax.custom_vjp functions
-  or JAX's decorator itself."""
+  or JAX's decorator itself. A ``jax.custom_vjp`` that a JAX API builds in
+  JAX's private modules (``jax.custom_gradient``) is left as it is, as no
+  swap reaches those modules: ``swap_report`` lists it and says so."""
   problems = []
   for mod in created.values():
-    for key, smart, obj, what in _entries(mod, recurse=False):
+    for key, smart, obj, what in entries(mod, recurse=False):
       if smart or what == "module":
         continue   # a module binding is what a later lookup would get: reported
       origin = getattr(obj, "__module__", None)
+      if what == "function" and made_inside_jax(obj):
+        continue
       if what == "function" and origin and origin not in created:
         problems.append(f"{key} (made in {origin}, which the copy shares: "
                         f"add {origin!r} to include=)")
@@ -519,119 +519,3 @@ def _check_copy(name, created):
     raise SwapError(
         f"import_swapped({name!r}): the copy still holds jax.custom_vjp "
         f"where smart_custom_vjp was asked for: {'; '.join(problems)}.")
-
-
-# -- checking --------------------------------------------------------------------
-
-def _kind(value) -> bool | None:
-  """True: smartvjp's (a smart_custom_vjp function, the class, or a partial
-  of it); False: JAX's; None: neither. Looks through ``functools.partial``
-  and ``__wrapped__`` (``functools.wraps``, ``jax.jit``)."""
-  for _ in range(32):
-    if isinstance(value, smart_custom_vjp) or value is smart_custom_vjp:
-      return True
-    if isinstance(value, _JAX_CUSTOM_VJP) or value is _JAX_CUSTOM_VJP:
-      return False
-    if isinstance(value, functools.partial):
-      value = value.func
-      continue
-    if isinstance(value, (types.ModuleType, type)):
-      return None
-    try:
-      value = getattr(value, "__wrapped__", None)
-    except Exception:   # noqa: BLE001 -- an object whose attributes raise
-      return None
-    if value is None:
-      return None
-  return None
-
-
-def _entries(module, recurse=True, seen=None):
-  """``(key, is_smart, object, what)`` for each custom_vjp thing ``module``
-  holds; ``what`` is "function", "decorator" or "module" (a name bound to
-  ``jax`` or ``jax.custom_derivatives``)."""
-  seen = set() if seen is None else seen
-  if id(module) in seen:
-    return
-  seen.add(id(module))
-  prefix = module.__name__
-  for attr, value in list(vars(module).items()):
-    if attr == "__builtins__":
-      continue
-    key = f"{prefix}.{attr}"
-    if isinstance(value, types.ModuleType):
-      real = (vars(value)["_smartvjp_real"] if isinstance(value, _SwappedModule)
-              else value)
-      if real is _JAX or real is _JAX_CD:
-        yield (f"{key}.custom_vjp", value.custom_vjp is smart_custom_vjp,
-               value, "module")
-      elif recurse and getattr(value, "__name__", "").startswith(prefix + "."):
-        yield from _entries(value, recurse, seen)
-      continue
-    found = _found(key, value)
-    if found:
-      yield found
-      continue
-    if isinstance(value, type):
-      if value.__module__ != prefix:
-        continue
-      members = vars(value)
-    elif isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
-      continue
-    else:
-      try:
-        members = vars(value)
-      except TypeError:
-        continue
-    for sub, member in list(members.items()):
-      if not isinstance(member, types.ModuleType):
-        found = _found(f"{key}.{sub}", member)
-        if found:
-          yield found
-
-
-def _found(key, value):
-  smart = _kind(value)
-  if smart is None:
-    return None
-  inner = value
-  while isinstance(inner, functools.partial):
-    inner = inner.func
-  what = ("decorator" if inner is smart_custom_vjp or inner is _JAX_CUSTOM_VJP
-          else "function")
-  return key, smart, value, what
-
-
-def swap_report(module: types.ModuleType) -> dict[str, bool]:
-  """Which ``custom_vjp`` functions a module holds, and whether each is smartvjp's.
-
-  Looks at the module's global names, one level into the classes it defines
-  and into other objects it holds (e.g. an ``equinox.filter_custom_vjp``
-  object's wrapped function), and recursively into its submodules (for a
-  package), following ``functools.partial`` and ``__wrapped__`` (so a
-  ``jax.jit`` of a ``custom_vjp`` function counts). It does not trace
-  anything. For what a traced program actually runs, look for smartvjp's
-  primitives (names beginning ``smartvjp_``) instead of JAX's
-  ``custom_vjp_call`` in ``jax.make_jaxpr(fn)(*args)``.
-
-  Args:
-    module: a module object, e.g. one returned by ``import_swapped``.
-
-  Returns:
-    ``{dotted name: is_smart}``, e.g.
-    ``{"jax.experimental.pallas.ops.gpu.attention.mha": True,
-    "jax.experimental.pallas.ops.gpu.attention.jax.custom_vjp": True}``.
-    Entries: ``custom_vjp`` functions (``True`` for ``smart_custom_vjp``,
-    ``False`` for ``jax.custom_vjp``); names bound to either decorator (or a
-    ``functools.partial`` of it); and, for each name bound to the ``jax`` or
-    ``jax.custom_derivatives`` module, ``"<name>.custom_vjp"``: what a
-    ``jax.custom_vjp`` looked up by the module's code gets now. Empty when
-    the module holds none of these.
-
-  Raises:
-    TypeError: ``module`` is not a module.
-  """
-  if not isinstance(module, types.ModuleType):
-    raise TypeError(f"swap_report: expected a module, got "
-                    f"{type(module).__name__} {module!r}")
-  return {key: smart for key, smart, _, _ in _entries(module)}

@@ -391,9 +391,13 @@ CLAIMS = [
     C("swap_custom_vjp", "a module that imports custom_vjp from one of JAX's "
       "private modules (those are never patched)",
       "test_swap_custom_vjp_leaves_jax_private_names_alone"),
-    C("swap_report", "module is not a module",
-      "tests/test_swap.py::test_swap_report_rejects_non_modules",
+    C("swap_report", "is neither a module nor callable, or a module is "
+      "given with arguments to trace it on",
+      "tests/test_swap.py::test_swap_report_rejects_what_it_cannot_report_on",
       raises="TypeError"),
+    C("swap_report", "A ``jax.custom_vjp`` call made only inside another "
+      "rule's ``fwd`` or ``bwd`` is not traced",
+      "tests/test_swap.py::test_swap_report_of_a_program_nested_in_a_smart_function"),
 ]
 
 

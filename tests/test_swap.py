@@ -547,11 +547,117 @@ def test_blocks_in_two_threads_run_one_after_the_other():
 
 # -- swap_report -------------------------------------------------------------------
 
-def test_swap_report_rejects_non_modules():
-  with pytest.raises(TypeError, match="expected a module"):
-    swap_report(jnp.sin)
+def test_swap_report_rejects_what_it_cannot_report_on(library):
+  with pytest.raises(TypeError, match="expected a module or a function"):
+    swap_report(3)
+  module = importlib.import_module(library("X = 1\n"))
+  with pytest.raises(TypeError, match="arguments are for a function"):
+    swap_report(module, X)
 
 
 def test_swap_report_of_a_module_without_custom_vjp(library):
   name = library("import math\nX = 1\n")
-  assert swap_report(importlib.import_module(name)) == {}
+  report = swap_report(importlib.import_module(name))
+  assert report == {} and not report.ok
+  assert str(report) == "no custom_vjp functions found"
+
+
+# what a user differentiates: a package whose public function reaches its
+# kernels in the ways the swap cannot see from the module (a submodule
+# imported inside the function, a custom_gradient), and one that reaches
+# them at import time
+USER_PACKAGE = {
+    "__init__.py": "",
+    "kernels.py": LIBRARY,
+    "api.py": """
+        import jax
+        import jax.numpy as jnp
+
+
+        @jax.custom_gradient
+        def clip_gradient(x):
+          return x, lambda g: (jnp.clip(g, -1.0, 1.0),)
+
+
+        def eager_path(x):
+          from . import kernels     # imported when the function runs
+          return kernels.attribute(x)
+
+
+        def gradient_path(x):
+          return clip_gradient(x)
+        """,
+    "model.py": """
+        import jax
+        from . import kernels
+
+
+        def loss(x):
+          y = jax.lax.scan(lambda c, _: (kernels.attribute(c), None), x,
+                           None, length=2)[0]
+          return jax.jit(jax.checkpoint(kernels.from_import))(y).sum()
+        """,
+}
+
+
+def test_swap_report_of_a_program_finds_every_call_and_says_why(library,
+                                                                ad_mode):
+  name = library(USER_PACKAGE)
+  model = import_swapped(f"{name}.model", include=(f"{name}.kernels",))
+  report = swap_report(model.loss, X)
+  assert report == {f"{name}.kernels.attribute": True,
+                    f"{name}.kernels.from_import": True}, report
+  assert report.ok and report.why == {}
+  # the same program unswapped: each call is JAX's, and the report says why
+  shared = importlib.import_module(f"{name}.model")
+  theirs = swap_report(shared.loss, X)
+  assert set(theirs) == set(report) and not any(theirs.values())
+  for key in theirs:
+    assert f"{name}.kernels" in theirs.why[key] and "include=" in theirs.why[key]
+  assert "JAX" in str(theirs) and f"{name}.kernels.attribute" in str(theirs)
+
+
+def test_swap_report_of_a_program_sees_what_the_module_report_misses(library):
+  name = library(USER_PACKAGE)
+  # a jax.custom_gradient (a jax.custom_vjp JAX makes in its private
+  # modules) does not stop the copy: no swap reaches it, and the reports say so
+  api = import_swapped(f"{name}.api", include=(f"{name}.kernels",))
+  inventory = swap_report(api)
+  assert inventory[f"{name}.api.clip_gradient"] is False, inventory
+  assert "jax.custom_gradient" in inventory.why[f"{name}.api.clip_gradient"]
+  lazy = swap_report(api.eager_path, X)
+  assert lazy == {f"{name}.kernels.attribute": False}, lazy
+  assert "imported inside a function" in lazy.why[
+      f"{name}.kernels.attribute"]
+  assert not lazy.ok
+  gradient = swap_report(api.gradient_path, X)
+  assert list(gradient.values()) == [False], gradient
+  (why,) = gradient.why.values()
+  assert "jax.custom_gradient" in why
+
+
+def test_swap_report_after_swap_custom_vjp_tells_the_truth(library):
+  name = library(LIBRARY)
+  with swap_custom_vjp():
+    swapped = importlib.import_module(name)
+  inventory = swap_report(swapped)
+  # what a lookup of jax.custom_vjp gets now: JAX's again, and said so
+  assert inventory[f"{name}.jax.custom_vjp"] is False
+  assert "swap_report(fn, *args)" in inventory.why[f"{name}.jax.custom_vjp"]
+  program = swap_report(lambda x: swapped.attribute(x) + swapped.scaled(x, 2.0),
+                        X)
+  assert program.ok and set(program) == {f"{name}.attribute",
+                                         f"{name}.scaled"}, program
+
+
+def test_swap_report_of_a_program_nested_in_a_smart_function(library):
+  name = library(LIBRARY)
+  shared = importlib.import_module(name)
+
+  @smartvjp.smart_custom_vjp
+  def outer(x):
+    return shared.attribute(x) * 2.0
+  outer.defvjp(lambda x: (outer(x), x), lambda x, g: (g,))
+  report = swap_report(jax.jit(outer), jax.ShapeDtypeStruct((7,), jnp.float32))
+  assert report[f"{__name__}.outer"] is True
+  assert report[f"{name}.attribute"] is False

@@ -1,0 +1,300 @@
+"""``swap_report``: whether a program's (or a module's) custom rules are smartvjp's.
+
+Two questions, two forms:
+
+* ``swap_report(fn, *args, **kwargs)``: traces ``fn`` on the arguments
+  (``jax.make_jaxpr``; nothing runs) and finds every custom-VJP call in the
+  program, through ``jit``, loops, conditionals, remat and nested calls.
+  This is the check to trust: it sees the functions the program really
+  calls, wherever they came from (a submodule imported inside a function, a
+  module left out of ``include=``, a ``jax.custom_gradient``), and says why
+  each one that stays ``jax.custom_vjp``'s does.
+* ``swap_report(module)``: an inventory of what a module holds, without
+  tracing (a module's code may make more ``custom_vjp`` functions when it
+  runs).
+
+Both return a ``SwapReport``: a ``dict`` of ``{name: is_smart}`` with the
+reasons in ``why`` and ``ok`` true only when something was found and all of
+it is smartvjp's.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from typing import Any, Callable
+
+import jax
+import jax.custom_derivatives
+
+from smartvjp import _facade as jx
+from smartvjp._api import smart_custom_vjp
+from smartvjp._primitive import call_p
+
+__all__ = ["SwapReport", "swap_report"]
+
+# JAX's class, captured before any swap can be active.
+JAX_CUSTOM_VJP = jax.custom_derivatives.custom_vjp
+if not isinstance(JAX_CUSTOM_VJP, type) or JAX_CUSTOM_VJP is smart_custom_vjp:
+  raise ImportError(
+      "smartvjp: jax.custom_derivatives.custom_vjp is not JAX's class at "
+      f"import (found {JAX_CUSTOM_VJP!r}); import smartvjp before anything "
+      "replaces it")
+JAX_MODULES = (jax, jax.custom_derivatives)
+
+class SwapReport(dict):
+  """``{name: is_smart}``, as ``swap_report`` finds them.
+
+  ``why``: for each name whose value is ``False``, why it stays
+  ``jax.custom_vjp``'s and what to do about it. ``ok``: something was found
+  and all of it is smartvjp's (``all(report.values())`` is also true of an
+  empty report). ``str(report)`` is one line per name.
+  """
+
+  def __init__(self, entries=(), why=None):
+    super().__init__(entries)
+    self.why = dict(why or {})
+
+  @property
+  def ok(self) -> bool:
+    return bool(self) and all(self.values())
+
+  def __str__(self):
+    if not self:
+      return "no custom_vjp functions found"
+    lines = []
+    for name, smart in self.items():
+      lines.append(f"{'smartvjp' if smart else 'JAX     '}  {name}"
+                   + ("" if smart else f": {self.why.get(name, '')}"))
+    return "\n".join(lines)
+
+
+# -- a traced program --------------------------------------------------------------
+
+def _qualified(fun, name=None) -> str:
+  """``"<module>.<name>"`` of a user's function (``name``: JAX's record of
+  it, when ``fun`` is another rule of the same call)."""
+  inner = fun
+  while isinstance(inner, functools.partial):
+    inner = inner.func
+  module = getattr(inner, "__module__", None) or "<unknown module>"
+  name = name or getattr(inner, "__name__", None) or repr(inner)
+  return f"{module}.{name}"
+
+
+_WHY_INSIDE_JAX = (
+    "made inside JAX (jax.custom_gradient, or another JAX API that builds a "
+    "jax.custom_vjp in its private modules, which no swap touches); write "
+    "the rule with jax.custom_vjp, or with smart_custom_vjp, to have it "
+    "swapped")
+
+
+def made_inside_jax(fun) -> bool:
+  """A custom_vjp function that a JAX API made in JAX's private modules."""
+  return jx.is_jax_private_module(getattr(fun, "__module__", None) or "")
+
+
+def _why_jax(module_name: str, bwd_fun) -> str:
+  if jx.is_jax_private_module(module_name):
+    return _WHY_INSIDE_JAX
+  module = sys.modules.get(module_name)
+  if module is not None and getattr(bwd_fun, "__globals__", None) is vars(module):
+    return (f"the program calls it from {module_name} as the process "
+            "imported it, not from a swapped copy: add "
+            f"{module_name!r} to import_swapped's include= (a module that "
+            "is imported inside a function when it runs is not reached by a "
+            "copy: import it first inside `with smartvjp.swap_custom_vjp():`)")
+  return (f"its module {module_name} made it with jax.custom_vjp: swap that "
+          "module (import_swapped, or its first import inside "
+          "swap_custom_vjp())")
+
+
+def _walk(jaxpr, found: dict, why: dict, seen: set):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is call_p:
+      call = eqn.params["call"]
+      found.setdefault(_qualified(call.rules.fun), True)
+      if call.jaxpr is not None and id(call.jaxpr) not in seen:
+        seen.add(id(call.jaxpr))
+        _walk(call.jaxpr.jaxpr, found, why, seen)
+      continue
+    parts = jx.custom_vjp_call_parts(eqn)
+    if parts is not None:
+      f_name, bwd = parts
+      name = _qualified(bwd, f_name)
+      found[name] = False
+      why.setdefault(name, _why_jax(getattr(bwd, "__module__", None) or "",
+                                    bwd))
+    for sub in jx.jaxprs_in_eqn(eqn):
+      if id(sub) not in seen:
+        seen.add(id(sub))
+        _walk(sub, found, why, seen)
+
+
+def _report_program(fn: Callable, args, kwargs) -> SwapReport:
+  closed = jax.make_jaxpr(fn)(*args, **kwargs)
+  found, why = {}, {}
+  _walk(closed.jaxpr, found, why, set())
+  return SwapReport(found, why)
+
+
+# -- a module's inventory ------------------------------------------------------------
+
+def kind(value) -> bool | None:
+  """True: smartvjp's (a smart_custom_vjp function, the class, or a partial
+  of it); False: JAX's; None: neither. Looks through ``functools.partial``
+  and ``__wrapped__`` (``functools.wraps``, ``jax.jit``)."""
+  for _ in range(32):
+    if isinstance(value, smart_custom_vjp) or value is smart_custom_vjp:
+      return True
+    if isinstance(value, JAX_CUSTOM_VJP) or value is JAX_CUSTOM_VJP:
+      return False
+    if isinstance(value, functools.partial):
+      value = value.func
+      continue
+    if isinstance(value, (types.ModuleType, type)):
+      return None
+    try:
+      value = getattr(value, "__wrapped__", None)
+    except Exception:   # noqa: BLE001 -- an object whose attributes raise
+      return None
+    if value is None:
+      return None
+  return None
+
+
+def _real_module(value):
+  """A module, or what a swapped view of ``jax`` stands for."""
+  return vars(value).get("_smartvjp_real", value)
+
+
+def entries(module, recurse=True, seen=None):
+  """``(key, is_smart, object, what)`` for each custom_vjp thing ``module``
+  holds; ``what`` is "function", "decorator" or "module" (a name bound to
+  ``jax`` or ``jax.custom_derivatives``)."""
+  seen = set() if seen is None else seen
+  if id(module) in seen:
+    return
+  seen.add(id(module))
+  prefix = module.__name__
+  for attr, value in list(vars(module).items()):
+    if attr == "__builtins__":
+      continue
+    key = f"{prefix}.{attr}"
+    if isinstance(value, types.ModuleType):
+      if any(_real_module(value) is m for m in JAX_MODULES):
+        yield (f"{key}.custom_vjp", value.custom_vjp is smart_custom_vjp,
+               value, "module")
+      elif recurse and getattr(value, "__name__", "").startswith(prefix + "."):
+        yield from entries(value, recurse, seen)
+      continue
+    hit = _found(key, value)
+    if hit:
+      yield hit
+      continue
+    if isinstance(value, type):
+      if value.__module__ != prefix:
+        continue
+      members = vars(value)
+    elif isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+      continue
+    else:
+      try:
+        members = vars(value)
+      except TypeError:
+        continue
+    for sub, member in list(members.items()):
+      if not isinstance(member, types.ModuleType):
+        hit = _found(f"{key}.{sub}", member)
+        if hit:
+          yield hit
+
+
+def _found(key, value):
+  smart = kind(value)
+  if smart is None:
+    return None
+  inner = value
+  while isinstance(inner, functools.partial):
+    inner = inner.func
+  what = ("decorator" if inner is smart_custom_vjp or inner is JAX_CUSTOM_VJP
+          else "function")
+  return key, smart, value, what
+
+
+_WHY_IN_MODULE = {
+    "function": "a jax.custom_vjp function: the module was not swapped when "
+                "it was decorated",
+    "decorator": "bound to JAX's decorator: what the module decorates with "
+                 "it when its code runs stays jax.custom_vjp's",
+    "module": "jax.custom_vjp looked up through this name now gets JAX's "
+              "class (the module is not a swapped copy, or swap_custom_vjp's "
+              "block has ended): only what the module decorates when its "
+              "code runs is affected; swap_report(fn, *args) tells whether "
+              "a program runs smartvjp's rules",
+}
+
+
+def _report_module(module) -> SwapReport:
+  found, why = {}, {}
+  for key, smart, obj, what in entries(module):
+    found[key] = smart
+    if not smart:
+      why[key] = (_WHY_INSIDE_JAX if what == "function" and made_inside_jax(obj)
+                  else _WHY_IN_MODULE[what])
+  return SwapReport(found, why)
+
+
+def swap_report(target: Any, /, *args, **kwargs) -> SwapReport:
+  """Whether the custom rules of a program (or a module) are smartvjp's.
+
+  ``swap_report(fn, *args, **kwargs)`` traces ``fn`` on the arguments with
+  ``jax.make_jaxpr`` (nothing is evaluated, no kernel runs) and reports every
+  custom-VJP call the program makes, found through ``jit``, ``scan``,
+  ``cond``, ``while_loop``, ``jax.checkpoint`` and inside other custom
+  functions' ``f``: the check to trust after ``import_swapped`` or
+  ``swap_custom_vjp``, since it sees the functions the program really calls.
+  A ``jax.custom_vjp`` call made only inside another rule's ``fwd`` or
+  ``bwd`` is not traced and not reported.
+
+  ``swap_report(module)`` lists, without tracing, the ``custom_vjp``
+  functions a module holds: its global names, one level into the classes it
+  defines and the other objects it holds (an ``equinox.filter_custom_vjp``
+  object's wrapped function), its submodules (for a package), following
+  ``functools.partial`` and ``__wrapped__`` (a ``jax.jit`` of one counts);
+  names bound to either decorator; and, for each name bound to the ``jax``
+  or ``jax.custom_derivatives`` module, ``"<name>.custom_vjp"``: what a
+  ``jax.custom_vjp`` looked up through it gets now (so ``False`` after a
+  ``swap_custom_vjp`` block ends, although the functions decorated inside it
+  stay smartvjp's).
+
+  Args:
+    target: a callable (with the positional and keyword arguments to trace
+      it on, arrays or ``jax.ShapeDtypeStruct``), or a module object (no
+      further arguments), e.g. one returned by ``import_swapped``.
+
+  Returns:
+    A ``SwapReport``, a ``dict`` ``{name: is_smart}``: for a program, one
+    entry per custom function called, named ``"<module>.<f's name>"``
+    (``True``: ``smart_custom_vjp``; ``False``: ``jax.custom_vjp``); for a
+    module, dotted names such as
+    ``"jax.experimental.pallas.ops.gpu.attention.mha"``. ``report.why``
+    says, for each ``False`` entry, why and what to do; ``report.ok`` is true
+    when the report is not empty and every entry is ``True``.
+
+  Raises:
+    TypeError: ``target`` is neither a module nor callable, or a module is
+      given with arguments to trace it on. Tracing ``fn`` raises what
+      ``jax.make_jaxpr(fn)(*args, **kwargs)`` raises.
+  """
+  if isinstance(target, types.ModuleType):
+    if args or kwargs:
+      raise TypeError(f"swap_report: a module ({target.__name__}) is "
+                      "reported without tracing; arguments are for a "
+                      "function to trace")
+    return _report_module(target)
+  if not callable(target):
+    raise TypeError(f"swap_report: expected a module or a function to trace, "
+                    f"got {type(target).__name__} {target!r}")
+  return _report_program(target, args, kwargs)
