@@ -32,6 +32,7 @@ import importlib.util
 import sys
 import threading
 import types
+import weakref
 from typing import Iterable, Iterator
 
 import jax
@@ -84,10 +85,47 @@ class SwapError(RuntimeError):
 _patch_lock = threading.RLock()
 _patch_depth = 0
 _patch_saved: tuple = ()
+_calls_depth = 0
+_JAX_CALL = _JAX_CUSTOM_VJP.__call__   # JAX's own, captured at import
+
+# jax.custom_vjp function -> (its fwd, its bwd, the smart_custom_vjp twin
+# with those rules): a twin is remade when defvjp gave other rules
+_twins: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _twin(fn):
+  """The ``smart_custom_vjp`` with ``fn``'s rules (``fn`` a ``jax.custom_vjp``
+  function), or ``None`` where ``fn`` is to run as JAX's: no rules yet, rules
+  of a kind smartvjp does not take from it (``defvjp_with_logs``,
+  ``defvjp_with_accums``, ``defremat``), or made by JAX's own APIs in its
+  private modules."""
+  fwd, bwd = getattr(fn, "fwd", None), getattr(fn, "bwd", None)
+  if (fwd is None or bwd is None or getattr(fn, "with_logs", False)
+      or getattr(fn, "with_accums", False)
+      or getattr(fn, "remat_rules", None) is not None
+      or made_inside_jax(getattr(fn, "fun", None))):
+    return None
+  cached = _twins.get(fn)
+  if cached is not None and cached[0] is fwd and cached[1] is bwd:
+    return cached[2]
+  twin = smart_custom_vjp(fn.fun, nondiff_argnums=fn.nondiff_argnums)
+  extra = ({"generic_batching": True} if getattr(fn, "generic_batching", False)
+           else {})
+  twin.defvjp(fwd, bwd, symbolic_zeros=fn.symbolic_zeros, **extra)
+  _twins[fn] = (fwd, bwd, twin)
+  return twin
+
+
+def _call_as_smart(self, *args, **kwargs):
+  """``jax.custom_vjp.__call__`` inside ``swap_custom_vjp(existing=True)``."""
+  twin = _twin(self)
+  if twin is None:
+    return _JAX_CALL(self, *args, **kwargs)
+  return twin(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def swap_custom_vjp() -> Iterator[None]:
+def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
   """Inside the block, ``jax.custom_vjp`` is ``smart_custom_vjp``, process-wide.
 
   Both public names, ``jax.custom_vjp`` and
@@ -122,12 +160,28 @@ def swap_custom_vjp() -> Iterator[None]:
   function that runs (or is traced) in the block, as
   ``equinox.filter_custom_vjp`` does when its rules are given.
 
-  What it does not reach, by construction:
+  With ``existing=True`` it also reaches the ``jax.custom_vjp`` functions
+  that exist already (decorated before the block, by a module imported
+  before it, or one that cannot be imported twice because it registers
+  pytree nodes or primitives at import): each call of one inside the block
+  runs as a ``smart_custom_vjp`` with the same ``fun``, ``fwd``, ``bwd``,
+  ``nondiff_argnums`` and ``symbolic_zeros`` (JAX's class's ``__call__`` is
+  patched while the block is active). The objects stay ``jax.custom_vjp``
+  functions, and a call outside the block is JAX's again. Left as JAX's:
+  functions without rules, rules given by ``defvjp_with_logs``,
+  ``defvjp_with_accums`` or ``defremat``, the ``jax.custom_vjp``
+  functions JAX's own APIs make (``jax.custom_gradient``), and those
+  decorated while JAX's ``jax_custom_vjp3`` flag was on where that makes
+  objects of another class (jax 0.10 and 0.11). Trace the
+  program inside the block: a ``jax.jit`` function traced and cached before
+  it keeps JAX's rules.
+
+  What it does not reach, by construction (without ``existing=True``):
 
   * functions decorated before the block: they stay ``jax.custom_vjp``
     objects. A module imported before the block is not imported again by an
     ``import`` inside it (Python returns the cached module); use
-    ``import_swapped`` for a fresh copy of it;
+    ``import_swapped`` for a fresh copy of it, or ``existing=True``;
   * ``jax.custom_vjp`` looked up after the block, e.g. by a function that
     creates its ``custom_vjp`` when it is first traced, if that happens after
     the exit (a function traced and cached by ``jax.jit`` inside the block
@@ -154,6 +208,10 @@ def swap_custom_vjp() -> Iterator[None]:
 
   Usable as a decorator too (``@smartvjp.swap_custom_vjp()``).
 
+  Args:
+    existing: also run the ``jax.custom_vjp`` functions that exist already
+      as ``smart_custom_vjp`` when they are called inside the block.
+
   Raises:
     SwapError: on exit, when ``jax.custom_vjp`` or
       ``jax.custom_derivatives.custom_vjp`` is no longer
@@ -161,15 +219,23 @@ def swap_custom_vjp() -> Iterator[None]:
       names are restored to what they were before the block first, and an
       exception raised in the block is chained to this one.
   """
-  global _patch_depth, _patch_saved
+  global _patch_depth, _patch_saved, _calls_depth
   with _patch_lock:
     if _patch_depth == 0:
       _patch_saved = (_JAX.custom_vjp, _JAX_CD.custom_vjp)
       _JAX.custom_vjp = _JAX_CD.custom_vjp = smart_custom_vjp
     _patch_depth += 1
+    if existing:
+      if _calls_depth == 0:
+        _JAX_CUSTOM_VJP.__call__ = _call_as_smart
+      _calls_depth += 1
     try:
       yield
     finally:
+      if existing:
+        _calls_depth -= 1
+        if _calls_depth == 0:
+          _JAX_CUSTOM_VJP.__call__ = _JAX_CALL
       _patch_depth -= 1
       if _patch_depth == 0:
         found = {"jax.custom_vjp": _JAX.custom_vjp,

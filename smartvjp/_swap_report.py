@@ -133,7 +133,8 @@ def _walk(jaxpr, found: dict, why: dict, seen: set):
 
 
 def _report_program(fn: Callable, args, kwargs) -> SwapReport:
-  closed = jax.make_jaxpr(fn)(*args, **kwargs)
+  # a new function each time: never a trace JAX cached under other rules
+  closed = jax.make_jaxpr(lambda *a, **k: fn(*a, **k))(*args, **kwargs)
   found, why = {}, {}
   _walk(closed.jaxpr, found, why, set())
   return SwapReport(found, why)

@@ -391,6 +391,12 @@ CLAIMS = [
     C("swap_custom_vjp", "a module that imports custom_vjp from one of JAX's "
       "private modules (those are never patched)",
       "test_swap_custom_vjp_leaves_jax_private_names_alone"),
+    C("swap_custom_vjp", "The objects stay ``jax.custom_vjp`` functions, and "
+      "a call outside the block is JAX's again",
+      "tests/test_swap.py::test_existing_functions_run_as_smart_inside_the_block"),
+    C("swap_custom_vjp", "the ``jax.custom_vjp`` functions JAX's own APIs make "
+      "(``jax.custom_gradient``)",
+      "tests/test_swap.py::test_existing_leaves_jax_own_and_unconvertible_functions_alone"),
     C("swap_report", "is neither a module nor callable, or a module is "
       "given with arguments to trace it on",
       "tests/test_swap.py::test_swap_report_rejects_what_it_cannot_report_on",

@@ -661,3 +661,76 @@ def test_swap_report_of_a_program_nested_in_a_smart_function(library):
   report = swap_report(jax.jit(outer), jax.ShapeDtypeStruct((7,), jnp.float32))
   assert report[f"{__name__}.outer"] is True
   assert report[f"{name}.attribute"] is False
+
+
+# -- swap_custom_vjp(existing=True) ------------------------------------------------
+
+# a library imported once, as the process imported it (it registers a pytree
+# node at import: tesseract_jax does, and a second import of it fails)
+REGISTERING = LIBRARY + '''
+
+@jax.tree_util.register_pytree_node_class
+class Pair:
+  def __init__(self, a, b):
+    self.a, self.b = a, b
+
+  def tree_flatten(self):
+    return (self.a, self.b), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children)
+
+
+def on_pair(p):
+  return attribute(p.a) * scaled(p.b, 3.0)
+'''
+
+
+def test_existing_functions_run_as_smart_inside_the_block(library):
+  name = library(REGISTERING)
+  lib = importlib.import_module(name)
+  pair = lambda x: lib.Pair(x, 2.0 * x)
+  loss = lambda x: jnp.sum(lib.on_pair(pair(x)))
+  before = swap_report(loss, X)
+  assert set(before) == {f"{name}.attribute", f"{name}.scaled"}
+  assert not any(before.values())
+  expected = checkpointed_grad(loss)(X)
+  with swap_custom_vjp(existing=True):
+    report = swap_report(loss, X)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(
+        jax.checkpoint(loss)(x) ** 2)))(X)
+    assert swap_report(jax.checkpoint(loss), X).ok
+    assert isinstance(lib.attribute, JAX_CUSTOM_VJP)   # the objects stay
+  assert report.ok and set(report) == set(before), report
+  assert_bitwise(got, expected)
+  # outside the block, JAX's again (for a function traced anew: jax.checkpoint
+  # keeps the trace of loss it made inside the block, as jax.jit would)
+  after = swap_report(jax.checkpoint(lambda x: loss(x)), X)
+  assert set(after) == set(before) and not any(after.values()), after
+
+
+def test_existing_leaves_jax_own_and_unconvertible_functions_alone(library):
+  no_rules = jax.custom_vjp(jnp.sin)   # defvjp never called
+  grad_clip = jax.custom_gradient(lambda x: (x, lambda g: (jnp.clip(g, -1, 1),)))
+  with swap_custom_vjp(existing=True):
+    report = swap_report(lambda x: grad_clip(x) * 2.0, X)
+    assert list(report.values()) == [False]   # JAX's own: left alone
+    with pytest.raises(Exception) as e1:
+      no_rules(X)
+  with pytest.raises(type(e1.value)):
+    no_rules(X)   # the same error as JAX's own call
+
+
+def test_existing_blocks_nest_and_restore_jax_call(library):
+  name = library(LIBRARY)
+  lib = importlib.import_module(name)
+  jax_call = JAX_CUSTOM_VJP.__call__
+  with swap_custom_vjp():
+    with swap_custom_vjp(existing=True):
+      with swap_custom_vjp(existing=True):
+        pass
+      assert swap_report(lib.attribute, X).ok
+    assert JAX_CUSTOM_VJP.__call__ is jax_call
+    assert not swap_report(lib.attribute, X).ok
+  assert JAX_CUSTOM_VJP.__call__ is jax_call and jax.custom_vjp is JAX_CUSTOM_VJP
