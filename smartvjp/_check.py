@@ -53,15 +53,20 @@ class PrimalMismatchError(ValueError):
 
 
 class check_primals(contextlib.ContextDecorator):
-  """Checks that ``f`` and ``fwd`` agree, in programs traced inside it.
+  """Checks ``f`` against ``fwd`` wherever remat runs both, inside it.
 
   Under remat the forward pass uses ``f``'s output and the backward pass the
   residuals of ``fwd``, so the two must compute the same primal output.
   Inside ``with check_primals(...):`` (or in a function decorated with it),
   every rematerialized call whose ``fwd`` computes residuals also runs ``f``
   in the backward pass and compares the two outputs on the host, leaf by
-  leaf. When ``fwd``'s residuals are all inputs, ``fwd`` does not run and
-  nothing is checked. The setting is read when a program is traced, and is
+  leaf. Those are the only places where ``f``'s value meets ``fwd``'s
+  residuals, so the only ones checked: without remat, or under a policy
+  that saves ``fwd``'s residuals, ``fwd`` alone runs (as with
+  ``jax.custom_vjp``) and ``f`` is never used, so a ``fwd`` that is wrong
+  there is not reported; when ``fwd``'s residuals are all inputs, ``fwd``
+  does not run. Eagerly (no ``jit``) ``"raise"`` raises
+  ``PrimalMismatchError`` itself, without JAX's log of a failed callback. The setting is read when a program is traced, and is
   part of JAX's trace context, so a jitted function retraces when it
   changes. The same check can be turned on globally with
   ``jax.config.update("smartvjp_check_primals", "raise")`` (or ``"warn"``,
@@ -132,6 +137,10 @@ class check_primals(contextlib.ContextDecorator):
       A function that calls ``func`` inside ``with self:``.
     """
     return super().__call__(func)
+
+
+# the check's "raise" is seen raised: JAX need not also log its traceback
+jx.quiet_callback_failures(PrimalMismatchError)
 
 
 def maybe_check(call, f_consts, primals, fwd_outs) -> None:

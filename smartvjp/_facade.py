@@ -15,6 +15,7 @@ name; using a name that is not declared is an ``AttributeError``; and
 from __future__ import annotations
 
 import importlib
+import logging
 import types
 from typing import Any, Callable, Sequence
 
@@ -260,6 +261,16 @@ def checkpoint_name_of(prim, params):
   if hi is not None and isinstance(hi, kinds):
     return hi.params["name"]
   return None
+
+
+def quiet_callback_failures(exc_type: type) -> None:
+  """JAX logs the traceback of an exception a ``jax.debug.callback`` raises
+  before re-raising it; drop that log for ``exc_type``, an error the caller
+  raises on purpose (and the user sees raised)."""
+  def keep(record):
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, exc_type)
+  logging.getLogger("jax._src.debugging").addFilter(keep)
 
 
 # -- reading a traced program (swap_report) -------------------------------------

@@ -118,3 +118,18 @@ def test_a_jitted_function_traced_before_the_check_is_traced_again():
       jax.effects_barrier()
   grad(X).block_until_ready()   # the unchecked compilation again: no error
   jax.effects_barrier()
+
+
+def test_only_where_remat_runs_both(caplog):
+  wrong = make(0.5)
+  plain = jax.jit(jax.grad(lambda x: jnp.sum(wrong(x) ** 2)))
+  saved = jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(
+      wrong, policy=jax.checkpoint_policies.everything_saveable)(x) ** 2)))
+  with smartvjp.check_primals("raise"):
+    # fwd alone runs (as with jax.custom_vjp): f's value is never used
+    plain(X).block_until_ready()
+    saved(X).block_until_ready()
+    # eagerly, under remat: the check's own error, at once, nothing logged
+    with pytest.raises(smartvjp.PrimalMismatchError, match="disagree"):
+      jax.grad(lambda x: jnp.sum(jax.checkpoint(wrong)(x) ** 2))(X)
+  assert "callback" not in caplog.text

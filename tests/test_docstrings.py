@@ -325,8 +325,13 @@ CLAIMS = [
     # check_primals
     C("check_primals", "for an unknown mode or a negative tolerance",
       "test_check_primals_refuses_bad_settings_at_once", raises="ValueError"),
-    C("check_primals", "When fwd's residuals are all inputs, fwd does not run "
-      "and nothing is checked", "test_check_primals_where_fwd_does_not_run"),
+    C("check_primals", "when fwd's residuals are all inputs, fwd does not run",
+      "test_check_primals_where_fwd_does_not_run"),
+    C("check_primals", "so a fwd that is wrong there is not reported",
+      "tests/test_check_primals.py::test_only_where_remat_runs_both"),
+    C("check_primals", "Eagerly (no jit) \"raise\" raises "
+      "PrimalMismatchError itself, without JAX's log of a failed callback",
+      "tests/test_check_primals.py::test_only_where_remat_runs_both"),
     C("check_primals", "a jitted function retraces when it changes",
       "test_check_primals_retraces_and_decorates"),
     C("check_primals", 'jax.config.update("smartvjp_check_primals", "raise")',
