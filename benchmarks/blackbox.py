@@ -17,7 +17,7 @@ rounds; ratios are computed round by round (against the same round's
 ``jax.custom_vjp`` step, or the same round's kernel times) and given as the
 median [min-max] of those per-round ratios.
 
-Goals (issue 6), each printed with a verdict (met / not met), judged on the
+Goals, each printed with a verdict (met / not met), judged on the
 medians of the per-round ratios:
 
 * smartvjp (with and without the fused rule, with and without
