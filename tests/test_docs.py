@@ -437,3 +437,16 @@ def test_files_named_in_code_exist():
               or os.path.exists(os.path.join(ROOT, here, path))):
         missing.append(f"{page}: {path}")
   assert not missing, missing
+
+
+def test_wide_blocks_scroll_and_table_code_does_not_break():
+  """The site's stylesheet keeps wide content on the page: benchmark dumps
+  (lines up to ~170 characters) scroll in their block, wide tables scroll,
+  and code in a table cell stays on one line (no "optimize_rema t=True")."""
+  css = open(os.path.join(ROOT, "docs", "stylesheets", "extra.css")).read()
+  rules = dict((sel.strip(), body) for sel, body in
+               re.findall(r"([^{}]+)\{([^}]*)\}", re.sub(r"/\*.*?\*/", "",
+                                                         css, flags=re.S)))
+  assert "overflow-x: auto" in rules[".md-typeset pre > code"]
+  assert "overflow-x: auto" in rules[".md-typeset__table,\n.md-typeset__scrollwrap"]
+  assert "white-space: nowrap" in rules[".md-typeset table:not([class]) code"]
