@@ -15,8 +15,7 @@ from smartvjp import _jax_api
 from smartvjp import _vmap
 from smartvjp._checkify import checked_rule
 from smartvjp._primitive import (
-    bwd_p, dce_whole, define, discharged, eval_scoped, pp_rule, rule_jvp,
-    scope)
+    bwd_p, define, discharged, eval_scoped, rule_jvp, scope)
 from smartvjp._typecheck import bwd_checks_disabled, flatten_cotangents
 
 
@@ -155,9 +154,9 @@ def _checkify(ctx, error, enabled, *args, call, which, jaxpr):
       call, which)
 
 
-define(bwd_p, impl=bwd_eval, abstract_eval=_abstract_eval, lowering=bwd_eval,
-       jvp=_jvp, transpose=_transpose, batching=_batch, dce=dce_whole,
-       discharge=_discharge, checkify=_checkify, pp=pp_rule,
+define(bwd_p, impl=bwd_eval, abstract_eval=_abstract_eval, jvp=_jvp,
+       transpose=_transpose, batching=_batch, discharge=_discharge,
+       checkify=_checkify,
        # evaluated inline where the traced rule holds high-level primitives
        # (checkpoint_name under jax_remat3) and JAX needs low-level ones
        to_lojax=bwd_eval)

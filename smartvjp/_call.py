@@ -41,8 +41,8 @@ from smartvjp._fwd import bind_fwd
 from smartvjp._jvp import lin_params
 from smartvjp._primal import bind_primal
 from smartvjp._primitive import (
-    call_p, dce_whole, define, discharged, eval_scoped, jvp_p, lin_p, pp_rule,
-    rem_p, rule_jvp, scope)
+    call_p, dce_whole, define, discharged, eval_scoped, jvp_p, lin_p, rem_p,
+    rule_jvp, scope)
 from smartvjp._refs import check_aliased_refs
 from smartvjp._spec import (
     Rules, eager_f, eager_fwd, pruned, select_outputs, trace_call)
@@ -499,7 +499,6 @@ def _split(call, decided, f_consts, fwd_consts, primals):
   return list(outs[:n_out]), saved, rem
 
 
-define(call_p, impl=call_eval, abstract_eval=_abstract_eval,
-       lowering=call_eval, jvp=call_jvp, linearization=call_linearize,
-       transpose=_transpose, batching=batch_call, dce=_dce,
-       discharge=_discharge, checkify=_checkify, remat3=_remat3, pp=pp_rule)
+define(call_p, impl=call_eval, abstract_eval=_abstract_eval, jvp=call_jvp,
+       linearization=call_linearize, transpose=_transpose, batching=batch_call,
+       dce=_dce, discharge=_discharge, checkify=_checkify, remat3=_remat3)

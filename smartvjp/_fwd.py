@@ -22,8 +22,7 @@ from smartvjp._checkify import checked_rule
 from smartvjp._primal import bind_primal, primal_eqn
 from smartvjp._spec import with_f_traced
 from smartvjp._primitive import (
-    dce_whole, define, discharged, eval_scoped, fwd_p, pp_rule, rule_jvp,
-    scope)
+    dce_whole, define, discharged, eval_scoped, fwd_p, rule_jvp, scope)
 
 
 def bind_fwd(*args, call, fwd, offload=None) -> list:
@@ -125,7 +124,6 @@ def _checkify(ctx, error, enabled, *args, call, fwd, offload):
   return error, _offloaded(call, outs, offload)
 
 
-fwd_p.bind = bind_fwd
-define(fwd_p, impl=fwd_eval, abstract_eval=_abstract_eval, lowering=fwd_eval,
+define(fwd_p, impl=fwd_eval, bind=bind_fwd, abstract_eval=_abstract_eval,
        jvp=_jvp, batching=_batch, dce=_dce, discharge=_discharge,
-       checkify=_checkify, pp=pp_rule)
+       checkify=_checkify)

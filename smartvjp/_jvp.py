@@ -48,8 +48,8 @@ from smartvjp._checkify import checked_rule
 from smartvjp._fwd import bind_fwd_side
 from smartvjp._primal import bind_primal, primal_eqn
 from smartvjp._primitive import (
-    dce_whole, define, discharge_by_tracing, eval_scoped, fwd_p, jvp_p, lin_p,
-    pp_rule, rule_jvp, scope)
+    define, discharge_by_tracing, eval_scoped, fwd_p, jvp_p, lin_p, rule_jvp,
+    scope)
 from smartvjp._spec import tangent_avals
 from smartvjp._typecheck import (
     blame_fwd, check_f_output_invariance, check_fwd_output_invariance)
@@ -217,11 +217,11 @@ def _which(params) -> str:
 
 
 define(lin_p, impl=lin_forward, abstract_eval=_lin_abstract_eval,
-       lowering=lin_forward, jvp=_lin_jvp, transpose=_lin_transpose,
+       jvp=_lin_jvp, transpose=_lin_transpose,
        transpose_with_logs=(_jax_api.collecting_logs, _jax_api.merged_logs),
-       batching=_lin_batch, dce=dce_whole,
+       batching=_lin_batch,
        discharge=discharge_by_tracing(lin_forward, "smartvjp_lin"),
-       checkify=_checkify_forward_mode(lin_forward, _which), pp=pp_rule)
+       checkify=_checkify_forward_mode(lin_forward, _which))
 
 
 # -- smartvjp_jvp: evaluation (forward mode) ----------------------------------------
@@ -545,8 +545,8 @@ def _jvp_batch_tangents_only(axis_data, call, fwd, in_nz, f_consts, fwd_consts,
 
 
 define(jvp_p, impl=jvp_forward, abstract_eval=_jvp_abstract_eval,
-       lowering=jvp_forward, jvp=_jvp_jvp,
-       partial_eval=_partial_eval, partial_eval_custom=_partial_eval_custom,
-       dce=_jvp_dce, batching=_jvp_batch,
+       jvp=_jvp_jvp, partial_eval=_partial_eval,
+       partial_eval_custom=_partial_eval_custom, dce=_jvp_dce,
+       batching=_jvp_batch,
        discharge=discharge_by_tracing(jvp_forward, "smartvjp_jvp"),
-       checkify=_checkify_forward_mode(jvp_forward, _which), pp=pp_rule)
+       checkify=_checkify_forward_mode(jvp_forward, _which))

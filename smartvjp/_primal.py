@@ -19,8 +19,7 @@ from smartvjp import _facade as jx
 from smartvjp._checkify import checked_rule
 from smartvjp._policy import uses_references
 from smartvjp._primitive import (
-    call_p, dce_whole, define, discharged, eval_scoped, pp_rule, primal_p,
-    rule_jvp, scope)
+    call_p, define, discharged, eval_scoped, primal_p, rule_jvp, scope)
 
 
 def _plain_call(call) -> bool:
@@ -113,6 +112,5 @@ def _checkify(ctx, error, enabled, *args, call, fwd):
       args, call, "fun")
 
 
-define(primal_p, impl=primal_eval, abstract_eval=_abstract_eval,
-       lowering=primal_eval, jvp=_jvp, batching=_batch, dce=dce_whole,
-       discharge=_discharge, checkify=_checkify, pp=pp_rule)
+define(primal_p, impl=primal_eval, abstract_eval=_abstract_eval, jvp=_jvp,
+       batching=_batch, discharge=_discharge, checkify=_checkify)

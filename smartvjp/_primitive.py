@@ -76,10 +76,15 @@ _KINDS = {
 }
 
 
-def define(prim, *, transpose_with_logs=None, **rules: Callable) -> None:
+def define(prim, *, impl: Callable, bind: Callable | None = None,
+           transpose_with_logs=None, **rules: Callable) -> None:
   """Registers every rule of ``prim`` in one call (the ``_facade``
   ``register_*`` function of each kind says the rule's signature).
 
+  Derived unless given: ``lowering`` is ``impl`` (every rule evaluates a
+  traced user rule, which lowers by being traced again), ``pp`` is
+  :func:`pp_rule`, ``dce`` is :func:`dce_whole`. ``bind``: the primitive's
+  own bind (every bind of it, JAX's evaluation of a jaxpr included).
   ``transpose_with_logs``: ``(collecting, merge)`` to also register the
   ``transpose`` rule where JAX's backward pass collects logs (see
   ``_facade.register_transpose_with_logs``). Raises ``TypeError`` for an
@@ -91,9 +96,13 @@ def define(prim, *, transpose_with_logs=None, **rules: Callable) -> None:
                     f"known: {sorted(_KINDS)}")
   if prim.name in RULES:
     raise ValueError(f"define({prim.name}): already defined")
+  rules = {"impl": impl, "lowering": impl, "pp": pp_rule, "dce": dce_whole,
+           **rules}
   RULES[prim.name] = dict(rules)
   for kind, rule in rules.items():
     _KINDS[kind](prim, rule)
+  if bind is not None:
+    prim.bind = bind
   if transpose_with_logs is not None:
     RULES[prim.name]["transpose_with_logs"] = rules["transpose"]
     jx.register_transpose_with_logs(prim, rules["transpose"],

@@ -26,7 +26,7 @@ from smartvjp import _vmap
 from smartvjp._call import closure_error
 from smartvjp._primal import bind_primal, split_args
 from smartvjp._primitive import (
-    dce_whole, define, discharged, eval_scoped, jvp_p, pp_rule, rem_p, scope)
+    define, discharged, eval_scoped, jvp_p, rem_p, scope)
 
 
 def _abstract_eval(*avals, call, fwd, schedule):
@@ -123,6 +123,5 @@ def _batch(axis_data, args, dims, *, call, fwd, schedule):
   return outs, [0] * len(outs)
 
 
-define(rem_p, impl=_eval, abstract_eval=_abstract_eval, lowering=_eval,
-       jvp=_jvp, batching=_batch, dce=dce_whole, discharge=_discharge,
-       remat3=_remat3, pp=pp_rule)
+define(rem_p, impl=_eval, abstract_eval=_abstract_eval, jvp=_jvp,
+       batching=_batch, discharge=_discharge, remat3=_remat3)
