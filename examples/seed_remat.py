@@ -256,8 +256,11 @@ def main():
         checked, mismatched = checked + 1, mismatched + (not ok)
         cells.append(f"{fmt_counts(counts)}{'' if ok else ' WRONG'}")
     print(f"{case:<{width}} | " + " | ".join(f"{c:<22}" for c in cells))
-  verdict = (f"all {checked} match" if not mismatched
-             else f"{mismatched} of {checked} do not (marked WRONG)")
+  skipped = len(CASES) * len(IMPLS) - checked
+  verdict = ((f"all {checked} match" if not mismatched
+              else f"{mismatched} of {checked} do not (marked WRONG)")
+             + f" ({checked} = the table's cells that ran"
+             + (f"; {skipped} refused, shown as —" if skipped else "") + ")")
   print(f"\nGradients compared with the same program on plain jnp.sin "
         f"(jnp.allclose, rtol 1e-5, atol 1e-6): {verdict}.")
 
@@ -275,10 +278,11 @@ def main():
     print(f"  Where optimize_remat=True runs fewer: {case}: smartvjp "
           f"{_launches(mine)}, optimize_remat {_launches(opt)}{note}")
   print(f"In the other {len(ties)} rows both run the same kernels.")
-  print("\nWhat to conclude: under jax.remat, jax.custom_vjp runs fwd twice "
-        "where fwd computes its residual (the\nseed's report); "
-        "optimize_remat=True and smartvjp both run f forward and fwd once, "
-        "backward.\nChoose smartvjp over optimize_remat=True when a policy "
+  print("\nWhat to conclude: under jax.remat, jax.custom_vjp runs fwd in "
+        "both passes where fwd computes a\nresidual (the seed's report, "
+        "for a kernel's fwd; which rows that is depends on the JAX version\n"
+        "printed above); optimize_remat=True and smartvjp both run f forward "
+        "and fwd once, backward.\nChoose smartvjp over optimize_remat=True when a policy "
         "saves some of a call's residuals (by name,\nas above, or dots: see "
         "benchmarks/cost.py) or when you have a fused fwd_bwd kernel: there "
         "it runs\nfewer kernels.")
