@@ -265,8 +265,8 @@ def main(nx=200, nt=2000, rounds=5):
         "endpoint medians above, added up")
   print("over the endpoints the row runs. ratio: step time / row 1's step "
         "time in the same round, median [min-max].")
-  print(f"  {'implementation':36s} {'endpoints run':36s} {'step':>19s} "
-        f"{'alone':>7s}  ratio to row 1")
+  print(f"  {'implementation':36s} {'endpoints run':36s} {'step (s)':>19s} "
+        f"{'alone (s)':>9s}  ratio to row 1")
   for name in fns:
     step = _spread(times[name])
     alone_s = sum(alone[k] * v for k, v in schedules[name].items())
@@ -278,7 +278,7 @@ def main(nx=200, nt=2000, rounds=5):
       ratio = f"{np.median(r):.2f} [{r.min():.2f}-{r.max():.2f}]"
       if schedules[name] == schedules[base]:
         ratio += " same schedule as row 1: noise"
-    print(f"  {name:36s} {calls:36s} {step:>19s} {alone_s:5.3f} s  {ratio}")
+    print(f"  {name:36s} {calls:36s} {step:>19s} {alone_s:9.3f}  {ratio}")
     ratios[name] = None if name == base else float(np.median(
         np.array(times[name]) / np.array(times[base])))
   residual = ratios["smartvjp, no remat (residual path)"]
