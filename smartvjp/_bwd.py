@@ -142,6 +142,26 @@ def _batch(axis_data, args, dims, *, call, which, jaxpr):
   return outs, [0 if b else None for b in out_batched]
 
 
+def _dce(used_outputs, eqn):
+  """The traced rule's dead code removed: the inputs it does not read (a
+  residual that ``bwd`` ignores) and the outputs nobody uses leave the
+  equation, as they leave the inlined ``bwd`` of a ``jax.custom_vjp``; the
+  ``fwd`` producing such a residual then computes less (``_fwd._dce``)."""
+  jaxpr = eqn.params["jaxpr"]
+  if not any(used_outputs) and not jx.effects_keep_alive(eqn.effects):
+    return [False] * len(eqn.invars), None
+  pruned, used_inputs = jx.dce_jaxpr(jaxpr.jaxpr, used_outputs)
+  if all(used_inputs) and all(used_outputs):
+    return used_inputs, eqn
+  invars = [v for v, u in zip(eqn.invars, used_inputs) if u]
+  outvars = [v for v, u in zip(eqn.outvars, used_outputs) if u]
+  closed = jx.ClosedJaxpr(pruned, ())
+  new_eqn = jx.new_eqn(invars, outvars, bwd_p,
+                       dict(eqn.params, jaxpr=closed),
+                       jx.eqn_effects(closed, invars), eqn)
+  return used_inputs, new_eqn
+
+
 def _discharge(should, *args, call, which, jaxpr):
   with jax.named_scope(scope(call, which)):
     return discharged(jaxpr, should, args)
@@ -155,7 +175,7 @@ def _checkify(ctx, error, enabled, *args, call, which, jaxpr):
 
 
 define(bwd_p, impl=bwd_eval, abstract_eval=_abstract_eval, jvp=_jvp,
-       transpose=_transpose, batching=_batch, discharge=_discharge,
+       transpose=_transpose, batching=_batch, dce=_dce, discharge=_discharge,
        checkify=_checkify,
        # evaluated inline where the traced rule holds high-level primitives
        # (checkpoint_name under jax_remat3) and JAX needs low-level ones

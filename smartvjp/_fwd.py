@@ -91,11 +91,25 @@ def _batch(axis_data, args, dims, *, call, fwd, offload):
 
 
 def _dce(used_outputs, eqn):
-  """``fwd`` none of whose residuals is used (no cotangent reaches the call)
-  is just ``f``; kept when ``f`` closes over values ``fwd``'s equation does
+  """``fwd`` some of whose residuals are unused computes only the others
+  (``bwd`` does not read them); ``fwd`` none of whose residuals is used (no
+  cotangent reaches the call) is just ``f``; kept when ``f`` closes over values ``fwd``'s equation does
   not carry, or when either rule has effects or touches references."""
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
+  kept = used_outputs[n:]
+  if any(kept) and not all(kept) and fwd.jaxpr is not None:
+    # some residuals read, some not: fwd computes only those read
+    offload = eqn.params["offload"]
+    if offload is not None:
+      offload = tuple(o for o, k in zip(offload, kept) if k)
+    pruned = fwd.computing_only(kept)
+    outvars = [*eqn.outvars[:n], *(v for v, k in zip(eqn.outvars[n:], kept)
+                                   if k)]
+    new_eqn = jx.new_eqn(eqn.invars, outvars, fwd_p,
+                         dict(call=call, fwd=pruned, offload=offload),
+                         jx.eqn_effects(pruned.jaxpr, eqn.invars), eqn)
+    return [True] * len(eqn.invars), new_eqn
   if (call.fwd_only is not None and not any(used_outputs[n:])
       and any(used_outputs[:n])):
     # linearized where it was made: f was not traced; it is now, to run

@@ -115,6 +115,33 @@ class FwdSpec:
     expect_used_up(it, "residuals")
     return tree_util.tree_unflatten(self.res_tree, leaves)
 
+  def computing_only(self, kept) -> "FwdSpec":
+    """For ``fwd``'s own equation after dead-code elimination: ``fwd``
+    computing its primal outputs and only the new residuals ``kept`` marks
+    (what a traced ``bwd`` reads), every input kept, as JAX prunes the
+    inlined ``fwd`` of a ``jax.custom_vjp``. Residual leaves left out become
+    ``StaticResidual(None)``: no rule reads them."""
+    kept = list(kept)
+    n_out = len(self.jaxpr.out_avals) - self.num_new_res
+    jaxpr = jx.dce_jaxpr_keep_inputs(self.jaxpr, [True] * n_out + kept)
+    it = iter(kept)
+    src, avals, carried = [], [], iter(self.res_avals)
+    for s in self.res_src:
+      if type(s) is StaticResidual:
+        src.append(s)
+        continue
+      aval = next(carried)
+      if s is None and not next(it):
+        src.append(StaticResidual(None))
+        continue
+      src.append(s)
+      avals.append(aval)
+    pick = lambda xs: tuple(x for x, k in zip(xs, kept) if k)
+    return dataclasses.replace(
+        self, jaxpr=jaxpr, res_src=tuple(src), res_avals=tuple(avals),
+        new_res_names=pick(self.new_res_names),
+        new_res_eqns=pick(self.new_res_eqns) if self.new_res_eqns else ())
+
   def shifted(self, jaxpr, shift: int) -> "FwdSpec":
     """The same residuals for a jaxpr with ``shift`` more leading inputs."""
     return dataclasses.replace(
