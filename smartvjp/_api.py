@@ -82,7 +82,8 @@ class smart_custom_vjp:
       (functions, other Python values, hashable or not; never tracers).
       ``bwd`` receives them first, as in ``jax.custom_vjp``; ``fwd`` and
       ``fwd_bwd`` receive them in their places.
-    nondiff_argnames: the same, by parameter name.
+    nondiff_argnames: the same, by parameter name; a name that is not a
+      parameter of ``fun`` is ignored, as ``jax.custom_vjp`` ignores it.
 
   What runs where, per call site:
 
@@ -150,10 +151,6 @@ class smart_custom_vjp:
     JAX code linear in ``g`` (an opaque ``bwd`` raises ``TypeError``; a
     nonlinear one is not detected); higher-order derivatives under remat
     differentiate the rules themselves, so they must be differentiable.
-
-  Raises:
-    ValueError: at construction, when ``nondiff_argnames`` names something
-      that is not a parameter of ``fun``.
   """
 
   def __init__(self, fun: Callable[..., Any],
@@ -166,12 +163,8 @@ class smart_custom_vjp:
     argnums = set(nondiff_argnums)
     if nondiff_argnames:
       params = list(inspect.signature(fun).parameters)
-      for name in nondiff_argnames:
-        if name not in params:
-          raise ValueError(
-              f"nondiff_argnames contains {name!r}, which is not a parameter "
-              f"of {getattr(fun, '__name__', fun)} (parameters: {params}).")
-        argnums.add(params.index(name))
+      # as jax.custom_vjp: a name fun does not have is ignored
+      argnums.update(params.index(n) for n in nondiff_argnames if n in params)
     self.nondiff_argnums = tuple(sorted(argnums))
     self.fwd: Callable | None = None
     self.bwd: Callable | None = None

@@ -193,10 +193,17 @@ def test_keyword_only_arguments_are_refused_clearly():
 
 
 def test_unknown_nondiff_argname():
-  def my_f(x, k):
-    return x
-  with pytest.raises(ValueError, match=r"nondiff_argnames contains 'q'.*my_f"):
-    smart_custom_vjp(my_f, nondiff_argnames=("q",))
+  """Accepted and ignored, as jax.custom_vjp does (0.10.2 and 0.12.0.1)."""
+  def my_f(x, k=2.0):
+    return x * k
+  F = smart_custom_vjp(my_f, nondiff_argnames=("q", "k"))
+  G = jax.custom_vjp(my_f, nondiff_argnames=("q", "k"))
+  assert F.nondiff_argnums == G.nondiff_argnums == (1,)
+  F.defvjp(lambda x, k: (my_f(x, k), None), lambda k, r, g: (g * k,))
+  G.defvjp(lambda x, k: (my_f(x, k), None), lambda k, r, g: (g * k,))
+  assert jax.grad(F)(1.5, 3.0) == jax.grad(G)(1.5, 3.0) == 3.0
+  only_unknown = smart_custom_vjp(my_f, nondiff_argnames=("q",))
+  assert only_unknown.nondiff_argnums == ()
 
 
 def test_forward_mode_error_of_fused_only_function_names_fwd_bwd():
