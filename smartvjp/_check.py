@@ -66,9 +66,9 @@ class check_primals(contextlib.ContextDecorator):
   ``jax.custom_vjp``) and ``f`` is never used, so a ``fwd`` that is wrong
   there is not reported; when ``fwd``'s residuals are all inputs, ``fwd``
   does not run. Eagerly (no ``jit``) ``"raise"`` raises
-  ``PrimalMismatchError`` itself, without JAX's log of a failed callback. The setting is read when a program is traced, and is
-  part of JAX's trace context, so a jitted function retraces when it
-  changes. The same check can be turned on globally with
+  ``PrimalMismatchError`` itself, without JAX's log of a failed callback.
+  The setting is read when a program is traced, and is part of JAX's trace
+  context, so a jitted function retraces when it changes. The same check can be turned on globally with
   ``jax.config.update("smartvjp_check_primals", "raise")`` (or ``"warn"``,
   optionally followed by ``":rtol:atol"``). Example (self-contained; it
   runs as written):

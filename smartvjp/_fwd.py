@@ -93,8 +93,9 @@ def _batch(axis_data, args, dims, *, call, fwd, offload):
 def _dce(used_outputs, eqn):
   """``fwd`` some of whose residuals are unused computes only the others
   (``bwd`` does not read them); ``fwd`` none of whose residuals is used (no
-  cotangent reaches the call) is just ``f``; kept when ``f`` closes over values ``fwd``'s equation does
-  not carry, or when either rule has effects or touches references."""
+  cotangent reaches the call) is just ``f``; kept when ``f`` closes over
+  values ``fwd``'s equation does not carry, or when either rule has effects
+  or touches references."""
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
   kept = used_outputs[n:]

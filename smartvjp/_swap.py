@@ -109,9 +109,8 @@ def _twin(fn):
   if cached is not None and cached[0] is fwd and cached[1] is bwd:
     return cached[2]
   twin = smart_custom_vjp(fn.fun, nondiff_argnums=fn.nondiff_argnums)
-  extra = ({"generic_batching": True} if getattr(fn, "generic_batching", False)
-           else {})
-  twin.defvjp(fwd, bwd, symbolic_zeros=fn.symbolic_zeros, **extra)
+  twin.defvjp(fwd, bwd, symbolic_zeros=fn.symbolic_zeros,
+              generic_batching=getattr(fn, "generic_batching", False) or None)
   _twins[fn] = (fwd, bwd, twin)
   return twin
 

@@ -257,7 +257,10 @@ def swap_report(target: Any, /, *args, **kwargs) -> SwapReport:
   functions' ``f``: the check to trust after ``import_swapped`` or
   ``swap_custom_vjp``, since it sees the functions the program really calls.
   A ``jax.custom_vjp`` call made only inside another rule's ``fwd`` or
-  ``bwd`` is not traced and not reported.
+  ``bwd`` is not traced and not reported. Pass the function you
+  differentiate, not its gradient: once differentiated, a
+  ``jax.custom_vjp`` call is inlined into plain equations and can no
+  longer be seen.
 
   ``swap_report(module)`` lists, without tracing, the ``custom_vjp``
   functions a module holds: its global names, one level into the classes it

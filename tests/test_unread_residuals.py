@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.interpreters import partial_eval as pe   # JAX's own DCE
 
 import smartvjp
 
@@ -60,7 +61,6 @@ def test_a_residual_bwd_ignores_is_not_computed(read_all):
 
 def test_dce_leaves_fwd_computing_only_what_bwd_reads():
   # JAX's own dead-code elimination, as jit runs it before lowering
-  from jax._src.interpreters import partial_eval as pe
   loss = lambda F: jax.value_and_grad(lambda x: jnp.sum(F(x)))
   closed = jax.make_jaxpr(loss(rules(smartvjp.smart_custom_vjp, False)))(X)
   jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True, True])
