@@ -88,6 +88,21 @@ def test_overhead_smoke(capsys, monkeypatch):
   assert "compile within noise, scanned, remat" in out
 
 
+def test_tesseract_smoke(capsys):
+  pytest.importorskip("tesseract_jax", reason="the tesseract extra")
+  bench = load("tesseract")
+  out, goals = bench.main(["--smoke"])
+  text = capsys.readouterr().out
+  _common(text)
+  assert set(out) == {"in-process", "served over HTTP"}
+  assert len(goals.items) == 2 * (2 * 4 + 2)
+  # the gates that hold at any size: calls and values
+  for text_, ok in goals.items:
+    if "endpoint calls" in text_ or "equal to tesseract-jax" in text_:
+      assert ok, text_
+  assert not jax.config.jax_enable_x64     # the run left JAX's state alone
+
+
 def test_blackbox_smoke(capsys):
   blackbox = load("blackbox")
   rows, heat_rows, goals = blackbox.main(["--smoke", "--layers", "2"])

@@ -162,9 +162,9 @@ PYTHON_PAGES = sorted({b.page for b in ALL_BLOCKS
                        if b.lang == "python" and b.skip is None})
 
 
-# libraries of the ports extra, not of the test extra: a block that imports
+# libraries of the ports and tesseract extras, not of the test extra: a block that imports
 # one runs where it is installed (CI's newest combination), else is left out
-_OPTIONAL = ("flax",)
+_OPTIONAL = ("flax", "tesseract_core", "tesseract_jax")
 
 
 def _needs_missing_library(code: str) -> bool:

@@ -26,6 +26,9 @@ def test_before_and_after_agree(blocks):
   if "import flax" in blocks[1]:
     pytest.importorskip("flax", reason="the flax section needs flax "
                         "(the ports extra)")
+  if "smartvjp.tesseract" in blocks[1]:
+    pytest.importorskip("tesseract_jax", reason="the tesseract-jax section "
+                        "needs the tesseract extra")
   before, after = {}, {}
   exec(compile(blocks[0], "migration-before", "exec"), before)
   exec(compile(blocks[1], "migration-after", "exec"), after)

@@ -1,0 +1,481 @@
+"""Tesseracts (tesseract-core) as ``smart_custom_vjp`` calls.
+
+``apply_tesseract(tesseract, inputs)`` has tesseract-jax's signature: it runs
+the Tesseract's ``apply`` endpoint on a nested dict of inputs and returns its
+outputs, and under ``jax.grad``/``jax.vjp`` its ``vector_jacobian_product``
+endpoint gives the gradient. It is built on :class:`smartvjp.smart_custom_vjp`,
+so ``jax.checkpoint`` decides what runs where as for any smart call, and a
+Tesseract that takes part in the *residual contract* below lets the gradient
+skip the forward re-run that a plain VJP endpoint does (seed 003,
+pasteurlabs/tesseract-jax#27).
+
+The residual contract (opt-in, by schema): the Tesseract's ``apply`` inputs
+have a bool field ``save_residuals`` (default False) and an optional field
+``residuals``, and its outputs an optional field ``residuals``. ``apply`` with
+``save_residuals=True`` also returns what its adjoint needs as ``residuals``
+(any arrays, declared by ``abstract_eval`` when the flag is set);
+``vector_jacobian_product`` given ``residuals`` among its inputs uses them
+instead of recomputing. Then, without ``jax.checkpoint`` (or with a policy
+that saves everything), the forward pass runs ``apply`` with residuals and the
+backward pass the VJP from them; under ``jax.checkpoint`` the forward pass
+runs the plain ``apply`` and the backward pass the plain VJP (least memory).
+The residuals are arrays JAX holds like any other residual, so nothing is
+kept on the server and nothing needs releasing.
+
+This module imports ``tesseract_core`` (``pip install smartvjp[tesseract]``);
+``import smartvjp`` does not import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+from tesseract_core import Tesseract
+
+from smartvjp._api import smart_custom_vjp
+
+__all__ = ["apply_tesseract", "TesseractEndpointError", "SAVE_RESIDUALS",
+           "RESIDUALS"]
+
+SAVE_RESIDUALS = "save_residuals"
+"""The contract's input flag: ``apply`` also returns ``residuals``."""
+RESIDUALS = "residuals"
+"""The contract's field: an output of ``apply``, an input of the VJP."""
+
+_VMAP_METHODS = ("auto", "sequential", "expand_dims", "broadcast_all")
+
+
+class TesseractEndpointError(RuntimeError):
+  """An endpoint of a Tesseract failed; the message names the endpoint, the
+  Tesseract's address (a URL, or ``in-process``) and the endpoint's own error.
+  Under ``jit`` JAX reports it inside a ``JaxRuntimeError``, whose last line
+  is this message."""
+
+
+# -- what the schema says ------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Schema:
+  where: str                  # the address, for messages
+  endpoints: frozenset
+  diff_inputs: tuple          # path templates ("a.{}", "b.[]", "c.w")
+  diff_outputs: tuple
+  contract: bool
+  batches_itself: bool        # every differentiable array is Array[..., ...]
+
+
+_SCHEMAS: "weakref.WeakKeyDictionary[Tesseract, _Schema]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _where(tesseract) -> str:
+  url = getattr(getattr(tesseract, "_client", None), "url", None)
+  return f"at {url}" if url else "(in-process)"
+
+
+def _schema(tesseract) -> _Schema:
+  try:
+    return _SCHEMAS[tesseract]
+  except (KeyError, TypeError):
+    pass
+  where = _where(tesseract)
+  try:
+    schemas = tesseract.openapi_schema["components"]["schemas"]
+    endpoints = frozenset(tesseract.available_endpoints)
+  except Exception as e:  # noqa: BLE001 - re-raised with the address
+    raise TesseractEndpointError(
+        f"Tesseract {where}: reading its schema failed: "
+        f"{type(e).__name__}: {e}") from e
+  diff_in = schemas["ApplyInputSchema"].get("differentiable_arrays", {})
+  diff_out = schemas["ApplyOutputSchema"].get("differentiable_arrays", {})
+  in_fields = set(schemas.get("Apply_InputSchema", {}).get("properties", {}))
+  out_fields = set(schemas.get("Apply_OutputSchema", {}).get("properties", {}))
+  contract = ({SAVE_RESIDUALS, RESIDUALS} <= in_fields
+              and RESIDUALS in out_fields)
+  batches = bool(diff_in) and all("shape" not in s for s in
+                                  [*diff_in.values(), *diff_out.values()])
+  schema = _Schema(where, endpoints, tuple(diff_in), tuple(diff_out),
+                   contract, batches)
+  try:
+    _SCHEMAS[tesseract] = schema
+  except TypeError:
+    pass
+  return schema
+
+
+def _segments(keypath) -> list:
+  out = []
+  for k in keypath:
+    if isinstance(k, jax.tree_util.DictKey):
+      out.append(("key", str(k.key)))
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      out.append(("idx", k.idx))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      out.append(("key", k.name))
+    else:
+      out.append(("key", str(k)))
+  return out
+
+
+def _escape(key: str) -> str:
+  return "".join("\\" + c if c in "{}\\" else c for c in key)
+
+
+def _match(segments, template: str):
+  """The Tesseract path of a leaf if it matches ``template``, else None."""
+  parts = template.split(".") if template else []
+  if len(parts) != len(segments):
+    return None
+  out = []
+  for (kind, v), t in zip(segments, parts):
+    if kind == "idx" and t == "[]":
+      out.append(f"[{v}]")
+    elif kind == "key" and t == "{}":
+      out.append("{" + _escape(v) + "}")
+    elif kind == "key" and t == v:
+      out.append(v)
+    else:
+      return None
+  return ".".join(out)
+
+
+def _path(segments, templates):
+  """(Tesseract path, differentiable) for one leaf."""
+  for t in templates:
+    p = _match(segments, t)
+    if p is not None:
+      return p, True
+  return ".".join(f"[{v}]" if k == "idx" else v for k, v in segments), False
+
+
+def _is_aval(x) -> bool:
+  return isinstance(x, dict) and "shape" in x and "dtype" in x
+
+
+def _get(tree, segments):
+  for _, v in segments:
+    tree = tree[v]
+  return tree
+
+
+# -- one call's layout ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layout:
+  tesseract: Any
+  schema: _Schema
+  in_treedef: Any
+  in_leaves: tuple            # static leaves, or None where an array goes
+  in_paths: tuple             # per array operand: Tesseract path
+  in_diff: tuple              # per array operand: differentiable
+  out_treedef: Any
+  out_static: tuple           # per output leaf: static value, or _ARRAY
+  out_segments: tuple         # per array output: key path in apply's result
+  out_paths: tuple
+  out_diff: tuple
+  out_avals: tuple            # ShapeDtypeStruct per array output
+  res_treedef: Any            # the contract's residuals (the RESIDUALS field)
+  res_avals: tuple
+
+
+_ARRAY = object()
+
+
+def _inputs(layout: _Layout, arrays) -> dict:
+  it = iter(arrays)
+  leaves = [next(it) if leaf is _ARRAY else leaf for leaf in layout.in_leaves]
+  return jax.tree_util.tree_unflatten(layout.in_treedef, leaves)
+
+
+def _endpoint(layout: _Layout, name: str, **kwargs):
+  if name not in layout.schema.endpoints:
+    raise NotImplementedError(
+        f"Tesseract {layout.schema.where} has no {name} endpoint, which "
+        f"this transformation needs; its endpoints: "
+        f"{', '.join(sorted(layout.schema.endpoints))}.")
+  try:
+    return getattr(layout.tesseract, name)(**kwargs)
+  except Exception as e:  # noqa: BLE001 - re-raised with endpoint and address
+    raise TesseractEndpointError(
+        f"Tesseract {layout.schema.where}: endpoint {name} failed: "
+        f"{type(e).__name__}: {e}") from e
+
+
+def _canon(aval):
+  return jax.ShapeDtypeStruct(tuple(aval.shape),
+                              jax.dtypes.canonicalize_dtype(aval.dtype))
+
+
+def _out_array(value, aval, what):
+  value = np.asarray(value)
+  if value.shape != tuple(aval.shape):
+    raise TesseractEndpointError(
+        f"{what} has shape {value.shape}; abstract_eval said "
+        f"{tuple(aval.shape)}.")
+  return value.astype(aval.dtype, copy=False)
+
+
+def _host_apply(layout: _Layout, save: bool, *arrays):
+  inputs = _inputs(layout, [np.asarray(a) for a in arrays])
+  if save:
+    inputs = {**inputs, SAVE_RESIDUALS: True}
+  out = _endpoint(layout, "apply", inputs=inputs)
+  where = f"Tesseract {layout.schema.where}: apply's output"
+  outs = [_out_array(_get(out, s), a, f"{where} {p}") for s, a, p in
+          zip(layout.out_segments, layout.out_avals, layout.out_paths)]
+  if save:
+    res = jax.tree_util.tree_leaves(out.get(RESIDUALS))
+    if len(res) != len(layout.res_avals):
+      raise TesseractEndpointError(
+          f"{where} {RESIDUALS} has {len(res)} arrays; abstract_eval with "
+          f"{SAVE_RESIDUALS}=True said {len(layout.res_avals)}.")
+    outs += [_out_array(r, a, f"{where} {RESIDUALS}")
+             for r, a in zip(res, layout.res_avals)]
+  return tuple(outs)
+
+
+def _host_vjp(layout: _Layout, vjp_in, vjp_out, n_res, *args):
+  arrays = [np.asarray(a) for a in args[:len(layout.in_paths)]]
+  rest = args[len(layout.in_paths):]
+  res, cts = rest[:n_res], rest[n_res:]
+  inputs = _inputs(layout, arrays)
+  if n_res:
+    inputs = {**inputs, RESIDUALS: jax.tree_util.tree_unflatten(
+        layout.res_treedef, [np.asarray(r) for r in res])}
+  out_paths = [layout.out_paths[i] for i in vjp_out]
+  grads = _endpoint(layout, "vector_jacobian_product", inputs=inputs,
+                    vjp_inputs=[layout.in_paths[i] for i in vjp_in],
+                    vjp_outputs=out_paths,
+                    cotangent_vector={p: np.asarray(c)
+                                      for p, c in zip(out_paths, cts)})
+  result = []
+  for i in vjp_in:
+    p = layout.in_paths[i]
+    if p not in grads:
+      raise TesseractEndpointError(
+          f"Tesseract {layout.schema.where}: vector_jacobian_product "
+          f"returned no cotangent for input {p} (it returned "
+          f"{sorted(grads)}).")
+    a = arrays[i]
+    aval = jax.ShapeDtypeStruct(a.shape, a.dtype)
+    result.append(_out_array(grads[p], aval,
+                             f"vector_jacobian_product's cotangent of {p}"))
+  return tuple(result)
+
+
+def _callback(fn, result, args, vmap_method):
+  return jax.pure_callback(fn, result, *args, vmap_method=vmap_method)
+
+
+def _build(layout: _Layout, vmap_method: str):
+  n_in = len(layout.in_paths)
+
+  def f(*arrays):
+    return _callback(lambda *a: _host_apply(layout, False, *a),
+                     layout.out_avals, arrays, vmap_method)
+
+  def values(primals):
+    vals = tuple(jnp.asarray(p.value) for p in primals)
+    perturbed = tuple(bool(p.perturbed) for p in primals)
+    for i, pert in enumerate(perturbed):
+      if pert and not layout.in_diff[i]:
+        raise ValueError(
+            f"apply_tesseract: input {layout.in_paths[i]} of the Tesseract at "
+            f"{layout.schema.where} is being differentiated, but its schema "
+            f"does not mark it Differentiable; differentiate with respect to "
+            f"the differentiable inputs only "
+            f"({', '.join(layout.schema.diff_inputs) or 'none'}), or pass this "
+            f"one through jax.lax.stop_gradient.")
+    return vals, perturbed
+
+  def fwd(*primals):
+    vals, perturbed = values(primals)
+    if not layout.schema.contract:
+      return f(*vals), (vals, (), perturbed)
+    outs = _callback(lambda *a: _host_apply(layout, True, *a),
+                     (*layout.out_avals, *layout.res_avals), vals, vmap_method)
+    k = len(layout.out_avals)
+    return tuple(outs[:k]), (vals, tuple(outs[k:]), perturbed)
+
+  def vjp(vals, res, perturbed, g):
+    vjp_in = [i for i in range(n_in) if perturbed[i] and layout.in_diff[i]]
+    vjp_out = []
+    for j, ct in enumerate(g):
+      if isinstance(ct, SymbolicZero):
+        continue
+      if not layout.out_diff[j]:
+        raise ValueError(
+            f"apply_tesseract: output {layout.out_paths[j]} of the Tesseract "
+            f"{layout.schema.where} receives a cotangent, but its schema "
+            f"does not mark it Differentiable; wrap it in "
+            f"jax.lax.stop_gradient before it reaches the loss.")
+      vjp_out.append(j)
+    if not vjp_in or not vjp_out:
+      return (None,) * n_in
+    result = tuple(jax.ShapeDtypeStruct(vals[i].shape, vals[i].dtype)
+                   for i in vjp_in)
+    grads = _callback(
+        lambda *a: _host_vjp(layout, vjp_in, vjp_out, len(res), *a), result,
+        (*vals, *res, *(g[j] for j in vjp_out)), vmap_method)
+    out = [None] * n_in
+    for i, gi in zip(vjp_in, grads):
+      out[i] = gi
+    return tuple(out)
+
+  def bwd(residuals, g):
+    vals, res, perturbed = residuals
+    return vjp(vals, res, perturbed, g)
+
+  def fwd_bwd(*args):
+    vals, perturbed = values(args[:-1])
+    return vjp(vals, (), perturbed, args[-1])
+
+  call = smart_custom_vjp(f)
+  call.defvjp(fwd, bwd, symbolic_zeros=True, fwd_bwd=fwd_bwd)
+  return call
+
+
+# -- the public function ---------------------------------------------------------
+
+def _array_leaf(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(
+      x, jax.core.Tracer)
+
+
+def _abstract_eval(tesseract, schema, abstract):
+  try:
+    return tesseract.abstract_eval(abstract)
+  except Exception as e:  # noqa: BLE001 - re-raised with address and inputs
+    raise TesseractEndpointError(
+        f"Tesseract {schema.where}: endpoint abstract_eval failed on the "
+        f"given inputs (shapes and dtypes {abstract}): "
+        f"{type(e).__name__}: {e}") from e
+
+
+def apply_tesseract(tesseract: Tesseract, inputs: Any, *,
+                    vmap_method: str | None = None,
+                    materialize_jacobian: bool | None = None,
+                    check_static_outputs: bool | None = None) -> Any:
+  """The Tesseract's ``apply`` on ``inputs``, differentiable through JAX.
+
+  Args:
+    tesseract: a ``tesseract_core.Tesseract`` (``from_tesseract_api``,
+      ``from_url``, ``from_image``); it needs the ``abstract_eval`` endpoint,
+      and ``vector_jacobian_product`` for reverse mode.
+    inputs: the inputs of ``apply`` as a nested dict/list, as the Tesseract's
+      input schema has them. JAX and numpy arrays (traced or not) are
+      operands; other leaves (str, int, bool, float) are static, except a
+      Python number where the schema has a differentiable array, which is
+      made an array. Traced arrays the schema does not mark differentiable
+      are accepted; differentiating them raises.
+    vmap_method: how ``jax.vmap`` maps the endpoints: ``"sequential"`` (one
+      call per example), ``"expand_dims"`` or ``"broadcast_all"`` (one call
+      on batched arrays; the Tesseract must accept them); ``None`` or
+      ``"auto"`` (default): ``"expand_dims"`` when every differentiable array
+      of the schema has an ellipsis shape (``Array[..., dtype]``), else
+      ``"sequential"``.
+    materialize_jacobian, check_static_outputs: accepted for tesseract-jax
+      compatibility; the ``jacobian`` endpoint is not used, and static outputs
+      are always the ones ``abstract_eval`` reports.
+
+  Returns:
+    ``apply``'s outputs with the output schema's structure: arrays with the
+    shapes ``abstract_eval`` reports (dtypes canonicalized by JAX, so float64
+    needs ``jax_enable_x64``), and the non-array outputs as ``abstract_eval``
+    reports them.
+
+  Raises:
+    TypeError: ``tesseract`` is not a Tesseract.
+    ValueError: an unknown ``vmap_method``; differentiating an input the
+      schema does not mark differentiable, or a cotangent reaching such an
+      output (at trace time, before any endpoint runs).
+    NotImplementedError: the Tesseract lacks an endpoint a transformation
+      needs (``abstract_eval`` always; ``vector_jacobian_product`` for
+      gradients).
+    TesseractEndpointError: an endpoint failed (its message, the endpoint
+      and the address); raised by ``abstract_eval`` at trace time, and inside
+      JAX's ``JaxRuntimeError`` for endpoints that run in the compiled
+      program.
+  """
+  del materialize_jacobian, check_static_outputs
+  if not isinstance(tesseract, Tesseract):
+    raise TypeError("apply_tesseract: the first argument must be a "
+                    "tesseract_core.Tesseract, got "
+                    f"{type(tesseract).__name__}.")
+  if vmap_method is None:
+    vmap_method = "auto"
+  if vmap_method not in _VMAP_METHODS:
+    raise ValueError(f"apply_tesseract: vmap_method must be one of "
+                     f"{_VMAP_METHODS} or None, got {vmap_method!r}.")
+  schema = _schema(tesseract)
+  if "abstract_eval" not in schema.endpoints:
+    raise NotImplementedError(
+        f"apply_tesseract: the Tesseract {schema.where} has no "
+        "abstract_eval endpoint; it is needed for the shapes and dtypes of "
+        "apply's outputs.")
+  if vmap_method == "auto":
+    vmap_method = "expand_dims" if schema.batches_itself else "sequential"
+
+  flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
+  leaves, arrays, paths, diff, abstract_leaves = [], [], [], [], []
+  for keypath, x in flat:
+    path, is_diff = _path(_segments(keypath), schema.diff_inputs)
+    if is_diff and isinstance(x, (int, float)) and not isinstance(x, bool):
+      x = jnp.asarray(x)
+    if _array_leaf(x):
+      leaves.append(_ARRAY)
+      arrays.append(x)
+      paths.append(path)
+      diff.append(is_diff)
+      abstract_leaves.append({"shape": list(np.shape(x)),
+                              "dtype": str(np.dtype(x.dtype))})
+    else:
+      leaves.append(x)
+      abstract_leaves.append(x)
+  abstract = jax.tree_util.tree_unflatten(treedef, abstract_leaves)
+
+  out_abstract = _abstract_eval(tesseract, schema, abstract)
+  out_flat, out_treedef = jax.tree_util.tree_flatten_with_path(
+      out_abstract, is_leaf=_is_aval)
+  out_static, out_segments, out_paths, out_diff, out_avals = [], [], [], [], []
+  for keypath, leaf in out_flat:
+    if _is_aval(leaf):
+      segs = _segments(keypath)
+      if schema.contract and segs and segs[0] == ("key", RESIDUALS):
+        out_static.append(None)   # the contract's slot: only with the flag
+        continue
+      p, d = _path(segs, schema.diff_outputs)
+      out_static.append(_ARRAY)
+      out_segments.append(tuple(segs))
+      out_paths.append(p)
+      out_diff.append(d)
+      out_avals.append(_canon(jax.ShapeDtypeStruct(tuple(leaf["shape"]),
+                                                   np.dtype(leaf["dtype"]))))
+    else:
+      out_static.append(leaf)
+
+  res_treedef, res_avals = None, []
+  if schema.contract:
+    with_res = _abstract_eval(tesseract, schema,
+                              {**abstract, SAVE_RESIDUALS: True})
+    res_leaves, res_treedef = jax.tree_util.tree_flatten(
+        with_res.get(RESIDUALS), is_leaf=_is_aval)
+    res_avals = [_canon(jax.ShapeDtypeStruct(tuple(a["shape"]),
+                                             np.dtype(a["dtype"])))
+                 for a in res_leaves]
+
+  layout = _Layout(tesseract, schema, treedef, tuple(leaves), tuple(paths),
+                   tuple(diff), out_treedef, tuple(out_static),
+                   tuple(out_segments), tuple(out_paths), tuple(out_diff),
+                   tuple(out_avals), res_treedef, tuple(res_avals))
+  call = _build(layout, vmap_method)
+  outs = iter(call(*arrays))
+  out_leaves = [next(outs) if s is _ARRAY else s for s in layout.out_static]
+  # a static output that abstract_eval reports as a residual slot is dropped
+  return jax.tree_util.tree_unflatten(out_treedef, out_leaves)
