@@ -344,8 +344,7 @@ def _build(layout: _Layout, vmap_method: str):
 # -- the public function ---------------------------------------------------------
 
 def _array_leaf(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(
-      x, jax.core.Tracer)
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))   # tracers too
 
 
 def _abstract_eval(tesseract, schema, abstract):
