@@ -19,6 +19,7 @@ from smartvjp import _versions
 from smartvjp import _call, _rem  # noqa: F401  pylint: disable=unused-import
 from smartvjp import _jax_api
 from smartvjp._errors import function_name, rule_error
+from smartvjp._forward import JvpRule
 from smartvjp._primitive import call_p
 from smartvjp._cache import TraceLocalCache
 from smartvjp._refs import check_aliased_arguments, check_f_output
@@ -172,6 +173,7 @@ class smart_custom_vjp:
     self.symbolic_zeros = False
     self.optimize_remat = False
     self.generic_batching = False
+    self._jvp = None
     self._rules: Rules | None = None
     self._cache = TraceLocalCache(_CACHE_SIZE)
 
@@ -185,10 +187,13 @@ class smart_custom_vjp:
   def defvjp(self, fwd: Callable | None = None, bwd: Callable | None = None,
              symbolic_zeros: bool = False, optimize_remat: bool = False,
              generic_batching: bool | None = None, *,
-             fwd_bwd: Callable | None = None) -> None:
-    """Defines the rules; the signature of ``jax.custom_vjp.defvjp`` + ``fwd_bwd``.
+             fwd_bwd: Callable | None = None,
+             jvp: Callable | None = None) -> None:
+    """Defines the rules; the signature of ``jax.custom_vjp.defvjp`` +
+    ``fwd_bwd`` and ``jvp``.
 
-    Give ``fwd`` and ``bwd``, or ``fwd_bwd`` alone, or all three.
+    Give ``fwd`` and ``bwd``, or ``fwd_bwd`` alone, or all three; ``jvp``
+    may be added to any of these.
 
     Args:
       fwd: ``fwd(*args) -> (out, residuals)``, all arguments in their places
@@ -215,6 +220,22 @@ class smart_custom_vjp:
         (all in their places). Used in the rematerialized backward region
         instead of ``fwd`` + ``bwd``, and everywhere when ``fwd`` and ``bwd``
         are not given.
+      jvp: optional forward rule ``jvp(*nondiff_args, primals, tangents) ->
+        (primal_out, tangent_out)``, with the signature of a
+        ``jax.custom_jvp`` rule: ``primals`` and ``tangents`` are tuples of
+        the differentiable arguments and their tangents (zeros where an
+        argument has none: ``jax.custom_derivatives.SymbolicZero`` with
+        ``symbolic_zeros=True``, else zero arrays, ``float0`` for integer
+        arguments); ``primal_out`` has ``f``'s output structure, shapes and
+        dtypes, and ``tangent_out`` the same structure with tangent dtypes
+        (a ``SymbolicZero`` leaf allowed). Forward mode (``jax.jvp``,
+        ``jax.jacfwd``, ``jax.linearize``) runs it instead of transposing
+        ``bwd``, which is what makes forward mode work for an opaque
+        ``bwd`` (a kernel, a callback); reverse mode never runs it. Under
+        ``jax.linearize`` and ``jax.jacfwd`` only its tangent part runs (it
+        is traced, and its primal part removed). ``jax.custom_jvp`` and
+        ``jax.custom_vjp`` exclude each other on one function: this goes
+        beyond both (``design/limitations.md``).
 
     Returns:
       None.
@@ -242,7 +263,8 @@ class smart_custom_vjp:
           f"smart_custom_vjp function {function_name(self.fun)}: defvjp needs fwd "
           "and bwd, or fwd_bwd, or all three; got "
           f"{', '.join(given) if given else 'none of them'}.")
-    for n, r in (("fwd", fwd), ("bwd", bwd), ("fwd_bwd", fwd_bwd)):
+    for n, r in (("fwd", fwd), ("bwd", bwd), ("fwd_bwd", fwd_bwd),
+                 ("jvp", jvp)):
       if r is not None and not callable(r):
         raise TypeError(
             f"smart_custom_vjp function {function_name(self.fun)}: defvjp's {n} "
@@ -250,13 +272,15 @@ class smart_custom_vjp:
     self.fwd, self.bwd, self.fwd_bwd = fwd, bwd, fwd_bwd
     self.symbolic_zeros = bool(symbolic_zeros)
     self.generic_batching = bool(generic_batching)
+    self._jvp = jvp_rule = JvpRule(jvp) if jvp is not None else None
     remat = self.__dict__.get("_remat")
     self._rules = Rules(fun=self.fun, fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd,
                         symbolic_zeros=self.symbolic_zeros,
                         nondiff_argnums=self.nondiff_argnums,
                         remat=remat and dataclasses.replace(
-                            remat, generic_batching=self.generic_batching),
-                        generic_batching=self.generic_batching)
+                            remat, generic_batching=self.generic_batching,
+                            jvp=jvp_rule),
+                        generic_batching=self.generic_batching, jvp=jvp_rule)
     self._cache = TraceLocalCache(_CACHE_SIZE)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -550,7 +574,7 @@ class smart_custom_vjp:
                                with_logs),
         fwd_bwd=None, symbolic_zeros=False,
         nondiff_argnums=self.nondiff_argnums, always_save=True,
-        generic_batching=bool(generic_batching))
+        generic_batching=bool(generic_batching), jvp=self._jvp)
     self.generic_batching = bool(generic_batching)   # the last one, as JAX
     self._remat = remat
     if self._rules is not None and self._rules.fwd is not None:

@@ -14,7 +14,8 @@ from smartvjp import _facade as jx
 # the user's source line.
 jx.hide_frames_under(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
-_ROLE = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd"}
+_ROLE = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd",
+         "jvp": "jvp"}
 
 
 def function_name(fn) -> str:

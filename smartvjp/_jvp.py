@@ -45,6 +45,7 @@ from smartvjp import _vmap
 from smartvjp._bwd import run_bwd, run_fwd_bwd
 from smartvjp._check import maybe_check
 from smartvjp._checkify import checked_rule
+from smartvjp._forward import tangents_only
 from smartvjp._fwd import bind_fwd_side
 from smartvjp._primal import bind_primal, primal_eqn
 from smartvjp._primitive import (
@@ -158,9 +159,13 @@ def _not_transposable_error(cause: type) -> type:
 
 
 def lin_forward(*args, call, fwd, in_nz, reload):
-  """Forward mode: the tangents, the transpose of the cotangent map."""
+  """Forward mode: the tangents, from the forward rule (on the primals the
+  residuals carry for it) or else the transpose of the cotangent map."""
   n = _num_nonlinear(call, fwd)
   nonlinear, nz_t = args[:n], args[n:]
+  if call.rules.jvp is not None:
+    primals = nonlinear[n - call.num_primals:]
+    return tangents_only(call, primals, in_nz, nz_t)
   if fwd is None:
     check_f_output_invariance(call)   # the tangent follows f's output type
     return _transpose_cotangent_map(
@@ -190,6 +195,16 @@ def _lin_batch(axis_data, args, dims, *, call, fwd, in_nz, reload):
   if all(d is None for d in dims):
     return (lin_p.bind(*args, **lin_params(call, fwd, in_nz, reload)),
             [None] * sum(call.out_nz))
+  n = _num_nonlinear(call, fwd)
+  if call.rules.jvp is not None and all(d is None for d in dims[:n]):
+    # only tangents mapped (jax.jacfwd): the forward rule with its primals
+    # unmapped, evaluated here
+    tangents = [_vmap.front(axis_data, t, d) for t, d in zip(args[n:],
+                                                             dims[n:])]
+    rule = _vmap.jvp_rule_over_tangents(call, len(tangents), axis_data)
+    outs = tangents_only(call, args[n - call.num_primals:n], in_nz, tangents,
+                         rule)
+    return outs, [0] * len(outs)
   args = [_vmap.front(axis_data, x, d) for x, d in zip(args, dims)]
   bcall = _vmap.linear_only_call(call, [0] * call.num_primals, axis_data)
   bfwd = fwd
@@ -239,10 +254,14 @@ def _jvp_abstract_eval(*avals, call, fwd, in_nz, schedule):
 
 
 def jvp_forward(*args, call, fwd, in_nz, schedule):
-  """Forward mode: ``fwd`` (or ``f``, with ``fwd_bwd`` alone) for the primal
-  outputs, then the linear map's forward mode."""
+  """Forward mode: the forward rule where there is one; else ``fwd`` (or
+  ``f``, with ``fwd_bwd`` alone) for the primal outputs, then the linear
+  map's forward mode."""
   del schedule
   f_consts, fwd_consts, primals, nz_t = call.split_jvp_args(args, fwd)
+  if call.rules.jvp is not None:   # the forward rule, instead of f and fwd
+    outs, nz_touts = call.rules.jvp.run(call, primals, in_nz, nz_t)
+    return [*outs, *nz_touts]
   if fwd is None:
     primal_outs = eval_scoped(call.jaxpr, scope(call, "f"),
                               [*f_consts, *primals])
@@ -530,7 +549,14 @@ def _jvp_batch(axis_data, args, dims, *, call, fwd, in_nz, schedule):
 def _jvp_batch_tangents_only(axis_data, call, fwd, in_nz, f_consts, fwd_consts,
                              primals, tangents, tdims):
   """Only tangents mapped (``jacfwd``): the primal side once, the linear map
-  batched."""
+  batched (with a forward rule: ``f`` once and the rule's tangent part)."""
+  if call.rules.jvp is not None:
+    primal_outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
+    tangents = [_vmap.front(axis_data, t, d) for t, d in zip(tangents, tdims)]
+    rule = _vmap.jvp_rule_over_tangents(call, len(tangents), axis_data)
+    tangent_outs = tangents_only(call, primals, in_nz, tangents, rule)
+    return ([*primal_outs, *tangent_outs],
+            [None] * len(primal_outs) + [0] * len(tangent_outs))
   if fwd is None:
     primal_outs = bind_primal(call, fwd, f_consts, fwd_consts, primals)
     lin_inputs = primals

@@ -43,6 +43,9 @@ class Rules:
   # defvjp(..., generic_batching=True): under vmap an output f maps nowhere
   # stays unmapped even when fwd maps it (see _batching._output_batching)
   generic_batching: bool = False
+  # defvjp(..., jvp=...): the forward rule (a _forward.JvpRule), run by
+  # forward mode instead of transposing bwd
+  jvp: Any = None
 
   @property
   def name(self) -> str:
@@ -93,6 +96,10 @@ class FwdSpec:
   # axes or sharding (shape and dtype are checked to agree), and their tree
   out_avals: tuple = ()
   out_tree: Any = None
+  # with a forward rule (``Rules.jvp``): the last ``jvp_primals`` carried
+  # residuals are the call's primal inputs, for the linear map's forward
+  # mode; ``bwd`` never sees them
+  jvp_primals: int = 0
 
   @property
   def num_new_res(self) -> int:
@@ -108,10 +115,14 @@ class FwdSpec:
     return res
 
   def residual_tree(self, residuals):
-    """``fwd``'s residual pytree from the carried leaves (statics put back)."""
-    it = iter(residuals)
+    """``fwd``'s residual pytree from the carried leaves (statics put back;
+    the primals carried for a forward rule left out)."""
+    residuals = list(residuals)
+    k = self.jvp_primals
+    it = iter(residuals[:len(residuals) - k])
+    src = self.res_src[:len(self.res_src) - k]
     leaves = [s.value if type(s) is StaticResidual else next(it)
-              for s in self.res_src]
+              for s in src]
     expect_used_up(it, "residuals")
     return tree_util.tree_unflatten(self.res_tree, leaves)
 
@@ -445,10 +456,15 @@ def eager_fwd(call: CallSpec, in_nz, primals, pair=None):
   res_src = tuple(StaticResidual(r) if is_static_residual(r) else None
                   for r in res)
   dynamic = [r for r in res if not is_static_residual(r)]
+  k = 0
+  if call.rules.jvp is not None:   # the primals too, for the forward rule
+    k = len(primals)
+    res_src += (None,) * k
+    dynamic += list(primals)
   spec = FwdSpec(jaxpr=None, num_consts=0, res_tree=res_tree,
                  res_avals=tuple(jx.get_aval(r) for r in dynamic),
                  res_src=res_src, new_res_names=(None,) * len(dynamic),
-                 out_tree=out_tree)
+                 out_tree=out_tree, jvp_primals=k)
   return outs, dynamic, spec
 
 
@@ -493,6 +509,11 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   it = iter(res_vars)
   res_avals = tuple(a if a is not None and jx.is_ref_aval(a) else next(it).aval
                     for a in res_avals)
+  k = 0
+  if rules.jvp is not None:   # the primals, forwarded, for the forward rule
+    k = len(call.in_avals)
+    res_src += tuple(len(consts) + i for i in range(k))
+    res_avals += tuple(v.aval for v in jaxpr.invars[len(consts):])
   spec = FwdSpec(
       jaxpr=jx.ClosedJaxpr(pruned, ()),
       num_consts=len(consts),
@@ -503,7 +524,8 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       new_res_names=tuple(names.get(v) if isinstance(v, jx.Var) else None
                           for v in new_res),
       new_res_eqns=tuple(policy_producers(v, producers) for v in new_res),
-      out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]))
+      out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]),
+      jvp_primals=k)
   return spec, consts
 
 

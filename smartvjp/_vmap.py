@@ -22,6 +22,7 @@ from jax import tree_util
 
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
+from smartvjp._forward import BatchedJvpRule
 from smartvjp._spec import CallSpec, Rules, is_static_residual, trace_call
 from smartvjp._typecheck import flatten_cotangents
 
@@ -211,8 +212,21 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
                if rules.fwd_bwd is not None else None),
       symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=(),
       always_save=rules.always_save, generic_batching=rules.generic_batching,
+      jvp=(BatchedJvpRule(rules.jvp, call, tuple(in_dims), vmapped)
+           if rules.jvp is not None else None),
       remat=(batched_rules(remat_call(call), consts, const_dims, in_dims,
                            axis_data) if rules.remat is not None else None))
+
+
+def jvp_rule_over_tangents(call, num_tangents, axis_data):
+  """``call``'s forward rule under ``vmap`` with only its tangents mapped
+  (at 0), its primals not (``jax.jacfwd``): a rule whose primal part sees
+  one example, so a kernel inside it may serve the whole batch."""
+  tag = _current_tag(axis_data)
+  return BatchedJvpRule(
+      call.rules.jvp, call, (None,) * call.num_primals,
+      lambda fn, in_axes: _vmap_rule(fn, in_axes, axis_data, tag),
+      t_dims=(0,) * num_tangents)
 
 
 def batched_avals(avals, in_dims, axis_data):

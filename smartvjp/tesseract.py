@@ -269,8 +269,100 @@ def _host_vjp(layout: _Layout, vjp_in, vjp_out, n_res, *args):
   return tuple(result)
 
 
+def _host_jvp(layout: _Layout, jvp_in, jvp_out, *args):
+  n_in = len(layout.in_paths)
+  arrays = [np.asarray(a) for a in args[:n_in]]
+  in_paths = [layout.in_paths[i] for i in jvp_in]
+  out_paths = [layout.out_paths[j] for j in jvp_out]
+  tangents = _endpoint(
+      layout, "jacobian_vector_product", inputs=_inputs(layout, arrays),
+      jvp_inputs=in_paths, jvp_outputs=out_paths,
+      tangent_vector={p: np.asarray(t) for p, t in zip(in_paths, args[n_in:])})
+  result = []
+  for j, p in zip(jvp_out, out_paths):
+    if p not in tangents:
+      raise TesseractEndpointError(
+          f"Tesseract {layout.schema.where}: jacobian_vector_product "
+          f"returned no tangent for output {p} (it returned "
+          f"{sorted(tangents)}).")
+    result.append(_out_array(tangents[p], layout.out_avals[j],
+                             f"jacobian_vector_product's tangent of {p}"))
+  return tuple(result)
+
+
 def _callback(fn, result, args, vmap_method):
   return jax.pure_callback(fn, result, *args, vmap_method=vmap_method)
+
+
+def _host_jacobian(layout: _Layout, jac_in, jac_out, *arrays):
+  arrays = [np.asarray(a) for a in arrays]
+  in_paths = [layout.in_paths[i] for i in jac_in]
+  out_paths = [layout.out_paths[j] for j in jac_out]
+  jac = _endpoint(layout, "jacobian", inputs=_inputs(layout, arrays),
+                  jac_inputs=in_paths, jac_outputs=out_paths)
+  blocks = []
+  for j, po in zip(jac_out, out_paths):
+    for i, pi in zip(jac_in, in_paths):
+      try:
+        block = jac[po][pi]
+      except (KeyError, TypeError):
+        raise TesseractEndpointError(
+            f"Tesseract {layout.schema.where}: jacobian returned no block "
+            f"for output {po} and input {pi}.") from None
+      shape = tuple(layout.out_avals[j].shape) + np.shape(arrays[i])
+      blocks.append(_out_array(block, jax.ShapeDtypeStruct(
+          shape, layout.out_avals[j].dtype), f"jacobian's block ({po}, {pi})"))
+  return tuple(blocks)
+
+
+def _jacobian_blocks(layout: _Layout, vals, jac_in, jac_out, vmap_method):
+  """``{(j, i): d out_j / d in_i}`` (output shape + input shape), from one
+  call of the ``jacobian`` endpoint."""
+  result = tuple(jax.ShapeDtypeStruct(
+      tuple(layout.out_avals[j].shape) + tuple(vals[i].shape),
+      layout.out_avals[j].dtype) for j in jac_out for i in jac_in)
+  blocks = _callback(lambda *a: _host_jacobian(layout, jac_in, jac_out, *a),
+                     result, vals, vmap_method)
+  pairs = [(j, i) for j in jac_out for i in jac_in]
+  return dict(zip(pairs, blocks))
+
+
+def _linear(layout: _Layout, vmap_method, host, n_per, result, args,
+            from_jacobian):
+  """A JVP or VJP endpoint's callback ``host`` on ``args`` (the first
+  ``n_per`` per primal, the rest tangents or cotangents). Under ``vmap``
+  with only the tangents or cotangents mapped (``jax.jacfwd``,
+  ``jax.jacrev``), where the Tesseract has a ``jacobian`` endpoint and does
+  not batch itself, one ``jacobian`` call serves the batch:
+  ``from_jacobian(per_primal, linear)`` contracts it with the mapped
+  arguments (axis 0)."""
+  def plain(*a):
+    return _callback(host, result, a, vmap_method)
+  if vmap_method != "sequential" or "jacobian" not in layout.schema.endpoints:
+    return plain(*args)
+
+  op = jax.custom_batching.custom_vmap(plain)
+
+  def batched(axis_size, in_batched, *a):
+    if not any(in_batched[:n_per]):
+      linear = [x if b else jnp.broadcast_to(x, (axis_size, *np.shape(x)))
+                for x, b in zip(a[n_per:], in_batched[n_per:])]
+      outs = from_jacobian(a[:n_per], linear)
+    else:
+      outs = jax.vmap(plain, in_axes=[0 if b else None for b in in_batched],
+                      axis_size=axis_size)(*a)
+    return tuple(outs), (True,) * len(outs)
+  op.def_vmap(batched)
+  return op(*args)
+
+
+def _contract(x, block, lead: int, trailing: bool):
+  """``x`` (batch axis 0, then its own axes) contracted with ``block`` over
+  ``block``'s trailing (``trailing``) or leading axes that ``x``'s own
+  match; ``lead``: how many of ``block``'s axes stay on the other side."""
+  n = x.ndim - 1
+  axes_b = (list(range(lead, lead + n)) if trailing else list(range(n)))
+  return jnp.tensordot(x, block, axes=(list(range(1, n + 1)), axes_b))
 
 
 def _build(layout: _Layout, vmap_method: str):
@@ -283,6 +375,10 @@ def _build(layout: _Layout, vmap_method: str):
   def values(primals):
     vals = tuple(jnp.asarray(p.value) for p in primals)
     perturbed = tuple(bool(p.perturbed) for p in primals)
+    check_differentiable(perturbed)
+    return vals, perturbed
+
+  def check_differentiable(perturbed):
     for i, pert in enumerate(perturbed):
       if pert and not layout.in_diff[i]:
         raise ValueError(
@@ -292,7 +388,6 @@ def _build(layout: _Layout, vmap_method: str):
             f"the differentiable inputs only "
             f"({', '.join(layout.schema.diff_inputs) or 'none'}), or pass this "
             f"one through jax.lax.stop_gradient.")
-    return vals, perturbed
 
   def fwd(*primals):
     vals, perturbed = values(primals)
@@ -320,9 +415,17 @@ def _build(layout: _Layout, vmap_method: str):
       return (None,) * n_in
     result = tuple(jax.ShapeDtypeStruct(vals[i].shape, vals[i].dtype)
                    for i in vjp_in)
-    grads = _callback(
-        lambda *a: _host_vjp(layout, vjp_in, vjp_out, len(res), *a), result,
-        (*vals, *res, *(g[j] for j in vjp_out)), vmap_method)
+    def from_jacobian(per, cts):
+      blocks = _jacobian_blocks(layout, per[:n_in], vjp_in, vjp_out,
+                                vmap_method)
+      return [sum(_contract(ct, blocks[j, i], 0, trailing=False)
+                  for j, ct in zip(vjp_out, cts)) for i in vjp_in]
+
+    grads = _linear(
+        layout, vmap_method,
+        lambda *a: _host_vjp(layout, vjp_in, vjp_out, len(res), *a),
+        n_in + len(res), result, (*vals, *res, *(g[j] for j in vjp_out)),
+        from_jacobian)
     out = [None] * n_in
     for i, gi in zip(vjp_in, grads):
       out[i] = gi
@@ -336,8 +439,41 @@ def _build(layout: _Layout, vmap_method: str):
     vals, perturbed = values(args[:-1])
     return vjp(vals, (), perturbed, args[-1])
 
+  def jvp(primals, tangents):
+    # forward mode: apply for the primal outputs (removed where only the
+    # tangents are needed: linearize, jacfwd) and the JVP endpoint for the
+    # perturbed inputs and differentiable outputs
+    perturbed = tuple(not isinstance(t, SymbolicZero) for t in tangents)
+    check_differentiable(perturbed)
+    if "jacobian_vector_product" not in layout.schema.endpoints:
+      raise NotImplementedError(
+          f"Tesseract {layout.schema.where} has no jacobian_vector_product "
+          f"endpoint, which forward mode (jax.jvp, jax.linearize, "
+          f"jax.jacfwd) needs; its endpoints: "
+          f"{', '.join(sorted(layout.schema.endpoints))}.")
+    vals = tuple(jnp.asarray(p) for p in primals)
+    out = f(*vals)
+    jvp_in = [i for i in range(n_in) if perturbed[i]]
+    jvp_out = [j for j, d in enumerate(layout.out_diff) if d]
+    tangent_out = [jnp.zeros(a.shape, a.dtype) for a in layout.out_avals]
+    if jvp_in and jvp_out:
+      def from_jacobian(per, ts):
+        blocks = _jacobian_blocks(layout, per, jvp_in, jvp_out, vmap_method)
+        return [sum(_contract(t, blocks[j, i], len(layout.out_avals[j].shape),
+                              trailing=True)
+                    for i, t in zip(jvp_in, ts)) for j in jvp_out]
+
+      touts = _linear(
+          layout, vmap_method,
+          lambda *a: _host_jvp(layout, jvp_in, jvp_out, *a), n_in,
+          tuple(layout.out_avals[j] for j in jvp_out),
+          (*vals, *(tangents[i] for i in jvp_in)), from_jacobian)
+      for j, t in zip(jvp_out, touts):
+        tangent_out[j] = t
+    return out, tuple(tangent_out)
+
   call = smart_custom_vjp(f)
-  call.defvjp(fwd, bwd, symbolic_zeros=True, fwd_bwd=fwd_bwd)
+  call.defvjp(fwd, bwd, symbolic_zeros=True, fwd_bwd=fwd_bwd, jvp=jvp)
   return call
 
 

@@ -95,10 +95,13 @@ def test_tesseract_smoke(capsys):
   text = capsys.readouterr().out
   _common(text)
   assert set(out) == {"in-process", "served over HTTP"}
-  assert len(goals.items) == 2 * (2 * 4 + 2)
+  # per place: calls and values for 7 rows, the contract's step, forward
+  # mode; then the gradient and jacfwd against the pure-JAX solver
+  assert len(goals.items) == 2 * (2 * 7 + 2) + 2 * 2
   # the gates that hold at any size: calls and values
   for text_, ok in goals.items:
-    if "endpoint calls" in text_ or "equal to tesseract-jax" in text_:
+    if ("endpoint calls" in text_ or "equal to tesseract-jax" in text_
+        or "pure-JAX solver" in text_):
       assert ok, text_
   assert not jax.config.jax_enable_x64     # the run left JAX's state alone
 

@@ -216,6 +216,8 @@ LABELS = {
                                   "each running every row once in turn",
                                   "median [min-max]", "same schedule",
                                   CONCLUSION],
+    # Without the tesseract extra it prints one line saying what is missing.
+    "examples/tesseract_heat.py": ["Tesseract example"],
     "examples/pallas_ops_transformer.py": [
         "Kernel launches per training step", "residual bytes written",
         "must be equal bit for bit", "losses bitwise equal yes",

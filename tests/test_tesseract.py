@@ -278,3 +278,90 @@ def test_stopped_server_gives_a_clear_error_then_works_again(served):
   finally:
     served.start()
   np.testing.assert_array_equal(fn(_T0(), 1.3), want)
+
+
+# -- forward mode (the forward rule: the JVP and jacobian endpoints) ---------------
+
+def _tangents():   # float64: made under the tests' x64
+  return (0.1 * jnp.ones(24), 0.2)
+
+
+FORWARD = {
+    "jvp": lambda F: jax.jvp(F, (_T0(), 1.3), _tangents()),
+    "jit(jvp)": lambda F: jax.jit(lambda a, b: jax.jvp(F, (a, b), _tangents()))(
+        _T0(), 1.3),
+    "linearize": lambda F: jax.linearize(F, _T0(), 1.3)[1](*_tangents()),
+    "jit(linearize)": lambda F: jax.jit(
+        lambda a, b: jax.linearize(F, a, b)[1](*_tangents()))(_T0(), 1.3),
+    "jvp(checkpoint)": lambda F: jax.jvp(jax.checkpoint(F), (_T0(), 1.3),
+                                         _tangents()),
+    "jacfwd": lambda F: jax.jacfwd(F, argnums=(0, 1))(_T0(), 1.3),
+    "jit(jacfwd)": lambda F: jax.jit(jax.jacfwd(F, argnums=(0, 1)))(_T0(),
+                                                                    1.3),
+    "jacrev": lambda F: jax.jacrev(F)(_T0(), 1.3),
+    "jit(jacrev)": lambda F: jax.jit(jax.jacrev(F))(_T0(), 1.3),
+}
+
+
+def _heat_T(apply, t):
+  return lambda T0, c: apply(t, {"T0": T0, "conductivity": c, "nt": 30,
+                                 "stride": 4})["T"]
+
+
+@pytest.mark.parametrize("program", sorted(FORWARD))
+def test_forward_mode_matches_tesseract_jax(heat, program):
+  api, t = heat
+  ref, ref_calls = _counted(api, FORWARD[program],
+                            _heat_T(tesseract_jax.apply_tesseract, t))
+  got, calls = _counted(api, FORWARD[program], _heat_T(st.apply_tesseract, t))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+  # never more endpoint calls (an apply with residuals counts as an apply:
+  # outside jit, linearize and jacrev run fwd as reverse mode does)
+  merged = collections.Counter(
+      {k.replace("apply_with_residuals", "apply"): v for k, v in calls.items()})
+  for name, n in merged.items():
+    assert n <= ref_calls.get(name, 0), (name, calls, ref_calls)
+  if program.endswith(("jacfwd", "jacfwd)", "jacrev", "jacrev)")):
+    assert calls.get("jacobian") == 1   # one call for the whole Jacobian
+  assert "vector_jacobian_product" not in calls
+
+
+def test_jacobian_of_the_conductivity_where_tesseract_jax_fails(heat):
+  # tesseract-jax 0.5.1's jacrev cannot take a Python-float input's block;
+  # compared with finite differences instead
+  _, t = heat
+  F = _heat_T(st.apply_tesseract, t)
+  jac = jax.jacrev(F, argnums=1)(_T0(), 1.3)
+  eps = 1e-6
+  fd = (F(_T0(), 1.3 + eps) - F(_T0(), 1.3 - eps)) / (2 * eps)
+  np.testing.assert_allclose(jac, fd, rtol=1e-6, atol=1e-9)
+  np.testing.assert_allclose(jax.jacfwd(F, argnums=1)(_T0(), 1.3), jac,
+                             rtol=1e-12)
+
+
+def test_missing_jvp_endpoint(nested):
+  # the nested Tesseract has apply, abstract_eval and the VJP only
+  x = _nested_inputs()
+  f = lambda w: st.apply_tesseract(nested, {**x, "c": {"w": w, "n": 2}})[
+      "y"]["p"]
+  jax.grad(lambda w: jnp.sum(f(w)))(x["c"]["w"])   # reverse mode works
+  with pytest.raises(NotImplementedError,
+                     match="no jacobian_vector_product endpoint"):
+    jax.jvp(f, (x["c"]["w"],), (jnp.ones(3),))
+
+
+def test_the_example_runs_in_process_and_served(capsys):
+  spec = importlib.util.spec_from_file_location(
+      "tesseract_heat_example", ROOT / "examples" / "tesseract_heat.py")
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  local, served = example.main()
+  for counts in (local, served):
+    assert counts["jit(grad(loss))"][1] == {"apply_with_residuals": 1,
+                                            "vjp_from_residuals": 1}
+    assert counts["jit(grad(loss)), checkpoint(call)"][1] == {
+        "apply": 1, "vector_jacobian_product": 1}
+    assert counts["jax.jvp"][1] == {"apply": 1, "jacobian_vector_product": 1}
+    assert counts["jit(jacfwd)"][1] == {"jacobian": 1}
+  assert "identical" in capsys.readouterr().out

@@ -177,11 +177,31 @@ def jacobian_vector_product(inputs: InputSchema, jvp_inputs: set[str],
                             tangent_vector: dict[str, Any]):
   """Forward-mode sensitivity, stepped alongside the primal."""
   _count("jacobian_vector_product")
+  T0 = np.asarray(inputs.T0, np.float64)
+  return {"T": _tangent(inputs,
+                        tangent_vector.get("T0", np.zeros_like(T0)),
+                        tangent_vector.get("conductivity", 0.0))}
+
+
+def jacobian(inputs: InputSchema, jac_inputs: set[str],
+             jac_outputs: set[str]):
+  """The whole Jacobian in one call: a forward sweep per input direction."""
+  _count("jacobian")
+  nx = np.shape(inputs.T0)[0]
+  out = {}
+  if "T0" in jac_inputs:
+    out["T0"] = np.stack([_tangent(inputs, np.eye(nx)[i], 0.0)
+                          for i in range(nx)], axis=-1)
+  if "conductivity" in jac_inputs:
+    out["conductivity"] = _tangent(inputs, np.zeros(nx), 1.0)
+  return {"T": out}
+
+
+def _tangent(inputs, dT0, dcond):
   coeff = _grid(inputs)
   T = np.asarray(inputs.T0, np.float64)
-  dT = np.asarray(tangent_vector.get("T0", np.zeros_like(T)), np.float64)
-  dc = float(tangent_vector.get("conductivity", 0.0)) * coeff / float(
-      inputs.conductivity)
+  dT = np.asarray(dT0, np.float64)
+  dc = float(dcond) * coeff / float(inputs.conductivity)
   for _ in range(inputs.nt):
     ab, k = _bands(T, coeff)
     T_new = solve_banded((1, 1), ab, T)
@@ -195,4 +215,4 @@ def jacobian_vector_product(inputs: InputSchema, jvp_inputs: set[str],
     AdT[1:] -= w[:-1]
     dT = solve_banded((1, 1), ab, dT - AdT)
     T = T_new
-  return {"T": dT}
+  return dT
