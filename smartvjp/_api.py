@@ -12,17 +12,15 @@ from jax import tree_util
 from jax.errors import UnexpectedTracerError
 
 from smartvjp import _facade as jx
-from smartvjp import _spec
-from smartvjp import _vmap
-from smartvjp import _versions
-# each primitive's module registers its rules when imported
-from smartvjp import _call, _rem  # noqa: F401  pylint: disable=unused-import
 from smartvjp import _jax_api
-from smartvjp._errors import function_name, rule_error
+from smartvjp import _spec
+from smartvjp import _versions
+from smartvjp import _vmap
+from smartvjp._cache import TraceLocalCache, batching, linearized_where_made
+from smartvjp._checks import (
+    check_aliased_arguments, check_f_output, function_name, rule_error)
 from smartvjp._forward import JvpRule
 from smartvjp._primitive import call_p
-from smartvjp._cache import TraceLocalCache
-from smartvjp._refs import check_aliased_arguments, check_f_output
 from smartvjp._spec import (EagerClosureError, Rules, eager_call,
                             linearized_call, trace_call)
 from smartvjp._static import static_key
@@ -369,7 +367,7 @@ class smart_custom_vjp:
     call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
     # linearized now, by the current trace (as opposed to staged and
     # differentiated later): the two refuse a closure with different errors
-    with (_call.made_under_linearize(call) if linearizing is not None
+    with (linearized_where_made(call) if linearizing is not None
           else contextlib.nullcontext()):
       outs = call_p.bind(*consts, *leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
@@ -433,7 +431,7 @@ class smart_custom_vjp:
     base = _spec.CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
                           in_tree=in_tree, in_avals=avals, out_tree=None,
                           out_avals=(), jaxpr=None, num_consts=0)
-    with _vmap.batching(jx.batch_trace_key(batch)):
+    with batching(jx.batch_trace_key(batch)):
       brules = _vmap.batched_rules(base, (), (), in_dims, axis_data)
     bavals = _vmap.batched_avals(avals, in_dims, axis_data)
     with jx.set_current_trace(lin):

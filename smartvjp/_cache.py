@@ -1,4 +1,5 @@
-"""Caches of traced rules that live no longer than one outer trace.
+"""State that lives no longer than a trace: caches of traced rules, and the
+vmap whose batching rule is running.
 
 ``jax.custom_vjp`` calls the user's ``f``, ``fwd`` and ``bwd`` afresh inside
 every new outer trace (a new ``jax.jit``, ``jax.make_jaxpr``, eager
@@ -12,6 +13,8 @@ it and a new program traces again.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import weakref
 from typing import Any, Hashable
 
@@ -65,3 +68,48 @@ class TraceLocalCache:
     self._entries.move_to_end(key)
     if self.maxsize is not None and len(self._entries) > self.maxsize:
       self._entries.popitem(last=False)
+
+
+# The vmap (trace tag, axis data) whose batching rule for one of smartvjp's
+# primitives is running (entered by the primitives' bind on a vmap's trace,
+# see _primitive.py): the user's rules, run again by a batching rule, run as
+# part of that vmap, so values they close over from it are batched too.
+_BATCHING: contextvars.ContextVar = contextvars.ContextVar(
+    "smartvjp_batching", default=None)
+
+
+@contextlib.contextmanager
+def batching(key):
+  """Notes ``key``, ``(tag, axis_data)`` of a vmap, while its batching rule
+  for one of smartvjp's primitives runs."""
+  token = _BATCHING.set(key)
+  try:
+    yield
+  finally:
+    _BATCHING.reset(token)
+
+
+def batching_tag(axis_data):
+  """The trace tag of the vmap over ``axis_data`` whose batching rule is
+  running, else ``None``."""
+  now = _BATCHING.get()
+  return now[0] if now is not None and now[1] is axis_data else None
+
+
+# The call being bound by ``smart_custom_vjp.__call__`` while the current
+# trace linearizes it where it is made (``jax.grad`` applied directly): there
+# ``jax.custom_vjp`` runs ``fwd`` on a closed-over tracer, which leaks, while a
+# staged call (a ``jit``, ``scan`` or ``cond`` body, ``jax.checkpoint``)
+# differentiated later is refused by its rule; the two raise different types.
+made_under_linearize: contextvars.ContextVar = contextvars.ContextVar(
+    "smartvjp_made_under_linearize", default=None)
+
+
+@contextlib.contextmanager
+def linearized_where_made(call):
+  """Marks ``call`` as bound directly under a linearization (see above)."""
+  token = made_under_linearize.set(call)
+  try:
+    yield
+  finally:
+    made_under_linearize.reset(token)

@@ -1,16 +1,9 @@
-"""``jax.experimental.checkify`` of a rule's code: what the checkify rules of
-smartvjp's primitives share.
+"""``jax.experimental.checkify`` of a ``smart_custom_vjp`` call.
 
-``checkify`` interprets a jaxpr equation by equation and turns each
-``checkify.check`` (and, when enabled, each NaN, division and index check)
-into an error value that flows alongside the program's values. smartvjp's
-primitives hide the user's code in their params, so each has a checkify
-rule (in its own module) that interprets that code the same way, here:
-the code is traced, checked, and bound as a ``smartvjp_bwd`` equation over
-the checked jaxpr, named after the rule. ``smartvjp_call``'s rule instead
-makes a new smart call whose ``f`` is checked (see ``_call.py``), so that the
-result stays differentiable with the user's rules, as with
-``jax.custom_vjp``.
+The other primitives' checkify rules (``_primitive.checked_rule``, derived
+by ``define``) check the rule code they evaluate. ``smartvjp_call``'s makes a
+new smart call whose ``f`` is checked, so that the result stays
+differentiable with the user's rules, as with ``jax.custom_vjp``.
 """
 
 from __future__ import annotations
@@ -18,33 +11,87 @@ from __future__ import annotations
 from jax import tree_util
 
 from smartvjp import _facade as jx
-from smartvjp._primitive import bwd_p
+from smartvjp._checks import check_primal_out, flatten_cotangents
+from smartvjp._primitive import call_p, replace_rule
+from smartvjp._spec import Rules, trace_call
 
 
-def checked_rule(ctx, error, enabled, fn, args, call, which):
-  """Traces ``fn(*args)`` (a rule's code: ``which`` is ``"fun"``, ``"fwd"``,
-  ``"bwd"`` or ``"fwd_bwd"``), checks it, and binds it as ``smartvjp_bwd``;
-  returns ``(error, outs)``."""
-  what = f"smart_custom_vjp {'f' if which == 'fun' else which}"
+def _call_checkify(ctx, error, enabled, *args, call):
+  """``f`` checked inside a new smart call over ``[*error_leaves,
+  *primals]`` whose ``fwd``/``bwd``/``fwd_bwd`` are the user's around it,
+  so the result stays differentiable with the same rules. As with
+  ``jax.custom_vjp``, ``fwd`` is not checked: where the call is
+  differentiated after ``checkify`` (``jax.vjp`` of a checkified function),
+  the error that comes out is the one that went in, with none of ``f``'s
+  checks added."""
   err_vals, err_tree = tree_util.tree_flatten(error)
-  n_err = len(err_vals)
-  avals = [jx.get_aval(a) for a in args]
-  name_fun = getattr(call.rules, which) or call.rules.fun
-  inner, inner_consts = jx.trace_to_closed_jaxpr(
-      lambda *xs: list(fn(*xs)), avals, what, name_fun, avals)
+  f_consts, primals = args[:call.num_consts], args[call.num_consts:]
+  leaves = [*err_vals, *primals]
   store = {}
-
-  def checked(*xs):
-    err, outs = jx.checkify_jaxpr(ctx, inner.jaxpr, enabled, err_tree,
-                                  *xs[:n_err], *inner_consts, *xs[n_err:])
-    leaves, store["tree"] = tree_util.tree_flatten(err)
-    return [*leaves, *outs]
-
-  all_avals = [*(jx.get_aval(e) for e in err_vals), *avals]
-  jaxpr, consts = jx.trace_to_closed_jaxpr(checked, all_avals, what, name_fun,
-                                           all_avals)
-  outs = bwd_p.bind(*consts, *err_vals, *args, call=call, which=which,
-                    jaxpr=jaxpr)
+  rules = _checked_rules(ctx, call, enabled, err_tree, len(err_vals),
+                         list(f_consts), store)
+  avals = tuple(jx.get_aval(x) for x in leaves)
+  new_call, consts = trace_call(rules, (), len(leaves),
+                                tree_util.tree_structure(tuple(leaves)), avals)
+  outs = call_p.bind(*consts, *leaves, call=new_call)
   n_out_err = store["tree"].num_leaves
+  if store.get("fwd_ran"):
+    return error, list(outs[n_out_err:])
   return (tree_util.tree_unflatten(store["tree"], outs[:n_out_err]),
           list(outs[n_out_err:]))
+
+
+def _value(x):
+  return x.value if isinstance(x, jx.CustomVJPPrimal) else x
+
+
+def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
+  """The user's rules over ``[*error_leaves, *primal_leaves]``: ``f``
+  checked, ``fwd`` passing the incoming error through, the errors'
+  cotangents ``None``."""
+  user = call.rules
+
+  def fun(*leaves):
+    err, outs = jx.checkify_jaxpr(ctx, call.jaxpr.jaxpr, enabled, err_tree,
+                                  *leaves[:n_err], *f_consts, *leaves[n_err:])
+    err_leaves, store["tree"] = tree_util.tree_flatten(err)
+    store["effects"] = jx.error_effects(err)
+    return [*err_leaves, *outs]
+
+  def fwd(*leaves):
+    store["fwd_ran"] = True   # traced or run for this call: it is its rule
+    in_err = tree_util.tree_unflatten(err_tree,
+                                      [_value(e) for e in leaves[:n_err]])
+    out, res = user.fwd(*call.full_args(leaves[n_err:]))
+    check_primal_out(call, out)
+    widened = jx.widen_error(in_err, store["effects"])
+    return [*tree_util.tree_leaves(widened), *tree_util.tree_leaves(out)], res
+
+  def user_cts(out, which):
+    cts = flatten_cotangents(call, out, which)
+    return tuple([None] * n_err + [None if type(c) is jx.Zero else c
+                                   for c in cts])
+
+  def bwd(res, g):
+    ct = tree_util.tree_unflatten(call.out_tree,
+                                  list(g[store["tree"].num_leaves:]))
+    return user_cts(user.bwd(*call.nondiff, res, ct), "bwd")
+
+  def fwd_bwd(*args):
+    leaves, g = args[:-1], args[-1]
+    ct = tree_util.tree_unflatten(call.out_tree,
+                                  list(g[store["tree"].num_leaves:]))
+    return user_cts(user.fwd_bwd(*call.full_args(leaves[n_err:]), ct),
+                    "fwd_bwd")
+
+  for fn, like in ((fun, user.fun), (fwd, user.fwd), (bwd, user.bwd),
+                   (fwd_bwd, user.fwd_bwd)):
+    fn.__name__ = getattr(like, "__name__", fn.__name__)
+  return Rules(fun=fun, fwd=fwd if user.fwd is not None else None,
+               bwd=bwd if user.bwd is not None else None,
+               fwd_bwd=fwd_bwd if user.fwd_bwd is not None else None,
+               symbolic_zeros=user.symbolic_zeros, nondiff_argnums=(),
+               generic_batching=user.generic_batching)
+
+
+replace_rule(call_p, "checkify", _call_checkify)

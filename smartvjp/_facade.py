@@ -553,12 +553,12 @@ def positional_effects(jaxpr) -> set:
                  if is_ref_aval(v.aval) and i not in touched}
 
 
-def eqn_effects(jaxpr, invars) -> set:
-  """The effects of an equation over ``invars`` that evaluates ``jaxpr``."""
-  effs = positional_effects(jaxpr)
+def resolve_effects(effs, invars) -> set:
+  """Positional effects (what an abstract evaluation returns) as the
+  effects of an equation over ``invars``."""
   if V.EFFECTS_NAME_VARS:
     return _core.resolve_input_effects(effs, invars)
-  return effs
+  return set(effs)
 
 
 def move_input_effects(effs, where: Callable[[int], int]) -> set:
@@ -753,11 +753,6 @@ def register_batching(prim, rule):
   _batching.fancy_primitive_batchers[prim] = rule
 
 
-def batching_rule(prim):
-  """The batching rule registered for ``prim`` (:func:`register_batching`)."""
-  return _batching.fancy_primitive_batchers[prim]
-
-
 def register_pp(prim, rule):
   """``rule(eqn, context, settings) -> doc``; see :func:`pp_eqn`."""
   _core.pp_eqn_rules[prim] = rule
@@ -766,11 +761,11 @@ def register_pp(prim, rule):
 _PRINT_STAND_INS: dict = {}
 
 
-def pp_eqn(eqn, context, settings):
+def pp_eqn(eqn, context, settings, name=None):
   """JAX's default printing of an equation (what a printing rule delegates
   to after choosing which params to show), under a stand-in primitive of the
-  same name that has no printing rule of its own."""
-  name = eqn.primitive.name
+  same name (or of ``name``) that has no printing rule of its own."""
+  name = name or eqn.primitive.name
   stand_in = _PRINT_STAND_INS.setdefault(name, _core.Primitive(name))
   return _core.pp_eqn(eqn.replace(primitive=stand_in), context, settings)
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _facade as jx
-from smartvjp._errors import describe_tree, function_name, rule_error
+from smartvjp._checks import describe_tree, function_name, rule_error
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

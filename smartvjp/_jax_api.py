@@ -35,7 +35,7 @@ from typing import Callable
 from jax import tree_util
 
 from smartvjp import _facade as jx
-from smartvjp._errors import function_name
+from smartvjp._checks import function_name
 from smartvjp import _versions
 
 # The JAX release that added each method (or defvjp's parameter).

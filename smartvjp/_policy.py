@@ -49,7 +49,6 @@ class Split:
   (the saved values are its leading constants)."""
   known: object
   staged: object
-  saved_avals: tuple
   # per saved value, the primal output it is (saved as itself), or None
   saved_outputs: tuple = ()
 
@@ -87,8 +86,7 @@ def split_fwd(saveable, call, fwd) -> Split | None:
       fwd, jaxpr=jx.ClosedJaxpr(known, ()),
       new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=())
   staged_spec = fwd.shifted(jx.ClosedJaxpr(staged, ()), len(saved))
-  return Split(known_spec, staged_spec, tuple(v.aval for v in saved),
-               saved_outputs)
+  return Split(known_spec, staged_spec, saved_outputs)
 
 
 def _without_saved_outputs(staged, n_out, saved):
@@ -235,7 +233,14 @@ def _asked(policy, prim, avals, params) -> _plan.Asked:
 def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers:
   """The policy's answers for a call: asked about its ``smartvjp_jvp``
   equation (``jvp_prim`` over ``jvp_avals`` with ``jvp_params``), then for
-  each residual ``fwd`` computes about its producers (see the module)."""
+  each residual ``fwd`` computes about its producers (see the module).
+  ``policy`` ``None`` (a plain ``jax.checkpoint`` under remat3) recomputes
+  everything; so does a call without ``fwd`` (only ``fwd_bwd`` given)."""
+  if fwd is None:
+    return _plan.Answers(_plan.RECOMPUTE)
+  if policy is None:
+    return _plan.Answers(_plan.RECOMPUTE,
+                         (_plan.RECOMPUTE,) * fwd.num_new_res)
   policy = named_policy(policy)
   call_answer = _asked(policy, jvp_prim, jvp_avals, jvp_params)
   chains = fwd.new_res_eqns or ((),) * fwd.num_new_res

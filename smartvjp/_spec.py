@@ -19,12 +19,11 @@ from jax.errors import UnexpectedTracerError
 from smartvjp import _facade as jx
 from smartvjp import _plan
 from smartvjp._cache import TraceLocalCache
-from smartvjp._errors import (
-    check_jax_leaves, describe_tree, expect_used_up, function_name, rule_error)
-from smartvjp._refs import (
-    argument_position, check_aliased_refs, check_f_output, check_fwd_output)
+from smartvjp._checks import (
+    argument_position, check_aliased_refs, check_f_output, check_fwd_output,
+    check_jax_leaves, check_primal_out, describe_tree, expect_used_up,
+    function_name, rule_error)
 from smartvjp._policy import producers as policy_producers
-from smartvjp._typecheck import check_primal_out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -287,14 +286,21 @@ def pruned(call: CallSpec, kept: tuple) -> CallSpec:
       full=base, kept=base_kept)
 
 
+def remat_call(call: CallSpec) -> CallSpec | None:
+  """``call`` with its ``defremat`` rules in place of its ``defvjp`` ones
+  (the same traced ``f``), or ``None`` when it has none; cached on it."""
+  if call.rules.remat is None:
+    return None
+  hit = call.batch_cache.get(("defremat",))
+  if hit is None:
+    hit = call.with_rules(call.rules.remat)
+    call.batch_cache.put(("defremat",), hit)
+  return hit
+
+
 def select_outputs(call: CallSpec, outs) -> list:
   """The outputs of ``call.full`` that the pruned ``call`` has."""
   return [outs[i] for i in call.kept]
-
-
-def tangent_avals(avals, nz) -> list:
-  """The tangent types of the avals where ``nz`` is true."""
-  return [a.to_tangent_aval() for a, n in zip(avals, nz) if n]
 
 
 def _has_tangent(aval) -> bool:

@@ -12,8 +12,6 @@ batching its jaxpr, which keeps its output layout.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 
 import jax
@@ -22,31 +20,11 @@ from jax import tree_util
 
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
+from smartvjp._cache import batching_tag
+from smartvjp._checks import flatten_cotangents
 from smartvjp._forward import BatchedJvpRule
-from smartvjp._spec import CallSpec, Rules, is_static_residual, trace_call
-from smartvjp._typecheck import flatten_cotangents
-
-# The vmap (trace tag, axis data) whose batching rule for one of smartvjp's
-# primitives is running (set by the primitives' bind, see _primitive.py).
-_BATCHING: contextvars.ContextVar = contextvars.ContextVar(
-    "smartvjp_batching", default=None)
-
-
-@contextlib.contextmanager
-def batching(key):
-  """Notes ``key``, ``(tag, axis_data)`` of a vmap, while its batching rule
-  for one of smartvjp's primitives runs."""
-  token = _BATCHING.set(key)
-  try:
-    yield
-  finally:
-    _BATCHING.reset(token)
-
-
-def _current_tag(axis_data):
-  now = _BATCHING.get()
-  return now[0] if now is not None and now[1] is axis_data else None
-
+from smartvjp._spec import (
+    CallSpec, Rules, is_static_residual, remat_call, trace_call)
 
 def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None):
   """``jax.vmap(fn, in_axes)`` over ``axis_data`` (every output at axis 0);
@@ -132,7 +110,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
   every output is batched (per-example values and cotangents)."""
   rules = call.rules
   n = call.num_primals
-  tag = _current_tag(axis_data)
+  tag = batching_tag(axis_data)
 
   def vmapped(fn, in_axes, report=None):
     return _vmap_rule(fn, in_axes, axis_data, tag, report)
@@ -222,7 +200,7 @@ def jvp_rule_over_tangents(call, num_tangents, axis_data):
   """``call``'s forward rule under ``vmap`` with only its tangents mapped
   (at 0), its primals not (``jax.jacfwd``): a rule whose primal part sees
   one example, so a kernel inside it may serve the whole batch."""
-  tag = _current_tag(axis_data)
+  tag = batching_tag(axis_data)
   return BatchedJvpRule(
       call.rules.jvp, call, (None,) * call.num_primals,
       lambda fn, in_axes: _vmap_rule(fn, in_axes, axis_data, tag),
@@ -269,18 +247,6 @@ def linear_only_call(call, in_dims, axis_data):
       num_consts=0, origin=call)
   call.batch_cache.put(key, spec)
   return spec
-
-
-def remat_call(call):
-  """``call`` with its ``defremat`` rules in place of its ``defvjp`` ones
-  (the same traced ``f``), or ``None`` when it has none; cached on it."""
-  if call.rules.remat is None:
-    return None
-  hit = call.batch_cache.get(("defremat",))
-  if hit is None:
-    hit = call.with_rules(call.rules.remat)
-    call.batch_cache.put(("defremat",), hit)
-  return hit
 
 
 def batched_fwd(call, fwd, axis_data, dims, out_dims):

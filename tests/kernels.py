@@ -311,3 +311,15 @@ def gpu_rule_launches(fn, *args, kernel_names):
   ``kernel_names`` lists."""
   names = [name for names in kernel_names.values() for name in names]
   return per_rule(gpu_kernel_launches(fn, *args, names=names), kernel_names)
+
+
+# smartvjp_rule runs every user rule; jaxprs print it under the rule's name
+_PRINTED = {"f": "smartvjp_primal", "fwd": "smartvjp_fwd",
+            "bwd": "smartvjp_bwd", "fwd_bwd": "smartvjp_bwd"}
+
+
+def printed_name(eqn) -> str:
+  """The name a jaxpr prints for ``eqn``'s primitive."""
+  if eqn.primitive.name == "smartvjp_rule":
+    return _PRINTED[eqn.params["which"]]
+  return eqn.primitive.name

@@ -99,13 +99,51 @@ def test_module_map_lists_every_module():
                              f"listed but absent: {listed - present}")
 
 
-def test_each_primitive_is_defined_in_its_own_module():
-  """Every rule of a primitive lives in one module, or in a helper module
-  the rules share (``_primitive``, a factory there)."""
-  shared = {"smartvjp/_primitive.py"}
+# Where each kind of rule lives: the module of its stage (a transformation),
+# or _primitive.py where define() derives it from what the primitive
+# evaluates.
+STAGE_OF_KIND = {
+    "jvp": "_ad", "linearization": "_ad", "transpose": "_ad",
+    "transpose_with_logs": "_ad",
+    "partial_eval": "_pe", "partial_eval_custom": "_pe", "dce": "_pe",
+    "batching": "_batching", "remat3": "_remat3", "checkify": "_checkify",
+}
+DERIVED = "smartvjp/_primitive.py"
+
+
+def test_each_rule_lives_in_the_module_of_its_stage():
+  """Organized by stage, not by primitive: a primitive's specific rules are
+  in the module of their transformation, its generic ones derived in
+  ``_primitive``; a specific rule is named ``_<primitive>_<kind>`` (or
+  after the rule it shares, such as forward-mode evaluation), so ``grep``
+  finds it."""
   for prim, rules in RULES.items():
-    homes = {_where(fn)[0] for fn in rules.values()} - shared
-    assert len(homes) == 1, (prim, sorted(homes))
+    short = prim.removeprefix("smartvjp_")
+    for kind, fn in rules.items():
+      path, name = _where(fn)
+      if path == DERIVED:
+        continue
+      stage = STAGE_OF_KIND.get(kind)
+      if stage is None:   # evaluation: forward mode of jvp and lin (_ad)
+        assert path == "smartvjp/_ad.py", (prim, kind, path)
+        continue
+      assert path == f"smartvjp/{stage}.py", (prim, kind, path)
+      assert name.startswith(f"_{short}_") or name.startswith("_"), name
+
+
+def test_import_floors():
+  """At most 7 floors from ``_versions`` up to the core's top (the rule
+  modules and ``_api``); the public helpers on top of ``_api`` (swap,
+  equinox, tesseract) and ``__init__`` add the rest."""
+  graph = _graph()
+  floor: dict[str, int] = {}
+
+  def depth(m):
+    if m not in floor:
+      floor[m] = 1 + max((depth(n) for n in graph.get(m, ())), default=0)
+    return floor[m]
+  core = ["_ad", "_pe", "_batching", "_remat3", "_checkify", "_api"]
+  assert max(depth(m) for m in core) <= 7, {m: depth(m) for m in graph}
 
 
 # -- the import graph of smartvjp/ ---------------------------------------------------

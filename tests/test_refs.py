@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernels import printed_name
 
 from smartvjp import smart_custom_vjp
 
@@ -508,7 +509,7 @@ def _fused_reads(impl="smart"):
 def _primitives_in(jaxpr) -> set:
   out = set()
   for eqn in jaxpr.eqns:
-    out.add(eqn.primitive.name)
+    out.add(printed_name(eqn))
     for v in eqn.params.values():
       for sub in (v if isinstance(v, (tuple, list)) else [v]):
         inner = getattr(sub, "jaxpr", sub)

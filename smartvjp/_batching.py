@@ -1,0 +1,212 @@
+"""Batching rules (``jax.vmap``).
+
+A batched call is a new call whose rules are the user's rules under
+``vmap`` (``_vmap.py``), as ``jax.custom_vjp`` batches its rules; a traced
+``fwd`` or backward rule is batched by batching its jaxpr, which keeps its
+output layout; the linear map and the forward-mode rule batch their rules
+the same way. Nothing here decides where a rule runs: a batched
+``smartvjp_jvp`` or ``smartvjp_rem`` keeps its schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from smartvjp import _execute as ex
+from smartvjp import _facade as jx
+from smartvjp import _vmap
+from smartvjp._forward import tangents_only
+from smartvjp._primitive import (
+    call_p, jvp_p, lin_p, register, rem_p, rule_p)
+from smartvjp._spec import select_outputs
+
+
+# -- smartvjp_call -------------------------------------------------------------------
+
+def _call_batching(axis_data, args, dims, *, call):
+  if call.full is not None:   # pruned by DCE: the whole call, selected
+    outs, out_dims = _call_batching(axis_data, args, dims, call=call.full)
+    return select_outputs(call, outs), select_outputs(call, out_dims)
+  if _vmap.unbatched(axis_data, dims, call.jaxpr.effects):
+    return call_p.bind(*args, call=call), [None] * call.num_outs
+  consts, primals = args[:call.num_consts], args[call.num_consts:]
+  cdims, pdims = dims[:call.num_consts], dims[call.num_consts:]
+  primals, pdims = _vmap.to_front_or_none(axis_data, primals, pdims)
+  bcall, bconsts = _vmap.batched_call(call, consts, cdims, pdims, axis_data)
+  outs = call_p.bind(*bconsts, *primals, call=bcall)
+  # an output f computes from unbatched inputs only is the same for every
+  # example: one copy, unbatched, as JAX returns it; differentiated, fwd ran
+  # and its outputs decide (_output_batching)
+  _, out_batched = jx.batch_jaxpr(
+      call.jaxpr, axis_data, [d is not None for d in (*cdims, *pdims)], False)
+  out_batched = _output_batching(bcall, outs, out_batched)
+  outs = [o if b else o[0] for o, b in zip(outs, out_batched)]
+  return outs, [0 if b else None for b in out_batched]
+
+
+register(call_p, "batching", _call_batching)
+
+
+def _output_batching(bcall, outs, f_batched):
+  """Which outputs of a batched call are mapped: ``f``'s answer, except when
+  the call was just differentiated (its outputs carry tangents), where
+  ``fwd`` ran and its mapped outputs decide, as for ``jax.custom_vjp``. With
+  ``generic_batching=True`` ``f`` always decides, as in JAX."""
+  if (all(f_batched) or bcall.rules.generic_batching
+      or not any(jx.carries_tangent(o) for o in outs)):
+    return f_batched
+  mapped = getattr(bcall.rules.fwd, "mapped_outputs", {}).get("fwd")
+  if mapped is None or len(mapped) != len(f_batched):
+    return f_batched
+  return list(mapped)
+
+
+# -- smartvjp_rule ---------------------------------------------------------------------
+
+def _rule_batching(axis_data, args, dims, **params):
+  call, which, jaxpr = params["call"], params["which"], params.get("jaxpr")
+  if jaxpr is not None:   # a traced backward rule (or a checked one)
+    if _vmap.unbatched(axis_data, dims, jaxpr.effects):
+      return rule_p.bind(*args, **params), [None] * len(jaxpr.out_avals)
+    new, consts, out_batched = _vmap.batched_jaxpr(jaxpr, axis_data, dims)
+    outs = rule_p.bind(*consts, *args, **dict(params, jaxpr=new))
+    return outs, [0 if b else None for b in out_batched]
+  fwd = params["fwd"]
+  if which == "f":   # batched as the smartvjp_call it evaluates
+    n1, n2 = call.num_consts, call.num_consts + (fwd.num_consts if fwd else 0)
+    return _call_batching(axis_data, [*args[:n1], *args[n2:]],
+                          [*dims[:n1], *dims[n2:]], call=call)
+  if _vmap.unbatched(axis_data, dims, fwd.jaxpr.effects):
+    return rule_p.bind(*args, **params), [None] * len(fwd.jaxpr.out_avals)
+  n_out = len(fwd.jaxpr.out_avals)
+  bfwd, extra, out_batched = _vmap.batched_fwd(
+      call, fwd, axis_data, dims, [jx.zero_if_mapped] * n_out)
+  outs = rule_p.bind(*extra, *args, **dict(params, fwd=bfwd))
+  return outs, [0 if b else None for b in out_batched]
+
+
+register(rule_p, "batching", _rule_batching)
+
+
+# -- smartvjp_lin ----------------------------------------------------------------------
+
+def _num_nonlinear(call, fwd) -> int:
+  return len(fwd.res_avals) if fwd is not None else call.num_primals
+
+
+def _lin_batching(axis_data, args, dims, *, call, fwd, in_nz, reload):
+  if all(d is None for d in dims):
+    return (lin_p.bind(*args, **ex.lin_params(call, fwd, in_nz, reload)),
+            [None] * sum(call.out_nz))
+  n = _num_nonlinear(call, fwd)
+  if call.rules.jvp is not None and all(d is None for d in dims[:n]):
+    # only tangents mapped (jax.jacfwd): the forward rule with its primals
+    # unmapped, evaluated here
+    tangents = [_vmap.front(axis_data, t, d) for t, d in zip(args[n:],
+                                                             dims[n:])]
+    fwd_rule = _vmap.jvp_rule_over_tangents(call, len(tangents), axis_data)
+    outs = tangents_only(call, args[n - call.num_primals:n], in_nz, tangents,
+                         fwd_rule)
+    return outs, [0] * len(outs)
+  args = [_vmap.front(axis_data, x, d) for x, d in zip(args, dims)]
+  bcall = _vmap.linear_only_call(call, [0] * call.num_primals, axis_data)
+  bfwd = fwd
+  if fwd is not None:
+    size, _, _, mesh_axis = jx.vmap_axis(axis_data)
+    bfwd = dataclasses.replace(
+        fwd, res_avals=tuple(jx.get_aval(r) for r in args[:n]),
+        out_avals=tuple(jx.unmapped_aval(size, 0, a, mesh_axis)
+                        for a in fwd.out_avals))
+  outs = lin_p.bind(*args, **ex.lin_params(bcall, bfwd, in_nz, reload))
+  return outs, [0] * len(outs)
+
+
+register(lin_p, "batching", _lin_batching)
+
+
+# -- smartvjp_jvp ----------------------------------------------------------------------
+
+def _jvp_batching(axis_data, args, dims, *, call, fwd, in_nz, schedule):
+  params = dict(call=call, fwd=fwd, in_nz=in_nz, schedule=schedule)
+  effects = call.jaxpr.effects | (fwd.jaxpr.effects if fwd is not None
+                                  and fwd.jaxpr is not None else set())
+  if _vmap.unbatched(axis_data, dims, effects):
+    return jvp_p.bind(*args, **params), [None] * (call.num_outs
+                                                  + sum(call.out_nz))
+  f_consts, fwd_consts, primals, tangents = call.split_jvp_args(args, fwd)
+  cdims, wdims, pdims, tdims = call.split_jvp_args(dims, fwd)
+  if all(d is None for d in (*cdims, *wdims, *pdims)):
+    return _tangents_only(axis_data, call, fwd, in_nz, f_consts, fwd_consts,
+                          primals, tangents, tdims)
+  # tangents are mapped at 0 (broadcast if need be), so a primal with a
+  # tangent is mapped too: the batched rules see one batch, and bwd's
+  # cotangent for it is per example, like its tangent
+  pdims = [d if d is not None or not nz else "broadcast"
+           for d, nz in zip(pdims, in_nz)]
+  primals, pdims = _vmap.to_front_or_none(axis_data, primals, pdims)
+  tangents = [_vmap.front(axis_data, t, d) for t, d in zip(tangents, tdims)]
+  bcall, bconsts = _vmap.batched_call(call, f_consts, cdims, pdims, axis_data)
+  bfwd, bfwd_consts = bcall.fwd_for(in_nz)
+  outs = jvp_p.bind(*bconsts, *bfwd_consts, *primals, *tangents, call=bcall,
+                    fwd=bfwd, in_nz=in_nz, schedule=schedule)
+  return outs, [0] * len(outs)
+
+
+register(jvp_p, "batching", _jvp_batching)
+
+
+def _tangents_only(axis_data, call, fwd, in_nz, f_consts, fwd_consts,
+                   primals, tangents, tdims):
+  """Only tangents mapped (``jacfwd``): the primal side once, the linear map
+  batched (with a forward rule: ``f`` once and the rule's tangent part)."""
+  if call.rules.jvp is not None:
+    outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals)
+    tangents = [_vmap.front(axis_data, t, d) for t, d in zip(tangents, tdims)]
+    fwd_rule = _vmap.jvp_rule_over_tangents(call, len(tangents), axis_data)
+    touts = tangents_only(call, primals, in_nz, tangents, fwd_rule)
+    return [*outs, *touts], [None] * len(outs) + [0] * len(touts)
+  if fwd is None:
+    outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals)
+    lin_inputs = primals
+  else:
+    outs, lin_inputs = ex.fwd_side(call, fwd, f_consts, fwd_consts, primals)
+  touts, _ = _lin_batching(
+      axis_data, [*lin_inputs, *tangents],
+      [None] * len(lin_inputs) + list(tdims), **ex.lin_params(call, fwd, in_nz))
+  return [*outs, *touts], [None] * len(outs) + [0] * len(touts)
+
+
+# -- smartvjp_rem ----------------------------------------------------------------------
+
+def _rem_batching(axis_data, args, dims, *, call, fwd, schedule):
+  """A rem side still undifferentiated when a vmap batches it (a
+  ``jax.grad`` inside ``jax.vmap`` that does not differentiate the call's
+  inputs): the batched call with its batched rules, and the rem side's
+  ``fwd`` batched with every input and output mapped at axis 0, so that its
+  residuals are laid out as the batched ``bwd`` expects them."""
+  params = dict(call=call, fwd=fwd, schedule=schedule)
+  if _vmap.unbatched(axis_data, dims,
+                     rem_p.abstract_eval(*map(jx.get_aval, args),
+                                         **params)[1]):
+    return rem_p.bind(*args, **params), [None] * call.num_outs
+  args, _ = _vmap.to_front_or_none(
+      axis_data, args, ["broadcast" if d is None else d for d in dims])
+  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
+  f_consts, fwd_in, primals = args[:n1], args[n1:n2], args[n2:]
+  bcall, bconsts = _vmap.batched_call(call, f_consts, [0] * len(f_consts),
+                                      [0] * len(primals), axis_data)
+  n_in, n_out = len(fwd.jaxpr.in_avals), len(fwd.jaxpr.out_avals)
+  bfwd, extra, _ = _vmap.batched_fwd(call, fwd, axis_data, [0] * n_in,
+                                     [0] * n_out)
+  jaxpr = bfwd.jaxpr.jaxpr
+  in_avals = [v.aval for v in jaxpr.invars]
+  new_res = iter(v.aval for v in jaxpr.outvars[call.num_outs:])
+  bfwd = dataclasses.replace(bfwd, res_avals=tuple(
+      in_avals[s] if type(s) is int else next(new_res)
+      for s in bfwd.res_src if s is None or type(s) is int))
+  outs = rem_p.bind(*bconsts, *extra, *fwd_in, *primals, call=bcall,
+                    fwd=bfwd, schedule=schedule)
+  return outs, [0] * len(outs)
+
+
+register(rem_p, "batching", _rem_batching)

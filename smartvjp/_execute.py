@@ -1,0 +1,301 @@
+"""Carrying out the plan: what each pass of a differentiated call runs.
+
+``_plan.plan`` decides (a pure function of facts and a policy's answers);
+this module carries the decision out, once, for every place JAX asks:
+
+* :func:`decide`: the plan for one call, with the ``defremat`` rules
+  swapped in where the plan says so (the only place they are);
+* :func:`forward`: what the forward pass runs for a plan (``f``, ``fwd``,
+  or the part of ``fwd`` a split keeps), emitted through an *emitter*:
+  :class:`Bind` binds primitives on the current trace (remat3, the
+  trace-time partial evaluation of the rematerialized region,
+  linearization), :class:`Eqns` writes equations (the policy-driven partial
+  evaluation of ``jax.checkpoint``, which returns equations);
+* :func:`linear`: the linear map's inputs and params, where the residuals
+  are kept (or ``fwd_bwd`` runs on the primal inputs);
+* :func:`rebuilt`: what the backward region rebuilds, where the plan
+  recomputes (the user's ``fwd``) or splits (the rest of ``fwd``, from the
+  saved values);
+* :func:`run_bwd`, :func:`run_fwd_bwd`: the backward rules, traced once per
+  signature and bound as ``smartvjp_rule`` where the transpose runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import tree_util
+
+from smartvjp import _facade as jx
+from smartvjp import _jax_api
+from smartvjp import _plan
+from smartvjp import _policy
+from smartvjp._check import maybe_check
+from smartvjp._checks import bwd_checks_disabled, flatten_cotangents
+from smartvjp._primitive import call_p, lin_p, rule_p
+from smartvjp._spec import remat_call
+
+
+# -- emitters --------------------------------------------------------------------
+
+class Bind:
+  """Emits by binding on the current trace; returns the output values."""
+
+  def __call__(self, prim, ins, params, first=None):
+    del first
+    return list(prim.bind(*ins, **params))
+
+
+class Eqns:
+  """Emits equations with the source information of ``like``; returns the
+  output variables (``first``: variables to use for the leading outputs)."""
+
+  def __init__(self, like):
+    self.like = like
+    self.eqns = []
+
+  def __call__(self, prim, ins, params, first=None):
+    avals, effects = prim.abstract_eval(*[v.aval for v in ins], **params)
+    first = list(first or [])
+    outvars = [*first, *(jx.Var(a) for a in avals[len(first):])]
+    effects = jx.resolve_effects(effects, ins)
+    self.eqns.append(jx.new_eqn(ins, outvars, prim, params, effects,
+                                self.like))
+    return outvars
+
+  @property
+  def eqn(self):
+    (eqn,) = self.eqns
+    return eqn
+
+
+# -- what the forward pass runs ---------------------------------------------------
+
+def primal_params(call, fwd) -> dict:
+  """``f`` for a differentiated call (``fwd`` its rule, whose code an outer
+  derivative differentiates; ``None`` with ``fwd_bwd`` alone)."""
+  return dict(call=call, which="f", fwd=fwd)
+
+
+def fwd_params(call, fwd, offload=None) -> dict:
+  return dict(call=call, which="fwd", fwd=fwd, offload=offload)
+
+
+def primal(emit, call, fwd, f_consts, fwd_consts, primals, first=None):
+  """``f``'s outputs for a differentiated call. Where references are
+  involved a plain ``smartvjp_call`` stands in (its rules handle them, and
+  nothing differentiates it here)."""
+  if _policy.uses_references(call):
+    return emit(call_p, [*f_consts, *primals], dict(call=call), first)
+  return emit(rule_p, [*f_consts, *fwd_consts, *primals],
+              primal_params(call, fwd), first)
+
+
+def forward(emit, call, fwd, plan, f_consts, fwd_consts, primals,
+            first=None) -> tuple[list, list]:
+  """Emits what the forward pass runs for ``plan``; returns ``(primal_outs,
+  kept)``: ``kept`` are the values it computes for the backward side (the
+  residuals ``fwd`` computes, or the values a split saves; none where ``f``
+  runs)."""
+  n = call.num_outs
+  if plan.kind is _plan.Kind.SPLIT:
+    outs = emit(rule_p, [*fwd_consts, *primals],
+                fwd_params(call, plan.split.known), first)
+    return outs[:n], outs[n:]
+  if plan.schedule.forward is _plan.Forward.F:
+    return primal(emit, call, fwd, f_consts, fwd_consts, primals, first), []
+  offload = plan.spaces if plan.offloads else None
+  outs = emit(rule_p, [*fwd_consts, *primals], fwd_params(call, fwd, offload),
+              first)
+  return outs[:n], outs[n:]
+
+
+def fwd_side(call, fwd, f_consts, fwd_consts, primals):
+  """Binds what ``fwd`` stands for where its residuals are kept: ``fwd``,
+  or ``f`` in its place when ``fwd`` computes nothing more
+  (``_plan.fwd_or_f``). Returns ``(primal_outs, residuals)``."""
+  plan = _plan.fwd_or_f(_policy.facts(call, fwd))
+  outs, new_res = forward(Bind(), call, fwd, plan, f_consts, fwd_consts,
+                          primals)
+  return outs, fwd.assemble_residuals([*fwd_consts, *primals], new_res)
+
+
+# -- the linear map ------------------------------------------------------------------
+
+def lin_params(call, fwd, in_nz, reload=None) -> dict:
+  """``smartvjp_lin``'s params; ``fwd=None`` for the fused form."""
+  return dict(call=call, fwd=fwd, in_nz=tuple(in_nz), reload=reload)
+
+
+def linear(call, fwd, plan, in_nz, fwd_inputs, primals, kept):
+  """``(inputs, params)`` of the linear map after the forward pass of
+  ``plan`` (``kept``: what :func:`forward` returned): the residuals (those
+  a policy offloaded reloaded by the map), or the primal inputs where
+  ``fwd_bwd`` runs."""
+  if plan.schedule.runs_fwd_bwd or fwd is None:
+    return list(primals), lin_params(call, None, in_nz)
+  reload = None
+  if plan.offloads:
+    reload = tuple(fwd.assemble_residuals([False] * len(fwd_inputs),
+                                          [s is not None for s in plan.spaces]))
+  return (fwd.assemble_residuals(fwd_inputs, kept),
+          lin_params(call, fwd, in_nz, reload))
+
+
+def backward_region(call, fwd, schedule, in_nz, f_consts, fwd_consts,
+                    primals):
+  """In the backward region (or a linearization), with the primal inputs
+  known: binds what ``schedule``'s backward side starts with (the ``fwd``
+  side, or ``f`` where ``fwd_bwd`` runs) and returns ``(primal_outs,
+  linear inputs, linear params)``."""
+  if schedule.runs_fwd_bwd or fwd is None:
+    outs = primal(Bind(), call, fwd, f_consts, fwd_consts, primals)
+    return outs, list(primals), lin_params(call, None, in_nz)
+  outs, residuals = fwd_side(call, fwd, f_consts, fwd_consts, primals)
+  if schedule.recomputes and fwd.num_new_res:   # f ran forward, fwd here
+    maybe_check(call, f_consts, primals, outs)
+  return outs, residuals, lin_params(call, fwd, in_nz)
+
+
+# -- what the backward region rebuilds -------------------------------------------------
+
+def rebuilt(plan, fwd):
+  """For a plan that recomputes or splits: ``(fwd, schedule)`` of the staged
+  side, whose ``fwd`` rebuilds the residuals (the user's; or the rest of a
+  split ``fwd``, the saved values as its leading inputs)."""
+  if plan.kind is _plan.Kind.SPLIT:
+    return plan.split.staged, plan.schedule
+  return fwd, plan.schedule
+
+
+# -- deciding --------------------------------------------------------------------------
+
+def decide(call, fwd, in_nz, answers):
+  """The plan for a call under a remat policy (``answers``). Where the plan
+  turns to the ``defremat`` rules, they are swapped in here: returns
+  ``(call, fwd, plan, swapped)``, the call and ``fwd`` to carry out
+  (``swapped``: the ``defremat`` ones, whose ``fwd`` closes over nothing)."""
+  alt = []
+
+  def remat_rules_usable():
+    other = remat_call(call)
+    other_fwd, other_consts = other.fwd_for(in_nz)
+    alt.append((other, other_fwd))
+    return not other_consts
+
+  plan = _plan.plan(_policy.facts(call, fwd, remat_rules_usable), answers)
+  if plan.kind is not _plan.Kind.REMAT_RULES:
+    return call, fwd, plan, False
+  call, fwd = alt[-1]
+  plan = _plan.fwd_or_f(_policy.facts(call, fwd), (None,) * fwd.num_new_res)
+  return call, fwd, plan, True
+
+
+# -- the backward rules ---------------------------------------------------------------
+
+def _prepare_cts(call, cts_out):
+  if call.rules.symbolic_zeros:
+    return [jx.SymbolicZero(ct.aval) if type(ct) is jx.Zero else ct
+            for ct in cts_out]
+  return [jx.instantiate_zeros(ct) for ct in cts_out]
+
+
+def run_bwd(call, fwd, residuals, cts_out) -> list:
+  """``bwd(*nondiff, res, g)``, one cotangent (array or ``Zero``) per primal
+  leaf."""
+  rules = call.rules
+
+  def user(res, cts):
+    py_res = fwd.residual_tree(res)
+    py_ct = tree_util.tree_unflatten(call.out_tree, list(cts))
+    return flatten_cotangents(call, rules.bwd(*call.nondiff, py_res, py_ct),
+                              "bwd")
+  return _bind_rule(call, "bwd", fwd, user, list(residuals),
+                    _prepare_cts(call, cts_out))
+
+
+def run_fwd_bwd(call, primals, in_nz, cts_out) -> list:
+  """``fwd_bwd(*args, g)``, one cotangent (array or ``Zero``) per primal
+  leaf."""
+  rules = call.rules
+
+  def user(primals, cts):
+    args = call.full_args(call.fwd_inputs(primals, in_nz))
+    py_ct = tree_util.tree_unflatten(call.out_tree, list(cts))
+    return flatten_cotangents(call, rules.fwd_bwd(*args, py_ct), "fwd_bwd")
+  return _bind_rule(call, "fwd_bwd", tuple(in_nz), user, list(primals),
+                    _prepare_cts(call, cts_out))
+
+
+def _bind_rule(call, which, key, user, inputs, cts):
+  """Traces ``user`` (a backward rule) once per signature and binds it as
+  ``smartvjp_rule``. Only nonzero cotangents are inputs of the traced rule;
+  ``SymbolicZero`` ones (``symbolic_zeros=True``) are part of the
+  signature."""
+  zero_in = tuple(type(c) is jx.SymbolicZero for c in cts)
+  args = [*inputs, *(c for c, z in zip(cts, zero_in) if not z)]
+  if jx.stages_nothing():
+    # eager (perhaps under vmap or jvp, as in an eager vmap(grad(F))): the
+    # rule runs on the values themselves, as jax.custom_vjp runs bwd, so an
+    # unbatched residual reaches it as a concrete array
+    return user(inputs, cts)
+  avals = tuple(jx.get_aval(a) for a in args)
+  cache_key = (which, key, avals, zero_in, jx.config_key(),
+               bwd_checks_disabled())
+  hit = call.rule_cache.get(cache_key)
+  if hit is None:
+    store = {}
+
+    def flat(*args):
+      ins, nz_cts = args[:len(inputs)], iter(args[len(inputs):])
+      full = [c if z else next(nz_cts) for c, z in zip(cts, zero_in)]
+      with _jax_api.collecting_logs() as sink:
+        outs = user(ins, full)
+      log_leaves, store["logs"] = tree_util.tree_flatten(
+          _jax_api.merged_logs(sink))
+      store["zero_out"] = tuple(type(o) is jx.Zero for o in outs)
+      return [o for o in outs if type(o) is not jx.Zero] + log_leaves
+
+    jaxpr, consts = jx.trace_to_closed_jaxpr(
+        flat, avals, f"smart_custom_vjp {which}", getattr(call.rules, which),
+        avals)
+    hit = (jaxpr, consts, store["zero_out"], store["logs"])
+    call.rule_cache.put(cache_key, hit, consts)
+  jaxpr, consts, zero_out, logs_tree = hit
+  outs = rule_p.bind(*consts, *args, call=call, which=which, jaxpr=jaxpr)
+  n_logs = logs_tree.num_leaves
+  if n_logs:   # the logs bwd returned, as outputs of the equation
+    outs, log_leaves = outs[:-n_logs], outs[-n_logs:]
+    _jax_api.deposit_logs(tree_util.tree_unflatten(logs_tree, log_leaves))
+  outs = iter(outs)
+  return [jx.Zero(jx.ct_aval(a)) if z else next(outs)
+          for a, z in zip(call.in_avals, zero_out)]
+
+
+def with_offload_reloaded(res, reload):
+  """Residuals a policy offloaded (``reload[i]`` true) back in device
+  memory, where ``bwd`` expects them, as ``fwd`` returned them."""
+  if reload is None:
+    return list(res)
+  return [jax.device_put(r, jx.memory_space("device")) if back else r
+          for r, back in zip(res, reload)]
+
+
+def passthrough(call, fwd, out_avals):
+  """A ``fwd`` for remat3's rem side whose leading inputs are the forward
+  pass's primal outputs (of types ``out_avals``) and computed residuals,
+  returned as they are (residuals that are inputs keep coming from the
+  inputs)."""
+  avals = [*out_avals, *fwd.jaxpr.out_avals[call.num_outs:]]
+  num_saved = len(avals)
+
+  def same(*args):
+    return list(args[:num_saved])
+  closed, _ = jx.trace_to_closed_jaxpr(   # closes over nothing: no consts
+      same, [*avals, *fwd.jaxpr.in_avals], "smartvjp remat3 saved", same,
+      [jax.ShapeDtypeStruct(a.shape, a.dtype)
+       for a in [*avals, *fwd.jaxpr.in_avals]])
+  spec = fwd.shifted(closed, num_saved)
+  return dataclasses.replace(spec, new_res_names=(None,) * fwd.num_new_res,
+                             new_res_eqns=(), out_avals=tuple(out_avals))
