@@ -1,44 +1,47 @@
 #!/usr/bin/env python3
-"""Checks the JAX patches in this folder against JAX's own tests and the new
-launch-count tests, on each JAX target.
+"""Checks the patches of this folder against JAX's own tests and their own.
 
-Per target (jax 0.12.0.1 on Python 3.13, jax 0.11.0 on Python 3.12), in a
-scratch folder, it:
+JAX's ``main`` is the target. CI reaches only PyPI, so the default target is
+the ``jax==0.11.0`` wheel, whose ``jax/`` is main's first-parent commit
+0145058aac (2026-07-16) byte for byte apart from ``version.py``, with jaxlib
+0.11.0, on Python 3.12. ``--jax-git DIR`` (a clone of jax-ml/jax) checks that
+match and adds the target ``main``: commit cec06d116c (2026-08-08) from
+``git archive``, with the same jaxlib.
 
-1. makes a virtualenv and installs jax and jaxlib from PyPI (through pip's
-   cache), absl-py, pytest and pytest-xdist;
-2. unpatched: runs JAX's ``custom_api_test.py`` (the matching file from
-   ``--peer``) and the new tests that pin today's behaviour
-   (``CustomVJPRematTodayTest``);
-3. applies part 1 (``optimize_remat='policy'``) with ``patch -p1`` inside
-   site-packages and runs the new tests that need only it;
-4. applies part 2 (``fwd_bwd``) on top, and runs ``custom_api_test.py`` and
-   every new test, recording the launches each count test measured.
+Per target, with the target's ``jax/`` copied into a scratch folder on
+``PYTHONPATH``:
 
-It prints the tests of ``custom_api_test.py`` that fail only when patched
-(there must be none), the pass counts and the launch-count tables, writes
-them all with ``--json``, and exits 0 only when every patch applies, no test
-that passes unpatched fails patched, and every new test passes wherever it
-runs. Two optional checks take minutes more: ``--api-tests DIR``
-(``DIR/<peer folder name>/api_test.py``, JAX's ``tests/api_test.py`` at the
-matching version) runs that file's ``RematTest`` and ``Remat3Test`` unpatched
-and patched; ``--force-policy`` runs ``custom_api_test.py`` once more, patched,
-with ``optimize_remat='policy'`` forced on every ``custom_vjp`` that does not
-set ``optimize_remat`` itself.
+1. unpatched: JAX's ``custom_api_test.py`` (``--peer``'s file for that
+   commit, run where it lies) and the new test files, which are expected to
+   fail there in part;
+2. ``git apply`` PR 1: its tests must pass; JAX's file must fail no test that
+   passed unpatched; PR 1's tests run once more with
+   ``CustomVJPTraced.remat`` deleted and must then fail where the policy
+   saves fwd's residual (the objection that deleting that method would turn
+   'policy' into True silently);
+3. ``git apply`` follow-up 1 on top: every new test must pass, and JAX's file
+   must again fail no test that passed unpatched.
+
+It prints what failed where, pass counts and the time taken (wall and CPU
+seconds of its child processes), writes them with ``--json``, and exits 0
+only when every check holds. ``--launches`` also prints the launch tables of
+``launches.py`` at each step; ``--force-policy`` runs JAX's file once more
+with ``optimize_remat='policy'`` forced on every custom_vjp.
 
 Usage, from the repository root:
-  python3.13 design/upstream/check.py --peer ../shared/peer --json out.json
+  python3 design/upstream/check.py --peer ../shared/peer [--jax-git DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import dataclasses
+import filecmp
 import glob
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -47,34 +50,42 @@ import time
 import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NEW_TESTS = 'custom_vjp_remat_test.py'
+PATCHES = ('pr1-optimize_remat_policy.patch', 'followup1-saved-residuals.patch')
+TESTS = ('custom_vjp_policy_test.py', 'custom_vjp_policy_saved_test.py')
+PYTHON = '3.12'
+JAXLIB = '0.11.0'
+# PR 1's tests that must fail once CustomVJPTraced.remat is deleted.
+NEEDS_REMAT_RULE = ('test_launches_everything_saveable',
+                    'test_launches_residual_name_saved',
+                    'test_launches_scan_residual_saved')
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  jax: str            # the jax and jaxlib version to install
-  python: str         # the Python minor version to run it on
-  peer: str           # folder of --peer holding the matching custom_api_test.py
-  patches: tuple[str, str]  # part 1, part 2, in this folder
+  name: str
+  commit: str        # JAX's main commit that the target's jax/ is
+  peer: str          # the folder of --peer with that commit's test file
 
 
-TARGETS = (
-    Target('0.12.0.1', '3.13', 'jax-main-2026-08-08',
-           ('jax-0.12.0.1-1-optimize_remat_policy.patch',
-            'jax-0.12.0.1-2-fwd_bwd.patch')),
-    Target('0.11.0', '3.12', 'jax-v0.11.0',
-           ('jax-0.11.0-1-optimize_remat_policy.patch',
-            'jax-0.11.0-2-fwd_bwd.patch')),
-)
+WHEEL = Target('wheel', '0145058aaca8775b7c8f5a84a5a2e92d575f0722',
+               'jax-v0.11.0')
+MAIN = Target('main', 'cec06d116c05f0d52adfceee3d3b730fdbcb0ce5',
+              'jax-main-2026-08-08')
 
-# A conftest.py for --force-policy: the opt-in on every custom_vjp whose
+# A pytest plugin (on PYTHONPATH in a scratch folder) for the objection run.
+DROP_REMAT_RULE = """\
+from jax._src import hijax
+del hijax.CustomVJPTraced.remat
+"""
+
+# A pytest plugin for --force-policy: 'policy' on every custom_vjp whose
 # defvjp call does not set optimize_remat itself.
-FORCE_CONFTEST = """\
+FORCE_POLICY = """\
 from jax._src import custom_derivatives, hijax
 
 def _forcing(defvjp):
   def forced(self, fwd, bwd, *args, **kwargs):
-    if len(args) < 2 and not kwargs.get('optimize_remat'):
+    if len(args) < 2 and 'optimize_remat' not in kwargs:
       kwargs['optimize_remat'] = 'policy'
     return defvjp(self, fwd, bwd, *args, **kwargs)
   return forced
@@ -82,10 +93,6 @@ def _forcing(defvjp):
 custom_derivatives.custom_vjp.defvjp = _forcing(custom_derivatives.custom_vjp.defvjp)
 hijax.custom_vjp3.defvjp = _forcing(hijax.custom_vjp3.defvjp)
 """
-
-# Selections of the new tests (pytest -k).
-TODAY = 'CustomVJPRematTodayTest'
-PART1 = 'CustomVJPRematPolicyTest or CustomVJPPolicyElsewhereTest'
 
 
 class CheckError(Exception):
@@ -96,32 +103,6 @@ def log(msg):
   print(msg, flush=True)
 
 
-def find_python(version, given):
-  """An interpreter for Python ``version`` (like '3.12') that runs: the one
-  given, this one, the newest pyenv build, or python<version> on PATH."""
-  candidates = [given[version]] if version in given else []
-  if sys.version_info[:2] == tuple(map(int, version.split('.'))):
-    candidates.append(sys.executable)
-  roots = [os.environ.get('PYENV_ROOT', ''), os.path.expanduser('~/.pyenv')]
-  for root in filter(None, roots):
-    builds = glob.glob(os.path.join(root, 'versions', f'{version}.*'))
-    builds.sort(key=lambda p: [int(x) if x.isdigit() else -1 for x in
-                               os.path.basename(p).split('.')], reverse=True)
-    candidates += [os.path.join(b, 'bin', 'python') for b in builds]
-  if shutil.which(f'python{version}'):
-    candidates.append(shutil.which(f'python{version}'))
-  for python in candidates:
-    try:
-      out = subprocess.run([python, '-c', 'import sys; print(*sys.version_info[:2])'],
-                           capture_output=True, text=True, timeout=60)
-    except OSError:
-      continue
-    if out.returncode == 0 and out.stdout.split() == version.split('.'):
-      return python
-  raise CheckError(f'no working Python {version} (tried {candidates or "none"}); '
-                   f'pass --python {version}=/path/to/python')
-
-
 def run(cmd, *, cwd=None, env=None, check=True):
   proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
   if check and proc.returncode != 0:
@@ -130,60 +111,103 @@ def run(cmd, *, cwd=None, env=None, check=True):
   return proc
 
 
-def clean_env():
-  """The environment without JAX_ flags (a JAX_REMAT3 set outside would
-  change what the tests measure), on the CPU."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}
-  env['JAX_PLATFORMS'] = 'cpu'
-  return env
+def find_python(given):
+  """An interpreter for Python 3.12: the one given, this one, the newest
+  pyenv build, or python3.12 on PATH."""
+  candidates = [given] if given else []
+  if sys.version_info[:2] == (3, 12):
+    candidates.append(sys.executable)
+  for root in filter(None, [os.environ.get('PYENV_ROOT'),
+                            os.path.expanduser('~/.pyenv')]):
+    builds = glob.glob(os.path.join(root, 'versions', f'{PYTHON}.*'))
+    builds.sort(key=lambda p: [int(x) if x.isdigit() else -1 for x in
+                               os.path.basename(p).split('.')], reverse=True)
+    candidates += [os.path.join(b, 'bin', 'python') for b in builds]
+  if shutil.which(f'python{PYTHON}'):
+    candidates.append(shutil.which(f'python{PYTHON}'))
+  for python in candidates:
+    try:
+      out = run([python, '-c', 'import sys; print(*sys.version_info[:2])'],
+                check=False)
+    except OSError:
+      continue
+    if out.returncode == 0 and out.stdout.split() == PYTHON.split('.'):
+      return python
+  raise CheckError(f'no working Python {PYTHON} (tried {candidates or "none"});'
+                   ' pass --python /path/to/python3.12')
 
 
-def make_venv(target, python, work):
-  """A virtualenv with the target's jax; returns (python, site-packages)."""
-  venv = os.path.join(work, f'venv-jax{target.jax}')
+def make_venv(python, work):
+  """A virtualenv with jax and jaxlib 0.11.0 and the test tools from PyPI;
+  returns (its python, the installed jax/ folder)."""
+  venv = os.path.join(work, 'venv')
   run([python, '-m', 'venv', venv])
   py = os.path.join(venv, 'bin', 'python')
   run([py, '-m', 'pip', 'install', '-q', '--disable-pip-version-check',
-       f'jax=={target.jax}', f'jaxlib=={target.jax}', 'absl-py', 'pytest',
+       f'jax=={JAXLIB}', f'jaxlib=={JAXLIB}', 'absl-py', 'pytest',
        'pytest-xdist'])
-  site = run([py, '-c', 'import os, jax; '
-              'print(os.path.dirname(os.path.dirname(jax.__file__)))'],
-             env=clean_env()).stdout.strip()
-  version = run([py, '-c', 'import jax, jaxlib; '
-                 'print(jax.__version__, jaxlib.__version__)'],
-                env=clean_env()).stdout.split()
-  if version != [target.jax, target.jax]:
-    raise CheckError(f'installed jax/jaxlib {version}, wanted {target.jax}')
-  return py, site
+  out = run([py, '-c', 'import os, jax, jaxlib; print(os.path.dirname('
+             'jax.__file__)); print(jax.__version__, jaxlib.__version__)'],
+            env=base_env(None)).stdout.split('\n')
+  if out[1].split() != [JAXLIB, JAXLIB]:
+    raise CheckError(f'installed jax/jaxlib {out[1]}, wanted {JAXLIB}')
+  return py, out[0]
 
 
-def apply_patch(site, patch):
-  path = os.path.join(HERE, patch)
-  for extra in (['--dry-run'], []):
-    proc = run(['patch', '-p1', '--forward', '--batch', '-d', site, '-i', path,
-                *extra], check=False)
-    if proc.returncode != 0:
-      raise CheckError(f'{patch} does not apply to {site}:\n{proc.stdout}'
-                       f'{proc.stderr}')
+def git_archive(jax_git, commit, dest):
+  """``jax/`` of ``commit`` from the clone ``jax_git`` into ``dest``."""
+  os.makedirs(dest)
+  archive = subprocess.run(['git', '-C', jax_git, 'archive', commit, 'jax'],
+                           capture_output=True, check=True).stdout
+  subprocess.run(['tar', '-x', '-C', dest], input=archive, check=True)
 
 
-def pytest(py, folder, test_file, jobs, *, select=None, counts_file=None):
-  """Runs pytest; returns ``{test id: 'passed' | 'failed' | 'skipped'}``."""
-  xml = os.path.join(folder, f'junit-{time.monotonic_ns()}.xml')
-  cmd = [py, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-n', str(jobs),
-         f'--junitxml={xml}', test_file]
-  if select:
-    cmd += ['-k', select]
-  env = clean_env()
-  if counts_file:
-    env['MEASURED_COUNTS_FILE'] = counts_file
-  proc = run(cmd, cwd=folder, env=env, check=False)
+def compare_wheel(wheel_jax, jax_git, work):
+  """Files of the wheel's jax/ that differ from WHEEL.commit's (version.py is
+  stamped at release), and how many the wheel holds."""
+  src = os.path.join(work, 'wheel-source')
+  git_archive(jax_git, WHEEL.commit, src)
+  differ, n = [], 0
+  for root, dirs, files in os.walk(wheel_jax):
+    dirs[:] = [d for d in dirs if d != '__pycache__']
+    for name in files:
+      n += 1
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, os.path.dirname(wheel_jax))
+      other = os.path.join(src, rel)
+      if not (os.path.exists(other) and filecmp.cmp(path, other, shallow=False)):
+        differ.append(rel)
+  return differ, n
+
+
+def base_env(pythonpath):
+  """No JAX_ flags from outside (a JAX_REMAT3 there would change what the
+  tests measure), the CPU, no bytecode written next to the test files."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}
+  env.update(JAX_PLATFORMS='cpu', PYTHONDONTWRITEBYTECODE='1', SMART='0')
+  env.pop('PYTHONPATH', None)
+  if pythonpath:
+    env['PYTHONPATH'] = os.pathsep.join(pythonpath)
+  return env
+
+
+def pytest(py, cwd, test_file, jobs, pythonpath, work, *, plugin=None):
+  """Runs pytest on ``test_file`` in ``cwd``, where it lies; returns
+  ``{test id: 'passed' | 'failed' | 'skipped'}``."""
+  xml = os.path.join(work, f'junit-{time.monotonic_ns()}.xml')
+  cmd = [py, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', f'--junitxml={xml}',
+         '--rootdir', cwd, test_file]
+  if jobs > 1:
+    cmd[4:4] = ['-n', str(jobs)]
+  if plugin:
+    cmd[4:4] = ['-p', plugin]
+  proc = run(cmd, cwd=cwd, env=base_env(pythonpath), check=False)
   if not os.path.exists(xml):
     raise CheckError(f'pytest wrote no report: {" ".join(cmd)}\n'
                      f'{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}')
   outcomes = {}
   for case in ET.parse(xml).getroot().iter('testcase'):
-    key = f"{case.get('classname')}::{case.get('name')}"
+    key = f"{case.get('classname').rsplit('.', 1)[-1]}::{case.get('name')}"
     if case.find('failure') is not None or case.find('error') is not None:
       outcomes[key] = 'failed'
     elif case.find('skipped') is not None:
@@ -199,232 +223,211 @@ def pytest(py, folder, test_file, jobs, *, select=None, counts_file=None):
 
 def tally(outcomes):
   c = collections.Counter(outcomes.values())
-  return dict(passed=c['passed'], failed=c['failed'], skipped=c['skipped'])
+  return f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
 
 
 def failed(outcomes):
   return sorted(k for k, v in outcomes.items() if v == 'failed')
 
 
-def check_target(target, py, site, peer, jobs, work, api_tests, force,
-                 timings):
-  """Runs every step for one target; returns its JSON record."""
-  folder = os.path.join(work, f'tests-jax{target.jax}')
-  os.makedirs(folder)
-  peer_file = os.path.join(peer, target.peer, 'custom_api_test.py')
-  if not os.path.exists(peer_file):
-    raise CheckError(f'{peer_file} is missing')
-  shutil.copy(peer_file, folder)
-  shutil.copy(os.path.join(HERE, NEW_TESTS), folder)
-  api_file = None
-  if api_tests:
-    api_file = os.path.join(api_tests, target.peer, 'api_test.py')
-    if not os.path.exists(api_file):
-      raise CheckError(f'{api_file} is missing')
-    shutil.copy(api_file, folder)
-  counts_file = os.path.join(folder, 'counts.jsonl')
-  rec = dict(jax=target.jax, python=target.python, peer_file=peer_file,
-             patches=list(target.patches))
+def git_apply(src, patch):
+  """``git apply`` (no fuzz) of ``patch`` to the jax/ in ``src``."""
+  env = dict(os.environ, GIT_CEILING_DIRECTORIES=os.path.dirname(src))
+  path = os.path.join(HERE, patch)
+  for extra in (['--check'], []):
+    proc = run(['git', 'apply', *extra, path], cwd=src, env=env, check=False)
+    if proc.returncode != 0:
+      raise CheckError(f'{patch} does not apply to {src}:\n{proc.stderr}')
+
+
+def check_target(target, py, src, args, work, plugins, problems, timings):
+  """Every step for one target (its jax/ in ``src``); returns its record."""
+  peer_dir = os.path.join(args.peer, target.peer)
+  if not os.path.exists(os.path.join(peer_dir, 'custom_api_test.py')):
+    raise CheckError(f'{peer_dir}/custom_api_test.py is missing')
+  path = [src]
+  rec = dict(target=target.name, commit=target.commit, peer=peer_dir, steps={})
 
   def step(name, fn):
     t0 = time.monotonic()
-    log(f'[jax {target.jax}] {name} ...')
+    log(f'[{target.name}] {name} ...')
     out = fn()
-    timings[f'jax {target.jax}: {name}'] = round(time.monotonic() - t0, 1)
+    timings[f'{target.name}: {name}'] = round(time.monotonic() - t0, 1)
     return out
 
-  suite = 'custom_api_test.py'
-  remat_k = 'RematTest or Remat3Test'
-  suite_before = step('custom_api_test.py, unpatched',
-                      lambda: pytest(py, folder, suite, jobs))
-  today_before = step('new tests pinning today, unpatched',
-                      lambda: pytest(py, folder, NEW_TESTS, jobs, select=TODAY))
-  if api_file:
-    api_before = step('api_test.py remat classes, unpatched',
-                      lambda: pytest(py, folder, 'api_test.py', jobs,
-                                     select=remat_k))
-  step('apply part 1', lambda: apply_patch(site, target.patches[0]))
-  part1 = step('new tests of part 1, part 1 applied',
-                lambda: pytest(py, folder, NEW_TESTS, jobs, select=PART1))
-  step('apply part 2', lambda: apply_patch(site, target.patches[1]))
-  suite_after = step('custom_api_test.py, patched',
-                     lambda: pytest(py, folder, suite, jobs))
-  new_after = step('new tests, patched',
-                   lambda: pytest(py, folder, NEW_TESTS, jobs,
-                                  counts_file=counts_file))
-  if api_file:
-    api_after = step('api_test.py remat classes, patched',
-                     lambda: pytest(py, folder, 'api_test.py', jobs,
-                                    select=remat_k))
-  if force:
-    forced_dir = os.path.join(folder, 'forced')
-    os.makedirs(forced_dir)
-    shutil.copy(peer_file, forced_dir)
-    with open(os.path.join(forced_dir, 'conftest.py'), 'w') as f:
-      f.write(FORCE_CONFTEST)
-    suite_forced = step("custom_api_test.py, patched, 'policy' forced",
-                        lambda: pytest(py, forced_dir, suite, jobs))
+  def suite():
+    return pytest(py, peer_dir, 'custom_api_test.py', args.jobs, path, work)
 
-  regressions = sorted(k for k, v in suite_after.items()
-                       if v == 'failed' and suite_before.get(k) == 'passed')
-  missing = sorted(set(suite_before) - set(suite_after))
-  rec['custom_api_test'] = dict(unpatched=tally(suite_before),
-                                patched=tally(suite_after),
-                                failing_unpatched=failed(suite_before),
-                                failing_only_patched=regressions,
-                                not_run_patched=missing)
-  rec['new_tests'] = dict(today_unpatched=tally(today_before),
-                          part1_only=tally(part1),
-                          patched=tally(new_after),
-                          failing=sorted(set(failed(today_before)) |
-                                         set(failed(part1)) |
-                                         set(failed(new_after))))
-  if force:
-    forced_regressions = sorted(k for k, v in suite_forced.items()
-                                if v == 'failed' and suite_before.get(k) == 'passed')
-    rec['custom_api_test']['forced'] = tally(suite_forced)
-    rec['custom_api_test']['failing_only_forced'] = forced_regressions
-  if api_file:
-    api_regressions = sorted(k for k, v in api_after.items()
-                             if v == 'failed' and api_before.get(k) == 'passed')
-    rec['api_test_remat'] = dict(unpatched=tally(api_before),
-                                 patched=tally(api_after),
-                                 failing_only_patched=api_regressions)
-  rec['launches'] = []
-  if os.path.exists(counts_file):
-    with open(counts_file) as f:
-      rec['launches'] = [json.loads(line) for line in f if line.strip()]
-  rec['ok'] = (not regressions and not missing and not rec['new_tests']['failing']
-               and (not api_file or not rec['api_test_remat']['failing_only_patched'])
-               and (not force or not rec['custom_api_test']['failing_only_forced']))
+  def new_tests(plugin=None, pp=None):
+    out = {}
+    for test in TESTS:
+      out.update(pytest(py, HERE, test, args.jobs, pp or path, work,
+                        plugin=plugin))
+    return out
+
+  def launches(label):
+    if args.launches:
+      proc = run([py, os.path.join(HERE, 'launches.py'), '--modes',
+                  'False,True' + (',policy' if label != 'unpatched' else ''),
+                  '--programs', args.launch_programs],
+                 env=base_env(path), check=False)
+      rec['steps'][label]['launches'] = proc.stdout + proc.stderr[-2000:]
+
+  before = step('custom_api_test.py, unpatched', suite)
+  rec['steps']['unpatched'] = dict(custom_api_test=tally(before),
+                                   custom_api_test_failing=failed(before))
+  new0 = step('new tests, unpatched', new_tests)
+  rec['steps']['unpatched']['new_tests'] = tally(new0)
+  launches('unpatched')
+
+  for i, patch in enumerate(PATCHES):
+    label = patch.split('-')[0]
+    step(f'git apply {patch}', lambda: git_apply(src, patch))
+    after = step(f'custom_api_test.py, {label}', suite)
+    new = step(f'new tests, {label}', new_tests)
+    regressions = sorted(k for k, v in after.items()
+                         if v == 'failed' and before.get(k) == 'passed')
+    missing = sorted(set(before) - set(after))
+    rec['steps'][label] = dict(
+        custom_api_test=tally(after), failing_only_patched=regressions,
+        not_run_patched=missing, new_tests=tally(new),
+        new_tests_failing=failed(new))
+    if regressions or missing:
+      problems.append(f'{target.name}/{label}: custom_api_test.py fails '
+                      f'{regressions} and does not run {missing}')
+    for test in TESTS[:i + 1]:
+      cls = _class_of(test)
+      bad = [k for k in failed(new) if k.startswith(cls)]
+      if bad:
+        problems.append(f'{target.name}/{label}: {bad} fail')
+    if i == 0:
+      dropped = step('PR 1 tests, CustomVJPTraced.remat deleted',
+                     lambda: pytest(py, HERE, TESTS[0], args.jobs,
+                                    [*path, plugins], work,
+                                    plugin='drop_custom_vjp_remat'))
+      fails = sorted(k.split('::')[1] for k in failed(dropped))
+      rec['steps'][label]['failing_without_remat_rule'] = fails
+      if fails != sorted(NEEDS_REMAT_RULE):
+        problems.append(f'{target.name}: with CustomVJPTraced.remat deleted, '
+                        f'PR 1 tests fail {fails}, expected '
+                        f'{sorted(NEEDS_REMAT_RULE)}')
+    launches(label)
+
+  if args.force_policy:
+    forced = step("custom_api_test.py, 'policy' forced",
+                  lambda: pytest(py, peer_dir, 'custom_api_test.py', args.jobs,
+                                 [*path, plugins], work, plugin='force_policy'))
+    regressions = sorted(k for k, v in forced.items()
+                         if v == 'failed' and before.get(k) == 'passed')
+    rec['steps']['forced'] = dict(custom_api_test=tally(forced),
+                                  failing_only_forced=regressions)
+    if regressions:
+      problems.append(f"{target.name}: with 'policy' forced, {regressions} fail")
   return rec
 
 
-MODE_NAMES = dict(default='optimize_remat=False', true='=True',
-                  defremat='defremat by hand', policy="='policy'",
-                  policy_fused="'policy'+fwd_bwd", true_fused='True+fwd_bwd')
-
-
-def launch_tables(rec):
-  """Text tables of the launches the count tests measured."""
-  rows = rec['launches']
-  if not rows:
-    return 'no launch counts recorded\n'
-  cell = {(r['program'], r['mode'], r['policy'], r['kernel'], r['jit']):
-          r['counts'] for r in rows if r['remat3'] and r['custom_vjp3']}
-  out = []
-  modes = [m for m in MODE_NAMES if any(k[1] == m for k in cell)]
-  for kernel in ('callback', 'never_dce'):
-    out.append(f'\njax {rec["jax"]}: value_and_grad(checkpoint(F)), {kernel} '
-               'kernels, launches per step')
-    head = ['policy', 'jit'] + [MODE_NAMES[m] for m in modes]
-    table = [head]
-    for policy in ('nothing', 'everything', 'dots', 'names'):
-      for jit in (False, True):
-        table.append([policy, 'jit' if jit else 'eager'] +
-                     [cell.get(('plain', m, policy, kernel, jit), '-')
-                      for m in modes])
-    out.append(format_table(table))
-  progs = sorted({k[0] for k in cell} - {'plain', 'grad_of_grad'})
-  out.append(f'\njax {rec["jax"]}: other programs, jit, callback kernels '
-             "(policy nothing / names), optimize_remat=False -> 'policy' -> "
-             "'policy'+fwd_bwd")
-  table = [['program', 'nothing', 'names']]
-  for prog in progs:
-    line = [prog]
-    for policy in ('nothing', 'names'):
-      got = [cell.get((prog, m, policy, 'callback', True), '-')
-             for m in ('default', 'policy', 'policy_fused')]
-      line.append(' -> '.join(got))
-    table.append(line)
-  out.append(format_table(table))
-  return '\n'.join(out) + '\n'
-
-
-def format_table(rows):
-  widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-  return '\n'.join('  '.join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-                   for r in rows)
+def _class_of(test_file):
+  with open(os.path.join(HERE, test_file)) as f:
+    for line in f:
+      if line.startswith('class '):
+        return line.split()[1].split('(')[0]
+  raise CheckError(f'no test class in {test_file}')
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   ap.add_argument('--peer', required=True,
-                  help="folder with JAX's custom_api_test.py per version "
+                  help="folder with JAX's custom_api_test.py per commit "
                        '(jax-v0.11.0/, jax-main-2026-08-08/)')
+  ap.add_argument('--jax-git', metavar='DIR',
+                  help='a clone of jax-ml/jax: check the wheel against main '
+                       f'{WHEEL.commit[:10]} and add the target main '
+                       f'{MAIN.commit[:10]}')
   ap.add_argument('--json', help='write the results here')
   ap.add_argument('--jobs', type=int, default=2, help='pytest-xdist workers')
-  ap.add_argument('--only', choices=[t.jax for t in TARGETS], action='append',
-                  help='check only this jax version (repeatable)')
-  ap.add_argument('--python', action='append', default=[], metavar='X.Y=PATH',
-                  help='the interpreter for Python X.Y')
-  ap.add_argument('--api-tests', metavar='DIR',
-                  help="also run api_test.py's remat classes from "
-                       'DIR/<peer folder>/api_test.py')
+  ap.add_argument('--python', help=f'the Python {PYTHON} interpreter')
+  ap.add_argument('--launches', action='store_true',
+                  help="also print launches.py's tables at each step")
+  ap.add_argument('--launch-programs', default='plain',
+                  help='programs for --launches (comma-separated)')
   ap.add_argument('--force-policy', action='store_true',
                   help="also run custom_api_test.py with optimize_remat='policy' "
                        'forced on every custom_vjp')
   ap.add_argument('--work', help='scratch folder (default: a new temporary '
                   'one, removed at the end)')
   args = ap.parse_args(argv)
+  args.peer = os.path.abspath(args.peer)
   t_start = time.monotonic()
-  peer = os.path.abspath(args.peer)
-  given = dict(p.split('=', 1) for p in args.python)
-  targets = [t for t in TARGETS if not args.only or t.jax in args.only]
   work = args.work or tempfile.mkdtemp(prefix='upstream-check-')
   os.makedirs(work, exist_ok=True)
-  result = dict(ok=False, targets=[], timings={})
-  timings = result['timings']
+  result = dict(ok=False, targets=[], timings={}, problems=[])
+  timings, problems = result['timings'], result['problems']
   try:
-    if shutil.which('patch') is None:
-      raise CheckError('the patch program is missing')
-    if not os.path.isdir(peer):
-      raise CheckError(f'--peer {peer} is not a folder')
-    pythons = {t.python: find_python(t.python, given) for t in targets}
+    if not os.path.isdir(args.peer):
+      raise CheckError(f'--peer {args.peer} is not a folder')
+    plugins = os.path.join(work, 'plugins')
+    os.makedirs(plugins)
+    for name, text in (('drop_custom_vjp_remat', DROP_REMAT_RULE),
+                       ('force_policy', FORCE_POLICY)):
+      with open(os.path.join(plugins, name + '.py'), 'w') as f:
+        f.write(text)
     t0 = time.monotonic()
-    log('installing ' + ', '.join(f'jax {t.jax} (Python {t.python})'
-                                  for t in targets) + ' ...')
-    with concurrent.futures.ThreadPoolExecutor(len(targets)) as pool:
-      venvs = list(pool.map(lambda t: make_venv(t, pythons[t.python], work),
-                            targets))
+    log(f'installing jax and jaxlib {JAXLIB} (Python {PYTHON}) ...')
+    py, wheel_jax = make_venv(find_python(args.python), work)
     timings['install'] = round(time.monotonic() - t0, 1)
-    for target, (py, site) in zip(targets, venvs):
-      result['targets'].append(check_target(
-          target, py, site, peer, args.jobs, work, args.api_tests,
-          args.force_policy, timings))
-    result['ok'] = all(r['ok'] for r in result['targets'])
+    targets = [(WHEEL, wheel_jax)]
+    if args.jax_git:
+      differ, n = compare_wheel(wheel_jax, args.jax_git, work)
+      result['wheel_vs_main'] = dict(commit=WHEEL.commit, wheel_files=n,
+                                     differing=differ)
+      if differ != ['jax/version.py']:
+        problems.append(f'the wheel differs from {WHEEL.commit[:10]} in {differ}')
+      main_src = os.path.join(work, 'main-source')
+      git_archive(args.jax_git, MAIN.commit, main_src)
+      targets.append((MAIN, os.path.join(main_src, 'jax')))
+    for target, jax_dir in targets:
+      src = os.path.join(work, f'src-{target.name}')
+      shutil.copytree(jax_dir, os.path.join(src, 'jax'),
+                      ignore=shutil.ignore_patterns('__pycache__'))
+      result['targets'].append(check_target(target, py, src, args, work,
+                                            plugins, problems, timings))
+    result['ok'] = not problems
   except CheckError as e:
     result['error'] = str(e)
     log(f'ERROR: {e}')
   finally:
-    result['seconds'] = round(time.monotonic() - t_start, 1)
     if not args.work:
       shutil.rmtree(work, ignore_errors=True)
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  result['seconds'] = round(time.monotonic() - t_start, 1)
+  result['cpu_seconds'] = dict(user=round(usage.ru_utime, 1),
+                               system=round(usage.ru_stime, 1))
 
+  if 'wheel_vs_main' in result:
+    w = result['wheel_vs_main']
+    log(f"\njax {JAXLIB} wheel vs main {w['commit'][:10]}: {w['wheel_files']} "
+        f"files, differing: {', '.join(w['differing']) or 'none'}")
   for rec in result['targets']:
-    s, n = rec['custom_api_test'], rec['new_tests']
-    log(f'\n=== jax {rec["jax"]} (Python {rec["python"]}) ===')
-    log(f'custom_api_test.py ({os.path.basename(os.path.dirname(rec["peer_file"]))}): '
-        f'unpatched {s["unpatched"]}, patched {s["patched"]}')
-    log('  failing only when patched: ' +
-        (', '.join(s['failing_only_patched']) or 'none'))
-    if 'forced' in s:
-      log(f"  with 'policy' forced on every custom_vjp: {s['forced']}; failing "
-          'only then: ' + (', '.join(s['failing_only_forced']) or 'none'))
-    if s['not_run_patched']:
-      log('  run unpatched but not patched: ' + ', '.join(s['not_run_patched']))
-    log(f'new tests: today\'s behaviour unpatched {n["today_unpatched"]}; '
-        f'part 1 only {n["part1_only"]}; both parts {n["patched"]}')
-    if n['failing']:
-      log('  FAILING: ' + ', '.join(n['failing']))
-    if 'api_test_remat' in rec:
-      a = rec['api_test_remat']
-      log(f'api_test.py RematTest/Remat3Test: unpatched {a["unpatched"]}, '
-          f'patched {a["patched"]}; failing only when patched: ' +
-          (', '.join(a['failing_only_patched']) or 'none'))
-    log(launch_tables(rec))
+    log(f"\n=== {rec['target']}: main {rec['commit'][:10]}, JAX's tests from "
+        f"{rec['peer']} ===")
+    for label, s in rec['steps'].items():
+      log(f'{label}: custom_api_test.py {s["custom_api_test"]}'
+          + (f'; new tests {s["new_tests"]}' if 'new_tests' in s else ''))
+      if s.get('failing_only_patched'):
+        log(f'  failing only patched: {s["failing_only_patched"]}')
+      if s.get('new_tests_failing'):
+        log(f'  new tests failing: {", ".join(s["new_tests_failing"])}')
+      if 'failing_without_remat_rule' in s:
+        log('  PR 1 tests failing with CustomVJPTraced.remat deleted: '
+            + ', '.join(s['failing_without_remat_rule']))
+      if s.get('launches'):
+        log(s['launches'])
+  for p in problems:
+    log(f'PROBLEM: {p}')
   log('timings (s): ' + ', '.join(f'{k} {v}' for k, v in timings.items()))
-  log(f'total {result["seconds"]} s: ' + ('OK' if result['ok'] else 'FAILED'))
+  log(f"total {result['seconds']} s wall, CPU {result['cpu_seconds']['user']} s "
+      f"user + {result['cpu_seconds']['system']} s system: "
+      + ('OK' if result['ok'] else 'FAILED'))
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(result, f, indent=1)
