@@ -453,7 +453,9 @@ def test_files_named_in_code_exist():
 def test_wide_blocks_scroll_and_table_code_does_not_break():
   """The site's stylesheet keeps wide content on the page: benchmark dumps
   (lines up to ~170 characters) scroll in their block, wide tables scroll,
-  and code in a table cell stays on one line (no "optimize_rema t=True")."""
+  and code in a table cell stays on one line (no "optimize_rema t=True").
+  How the pages look is checked in a browser by ``tools/docs_layout.py``
+  (headless Chromium, by hand: CI has none)."""
   css = open(os.path.join(ROOT, "docs", "stylesheets", "extra.css")).read()
   rules = dict((sel.strip(), body) for sel, body in
                re.findall(r"([^{}]+)\{([^}]*)\}", re.sub(r"/\*.*?\*/", "",
