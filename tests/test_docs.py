@@ -365,10 +365,44 @@ def test_hooks_render_links_to_other_files_as_code():
   out = HOOKS.rewrite_links("design/architecture.md", text)
   assert out == "See `the tool` and plan (`smartvjp/_plan.py`)."
   linked = HOOKS.rewrite_links("design/architecture.md", text,
-                               "https://example.org/tree/main")
-  assert "(https://example.org/tree/main/tools/jax_suite.py)" in linked
+                               "https://example.org/smartvjp")
+  assert "(https://example.org/smartvjp/blob/HEAD/tools/jax_suite.py)" in linked
   with pytest.raises(ValueError, match="does not exist"):
     HOOKS.rewrite_links("design/architecture.md", "[x](missing.md)")
+
+
+def test_code_naming_a_repository_file_links_to_it_once_there_is_an_address():
+  text = ("a test in `tests/test_contract.py`, by `python benchmarks/cost.py "
+          "--markdown`, in `benchmarks/`; not `jax.custom_vjp`, `f 1, fwd 1`, "
+          "`missing/file.py`, [`tools/jax_suite.py`](x), ``a `tests/` b``\n"
+          "## `tests/test_contract.py`\n```bash\npython benchmarks/cost.py\n```\n")
+  assert HOOKS.link_code_paths(text, None) == text
+  out = HOOKS.link_code_paths(text, "https://example.org/smartvjp/")
+  site = "https://example.org/smartvjp/blob/HEAD"
+  assert out == text.replace(
+      "`tests/test_contract.py`,", f"[`tests/test_contract.py`]({site}/tests/test_contract.py),", 1
+  ).replace("`python benchmarks/cost.py --markdown`",
+            f"[`python benchmarks/cost.py --markdown`]({site}/benchmarks/cost.py)"
+  ).replace("`benchmarks/`;", f"[`benchmarks/`]({site}/benchmarks);")
+
+
+def test_the_public_address_is_one_setting():
+  """``Source`` in pyproject.toml's [project.urls] is the only place the
+  repository's address is written (a release fills it in): the docs site
+  reads it from there, and the README says how to get the source without
+  it, or names it."""
+  config = open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8").read()
+  assert not re.search(r"^\s*(repo_url|edit_uri|source_url):", config, re.M)
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+    urls = tomllib.load(fh)["project"].get("urls", {})
+  address = HOOKS.source_address()
+  assert address == (urls.get("Source") or None)
+  readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  install = readme.split("**Install.**")[1].split("\n")[0]
+  if address is None:
+    assert "not public yet" in install and "pip install /path/to/" in install
+  else:
+    assert address in install and "not public yet" not in install
 
 
 def test_api_reference_covers_every_public_name():
@@ -453,7 +487,9 @@ def test_files_named_in_code_exist():
 def test_wide_blocks_scroll_and_table_code_does_not_break():
   """The site's stylesheet keeps wide content on the page: benchmark dumps
   (lines up to ~170 characters) scroll in their block, wide tables scroll,
-  and code in a table cell stays on one line (no "optimize_rema t=True")."""
+  and code in a table cell stays on one line (no "optimize_rema t=True").
+  How the pages look is checked in a browser by ``tools/docs_layout.py``
+  (headless Chromium, by hand: CI has none)."""
   css = open(os.path.join(ROOT, "docs", "stylesheets", "extra.css")).read()
   rules = dict((sel.strip(), body) for sel, body in
                re.findall(r"([^{}]+)\{([^}]*)\}", re.sub(r"/\*.*?\*/", "",
