@@ -56,7 +56,8 @@ def _register_tesseract_pytree():
   import. Where tesseract-jax is installed its import does it (a second
   registration would make that import fail); else it is done here."""
   try:
-    import tesseract_jax  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    # pylint: disable-next=import-outside-toplevel,unused-import
+    import tesseract_jax  # noqa: F401
     return
   except ImportError:
     pass
@@ -229,8 +230,20 @@ def _call_endpoint(tesseract, schema: _Schema, name: str, **kwargs):
     return getattr(tesseract, name)(**kwargs)
   except Exception as e:  # noqa: BLE001 - re-raised with endpoint and address
     raise TesseractEndpointError(
-        f"Tesseract {schema.where}: endpoint {name} failed: "
-        f"{type(e).__name__}: {e}") from e
+        f"Tesseract {schema.where}: endpoint {name} failed"
+        f"{_hint(e)}: {type(e).__name__}: {e}") from e
+
+
+def _hint(e: Exception) -> str:
+  """What a served Tesseract's transport error means (requests' classes,
+  recognised by name: smartvjp does not import requests)."""
+  names = {c.__name__ for c in type(e).__mro__}
+  if "Timeout" in names:
+    return (" (the server did not answer within the timeout given to "
+            "Tesseract.from_url; it may be stuck or slower than that)")
+  if "ConnectionError" in names:
+    return " (no server answers at that address; is it running?)"
+  return ""
 
 
 def _canon(aval):
@@ -546,7 +559,7 @@ def _build(layout: _Layout, vmap_method: str, materialize):
   return call
 
 
-# -- the public function ---------------------------------------------------------
+# -- the public function -------------------------------------------------------
 
 def _array_leaf(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))   # tracers too
@@ -672,7 +685,7 @@ def apply_tesseract(tesseract: Tesseract, inputs: Any, *,
   return jax.tree_util.tree_unflatten(out_treedef, out_leaves)
 
 
-# -- abstract_eval, once per input structure ------------------------------------------
+# -- abstract_eval, once per input structure -----------------------------------
 
 _LAYOUTS: "weakref.WeakKeyDictionary[Tesseract, collections.OrderedDict]" = (
     weakref.WeakKeyDictionary())
@@ -741,7 +754,7 @@ def _layout(tesseract, schema, treedef, leaves, paths, diff, abstract,
       out_static)
 
 
-# -- for Tesseract authors: the residual contract in a few lines -------------------
+# -- for Tesseract authors: the residual contract in a few lines ---------------
 
 class ResidualContractError(ValueError):
   """A Tesseract does not keep the residual contract; the message says which
@@ -856,15 +869,19 @@ def check_residual_contract(tesseract: Tesseract, inputs: dict, *,
   for (k, a), (_, b) in zip(a_leaves, b_leaves):
     if not np.array_equal(np.asarray(a), np.asarray(b)):
       raise ResidualContractError(
-          f"{where}: apply's output {jax.tree_util.keystr(k)} differs with "
+          f"{where}: apply's output {_path(_segments(k), ())[0]} differs with "
           f"{SAVE_RESIDUALS}=True; the flag may only add {RESIDUALS}.")
 
-  def abstract(x):
+  def abstract(keypath, x):
+    _, is_diff = _path(_segments(keypath), schema.diff_inputs)
+    if is_diff and isinstance(x, (int, float)) and not isinstance(x, bool):
+      x = np.asarray(x)
     if _array_leaf(x):
       return {"shape": list(np.shape(x)), "dtype": str(np.dtype(x.dtype))}
     return x
   declared = _abstract_eval(tesseract, schema, {
-      **jax.tree_util.tree_map(abstract, inputs), SAVE_RESIDUALS: True})
+      **jax.tree_util.tree_map_with_path(abstract, inputs),
+      SAVE_RESIDUALS: True})
   want = jax.tree_util.tree_flatten(declared.get(RESIDUALS),
                                     is_leaf=_is_aval)
   got = jax.tree_util.tree_flatten(res)

@@ -14,6 +14,7 @@ import importlib.util
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT / "examples" / "tesseracts"))
 import tesseract_server  # noqa: E402
 HEAT = ROOT / "examples" / "tesseracts" / "heat" / "tesseract_api.py"
 NESTED = ROOT / "tests" / "tesseracts" / "nested" / "tesseract_api.py"
+SLOW_HEAT = ROOT / "tests" / "tesseracts" / "slow_heat" / "tesseract_api.py"
 Tesseract = tesseract_core.Tesseract
 
 
@@ -185,6 +187,36 @@ def nested(runs):
   return Tesseract.from_tesseract_api(NESTED, output_path=runs)
 
 
+def test_check_residual_contract(heat, nested, tmp_path):
+  _, t = heat
+  inputs = {"T0": np.asarray(_T0()), "conductivity": 1.3, "nt": 30,
+            "stride": 4}
+  st.check_residual_contract(t, inputs)
+  broken = {
+      "abstract_eval declares": ('{"shape": [n_ckpt, nx]',
+                                 '{"shape": [n_ckpt + 1, nx]'),
+      "cotangent of T0 differs": (
+          "checkpoints = np.asarray(inputs.residuals, np.float64)",
+          "checkpoints = 1.001 * np.asarray(inputs.residuals, np.float64)"),
+      "apply's output T differs": ("return OutputSchema(T=T, residuals=",
+                             "return OutputSchema(T=T + inputs.save_residuals,"
+                             " residuals="),
+  }
+  for i, (error, (old, new)) in enumerate(broken.items()):
+    src = HEAT.read_text()
+    assert old in src
+    (tmp_path / f"api{i}.py").write_text(src.replace(old, new))
+    bad = Tesseract.from_tesseract_api(tmp_path / f"api{i}.py",
+                                       output_path=tmp_path)
+    with pytest.raises(st.ResidualContractError, match=error):
+      st.check_residual_contract(bad, inputs)
+  with pytest.raises(st.ResidualContractError,
+                     match="does not declare the residual contract"):
+    st.check_residual_contract(nested, _nested_inputs())
+
+
+
+
 def _nested_inputs():
   return {"a": {"p": jnp.arange(3.0), "q.r": jnp.ones(3)},
           "b": [jnp.ones((2, 2)), jnp.linspace(0, 1, 4)],
@@ -258,13 +290,16 @@ def test_missing_vjp_endpoint(tmp_path):
         t, {**x, "c": {"w": w, "n": 2}})["y"]["p"]))(x["c"]["w"])
 
 
-# -- served over HTTP ------------------------------------------------------------
+# -- served over HTTP ----------------------------------------------------------
 
 class _Server(tesseract_server.Server):
-  """The heat Tesseract served, its endpoint calls logged to ``log``."""
+  """The heat Tesseract served (tests/tesseracts/slow_heat: its VJP waits
+  while the file ``flag`` exists), its endpoint calls logged to ``log``."""
 
   def __init__(self, api_path, log):
-    super().__init__(api_path, env={"HEAT_TESSERACT_CALLS": str(log)},
+    self.flag = log.parent / "vjp_waits"
+    super().__init__(api_path, env={"HEAT_TESSERACT_CALLS": str(log),
+                                    "SLOW_TESSERACT_FLAG": str(self.flag)},
                      runs=log.parent)
     self.log = log
 
@@ -273,10 +308,18 @@ class _Server(tesseract_server.Server):
     self.log.write_text("")
     return dict(collections.Counter(text.split()))
 
+  def rss(self) -> int:
+    """The server process's resident memory, bytes (Linux)."""
+    status = pathlib.Path(f"/proc/{self.proc.pid}/status").read_text()
+    kb = next(line for line in status.splitlines()
+              if line.startswith("VmRSS:")).split()[1]
+    return int(kb) * 1024
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  server = _Server(HEAT, tmp_path_factory.mktemp("served") / "calls.txt")
+  # one server for the module's served tests (per test process)
+  server = _Server(SLOW_HEAT, tmp_path_factory.mktemp("served") / "calls.txt")
   server.start()
   yield server
   server.stop()
@@ -311,7 +354,68 @@ def test_stopped_server_gives_a_clear_error_then_works_again(served):
   np.testing.assert_array_equal(fn(_T0(), 1.3), want)
 
 
-# -- every transformation tesseract-jax supports, against it ----------------------
+def test_timeout_in_a_gradient_gives_a_clear_error_then_works_again(served):
+  # the VJP hangs after apply has answered: the client's read timeout ends
+  # the call with an error naming the endpoint and the address
+  t = Tesseract.from_url(served.url, timeout=(30, 2))
+  fn = jax.jit(jax.grad(_program(st.apply_tesseract, t, None), argnums=(0, 1)))
+  want = fn(_T0(), 1.3)
+  served.calls()
+  served.flag.write_text("")
+  try:
+    start = time.monotonic()
+    with pytest.raises(Exception) as info:
+      jax.block_until_ready(fn(_T0(), 1.3))
+    waited = time.monotonic() - start
+  finally:
+    served.flag.unlink()
+  text = str(info.value)
+  assert "endpoint vector_jacobian_product failed" in text, text
+  assert served.url in text and "did not answer within" in text, text
+  assert waited < 20
+  got = fn(_T0(), 1.3)             # the same compiled program, server freed
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a, b)
+  # the VJP that timed out finishes on the server once released; nothing
+  # was retried: two applies and two VJPs in all
+  deadline = time.monotonic() + 20
+  calls = collections.Counter()
+  while time.monotonic() < deadline and calls["vjp_from_residuals"] < 2:
+    calls.update(served.calls())
+    time.sleep(0.05)
+  assert calls == {"apply_with_residuals": 2, "vjp_from_residuals": 2}
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(),
+                    reason="reads the server's memory from /proc (Linux)")
+def test_a_long_training_loop_does_not_grow_the_server(served):
+  # the contract's residuals travel to JAX and back: 51 kB a step here
+  # (16 states of 400 cells), 10 MB over the loop if the server kept them
+  # (a variant of the heat Tesseract that keeps them grows by 9.9 MiB)
+  t = Tesseract.from_url(served.url, timeout=60)
+  T0 = jnp.asarray(2.0 + np.tanh(5.0 * np.linspace(-1, 1, 400)))
+
+  def loss(c):
+    T = st.apply_tesseract(t, {"T0": T0, "conductivity": c, "nt": 16,
+                               "stride": 1})["T"]
+    return jnp.sum((T - 2.0) ** 2)
+  step = jax.jit(jax.value_and_grad(loss))
+  c = jnp.asarray(1.0)
+  for _ in range(10):              # warm-up: buffers, caches, allocator
+    _, g = step(c)
+    c = c - 1e-4 * g
+  served.calls()
+  before = served.rss()
+  for _ in range(200):
+    _, g = step(c)
+    c = c - 1e-4 * g
+  grown = served.rss() - before
+  assert served.calls() == {"apply_with_residuals": 200,
+                            "vjp_from_residuals": 200}
+  assert grown < 3 * 2 ** 20, f"the server grew by {grown / 2 ** 20:.1f} MiB"
+
+
+# -- every transformation tesseract-jax supports, against it -------------------
 #
 # The programs of tesseract-jax's own tests (tests/test_endtoend.py,
 # tests/test_linearize.py: jit, grad, vjp, jvp, linearize, linear_transpose,

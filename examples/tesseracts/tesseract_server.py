@@ -68,8 +68,9 @@ class Server:
           self.stop()
           tail = self.serve_log.read_text(errors="replace").splitlines()[-15:]
           raise RuntimeError(
-              f"tesseract-runtime serve did not start on {self.url}; the end "
-              f"of its output ({self.serve_log}):\n" + "\n".join(tail)) from None
+              f"tesseract-runtime serve did not start on {self.url}; the "
+              f"end of its output ({self.serve_log}):\n"
+              + "\n".join(tail)) from None
         time.sleep(0.1)
 
   def stop(self) -> None:
