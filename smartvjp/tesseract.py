@@ -19,8 +19,24 @@ instead of recomputing. Then, without ``jax.checkpoint`` (or with a policy
 that saves everything), the forward pass runs ``apply`` with residuals and the
 backward pass the VJP from them; under ``jax.checkpoint`` the forward pass
 runs the plain ``apply`` and the backward pass the plain VJP (least memory).
-The residuals are arrays JAX holds like any other residual, so nothing is
-kept on the server and nothing needs releasing.
+
+Nothing of a gradient is kept on the server: ``apply`` sends the residuals to
+the client with its outputs, and the VJP request sends them back. On the
+client they are arrays that JAX holds like any other residual (buffers of the
+compiled program between its forward and backward parts; the ``jax.vjp``
+function or the ``jax.linearize`` one for as long as it lives), and they go
+when JAX drops them: there is no handle to release and nothing that a lost
+client leaves behind (tests/test_tesseract.py runs 200 gradient steps against
+a served Tesseract and checks that its memory does not grow). A Tesseract
+author adds the contract with :func:`contract_schemas` (the fields) and
+:func:`with_residuals` (``abstract_eval``'s answer), and checks it with
+:func:`check_residual_contract`.
+
+``abstract_eval`` runs once per Tesseract object and input structure; a
+served Tesseract should be made with a ``timeout``
+(``Tesseract.from_url(url, timeout=...)``), so that a server that stops
+answering ends the program with a :class:`TesseractEndpointError` instead of
+a wait without end.
 
 This module imports ``tesseract_core`` (``pip install smartvjp[tesseract]``);
 ``import smartvjp`` does not import it.
@@ -673,12 +689,13 @@ def apply_tesseract(tesseract: Tesseract, inputs: Any, *,
       leaves.append(x)
       abstract_leaves.append(x)
       key.append((type(x), x))
-  key = (treedef, tuple(key), vmap_method, materialize_jacobian)
-  call, out_treedef, out_static = _cached(
-      tesseract, key, lambda: _layout(
-          tesseract, schema, treedef, leaves, paths, diff,
-          jax.tree_util.tree_unflatten(treedef, abstract_leaves),
-          vmap_method, materialize_jacobian))
+  abstract = jax.tree_util.tree_unflatten(treedef, abstract_leaves)
+  answers = _cached(tesseract, (treedef, tuple(key)),
+                    lambda: _ask(tesseract, schema, abstract))
+  layout = _layout(tesseract, schema, treedef, leaves, paths, diff, *answers)
+  call = _build(layout, vmap_method, materialize_jacobian)
+  out_static = layout.out_static
+  out_treedef = layout.out_treedef
   outs = iter(call(*arrays))
   out_leaves = [next(outs) if s is _ARRAY else s for s in out_static]
   # a static output that abstract_eval reports as a residual slot is dropped
@@ -687,36 +704,47 @@ def apply_tesseract(tesseract: Tesseract, inputs: Any, *,
 
 # -- abstract_eval, once per input structure -----------------------------------
 
-_LAYOUTS: "weakref.WeakKeyDictionary[Tesseract, collections.OrderedDict]" = (
+_ANSWERS: "weakref.WeakKeyDictionary[Tesseract, collections.OrderedDict]" = (
     weakref.WeakKeyDictionary())
-_LAYOUTS_PER_TESSERACT = 128
+_ANSWERS_PER_TESSERACT = 128
 
 
-def _cached(tesseract, key, make):
-  """``make()``'s (call, output treedef, output statics), kept per Tesseract
-  object and input structure ``key`` (the last ``_LAYOUTS_PER_TESSERACT``
-  structures); made afresh where the key or the Tesseract cannot be kept."""
+def _cached(tesseract, key, ask):
+  """``ask()``'s answer, kept per Tesseract object and input structure
+  ``key`` (the last ``_ANSWERS_PER_TESSERACT`` structures), and asked afresh
+  where the key or the Tesseract cannot be kept. The answers are
+  ``abstract_eval``'s data, which holds no reference to the Tesseract: they
+  go with it."""
   try:
     hash(key)
-    per = _LAYOUTS.setdefault(tesseract, collections.OrderedDict())
+    per = _ANSWERS.setdefault(tesseract, collections.OrderedDict())
   except TypeError:   # an unhashable static leaf, or no weak reference
-    return make()
+    return ask()
   try:
     per.move_to_end(key)
     return per[key]
   except KeyError:
     pass
-  value = per[key] = make()
-  while len(per) > _LAYOUTS_PER_TESSERACT:
+  value = per[key] = ask()
+  while len(per) > _ANSWERS_PER_TESSERACT:
     per.popitem(last=False)
   return value
 
 
-def _layout(tesseract, schema, treedef, leaves, paths, diff, abstract,
-            vmap_method, materialize):
-  """One input structure's layout (from ``abstract_eval``, twice for a
-  Tesseract with the residual contract) and its ``smart_custom_vjp`` call."""
+def _ask(tesseract, schema, abstract):
+  """``abstract_eval`` on ``abstract``: (its answer, the residuals' part of
+  its answer with the contract's flag set, or None without the contract)."""
   out_abstract = _abstract_eval(tesseract, schema, abstract)
+  if not schema.contract:
+    return out_abstract, None
+  with_res = _abstract_eval(tesseract, schema,
+                            {**abstract, SAVE_RESIDUALS: True})
+  return out_abstract, with_res.get(RESIDUALS)
+
+
+def _layout(tesseract, schema, treedef, leaves, paths, diff, out_abstract,
+            res_abstract) -> _Layout:
+  """One call's layout, from ``abstract_eval``'s answers (``_ask``)."""
   out_flat, out_treedef = jax.tree_util.tree_flatten_with_path(
       out_abstract, is_leaf=_is_aval)
   out_static, out_segments, out_paths, out_diff, out_avals = [], [], [], [], []
@@ -738,20 +766,15 @@ def _layout(tesseract, schema, treedef, leaves, paths, diff, abstract,
 
   res_treedef, res_avals = None, []
   if schema.contract:
-    with_res = _abstract_eval(tesseract, schema,
-                              {**abstract, SAVE_RESIDUALS: True})
-    res_leaves, res_treedef = jax.tree_util.tree_flatten(
-        with_res.get(RESIDUALS), is_leaf=_is_aval)
+    res_leaves, res_treedef = jax.tree_util.tree_flatten(res_abstract,
+                                                         is_leaf=_is_aval)
     res_avals = [_canon(jax.ShapeDtypeStruct(tuple(a["shape"]),
                                              np.dtype(a["dtype"])))
                  for a in res_leaves]
-
-  layout = _Layout(tesseract, schema, treedef, tuple(leaves), tuple(paths),
-                   tuple(diff), out_treedef, tuple(out_static),
-                   tuple(out_segments), tuple(out_paths), tuple(out_diff),
-                   tuple(out_avals), res_treedef, tuple(res_avals))
-  return _build(layout, vmap_method, materialize), out_treedef, tuple(
-      out_static)
+  return _Layout(tesseract, schema, treedef, tuple(leaves), tuple(paths),
+                 tuple(diff), out_treedef, tuple(out_static),
+                 tuple(out_segments), tuple(out_paths), tuple(out_diff),
+                 tuple(out_avals), res_treedef, tuple(res_avals))
 
 
 # -- for Tesseract authors: the residual contract in a few lines ---------------
