@@ -4,6 +4,9 @@
 running Python's environment) on a free loopback port and waits for its
 health endpoint; ``stop()`` ends it. Used by the example, the tests and the
 benchmark of smartvjp.tesseract; as a context manager it stops on exit.
+The served module imports smartvjp from this checkout (its root is put first
+on the server's ``PYTHONPATH``), as the client does; the server's own output
+goes to ``serve.log`` in the run folder, whose end a failed start reports.
 """
 
 import os
@@ -13,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # this checkout
 
 
 def free_port() -> int:
@@ -41,12 +46,17 @@ class Server:
     runtime = pathlib.Path(sys.executable).with_name("tesseract-runtime")
     if self.runs is None:
       self.runs = tempfile.mkdtemp(prefix="tesseract_runs_")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                           if p)
     env = dict(os.environ, TESSERACT_API_PATH=str(self.api_path),
-               TESSERACT_OUTPUT_PATH=str(self.runs), **self.env)
-    self.proc = subprocess.Popen(
-        [str(runtime), "serve", "--host", "127.0.0.1", "--port",
-         str(self.port)], env=env, cwd=str(self.runs), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+               TESSERACT_OUTPUT_PATH=str(self.runs), PYTHONPATH=path,
+               **self.env)
+    self.serve_log = pathlib.Path(self.runs) / "serve.log"
+    with open(self.serve_log, "ab") as out:
+      self.proc = subprocess.Popen(
+          [str(runtime), "serve", "--host", "127.0.0.1", "--port",
+           str(self.port)], env=env, cwd=str(self.runs), stdout=out,
+          stderr=subprocess.STDOUT)
     client = Tesseract.from_url(self.url, timeout=timeout)
     deadline = time.monotonic() + timeout
     while True:
@@ -56,8 +66,11 @@ class Server:
       except Exception:  # noqa: BLE001 - not up yet
         if time.monotonic() > deadline or self.proc.poll() is not None:
           self.stop()
+          tail = self.serve_log.read_text(errors="replace").splitlines()[-15:]
           raise RuntimeError(
-              f"tesseract-runtime serve did not start on {self.url}") from None
+              f"tesseract-runtime serve did not start on {self.url}; the "
+              f"end of its output ({self.serve_log}):\n"
+              + "\n".join(tail)) from None
         time.sleep(0.1)
 
   def stop(self) -> None:

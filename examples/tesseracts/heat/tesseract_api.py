@@ -6,14 +6,18 @@ numpy/scipy, outside JAX. The adjoint (``vector_jacobian_product``) sweeps
 back through the steps; without help it must first re-run the forward to
 rebuild the trajectory, which is the cost seed 003 reports.
 
-It takes part in smartvjp's residual contract (``smartvjp.tesseract``): the
-input ``save_residuals`` (default False) makes ``apply`` also return the
-checkpointed trajectory as the output ``residuals``, and
-``vector_jacobian_product`` given those ``residuals`` as an input skips the
-forward. A client that knows nothing of the contract (tesseract-jax) sees a
-Tesseract with the standard endpoints and two optional fields.
+It takes part in smartvjp's residual contract (``smartvjp.tesseract``): its
+schemas derive from ``contract_schemas``, which adds the input
+``save_residuals`` (default False), with which ``apply`` also returns the
+checkpointed trajectory as the output ``residuals``, and the optional input
+``residuals``, given which ``vector_jacobian_product`` skips the forward;
+``abstract_eval`` declares them through ``with_residuals``. A client that
+knows nothing of the contract (tesseract-jax) sees a Tesseract with the
+standard endpoints and two optional fields. The server keeps nothing between
+requests: the residuals travel to the client and back.
 
-Endpoint calls are counted in ``CALLS`` and, where the environment variable
+Endpoint calls are counted in ``CALLS`` (``abstract_eval`` in
+``ABSTRACT_EVALS``) and, where the environment variable
 ``HEAT_TESSERACT_CALLS`` names a file, appended to it one name per line (so
 a test reads the counts of a served Tesseract too).
 
@@ -26,11 +30,14 @@ import os
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import Field
 from scipy.linalg import solve_banded
 from tesseract_core.runtime import Array, Differentiable, Float64
 
+from smartvjp.tesseract import contract_schemas, with_residuals
+
 CALLS: collections.Counter = collections.Counter()
+ABSTRACT_EVALS: collections.Counter = collections.Counter()   # by the flag
 
 
 def _count(name):
@@ -41,7 +48,11 @@ def _count(name):
       f.write(name + "\n")
 
 
-class InputSchema(BaseModel):
+# the residual contract: the trajectory every `stride` steps
+ContractInputs, ContractOutputs = contract_schemas(Array[(None, None), Float64])
+
+
+class InputSchema(ContractInputs):
   T0: Differentiable[Array[(None,), Float64]] = Field(
       description="initial temperature profile, one value per cell")
   conductivity: Differentiable[Float64] = Field(
@@ -49,21 +60,11 @@ class InputSchema(BaseModel):
   nt: int = Field(default=200, description="number of implicit steps")
   t1: float = Field(default=1e-3, description="final time")
   stride: int = Field(default=10, description="steps between checkpoints")
-  save_residuals: bool = Field(
-      default=False,
-      description="smartvjp residual contract: also return the checkpointed "
-      "trajectory as `residuals`")
-  residuals: Array[(None, None), Float64] | None = Field(
-      default=None,
-      description="smartvjp residual contract: the trajectory an earlier "
-      "`apply` with save_residuals returned; the VJP then skips the forward")
 
 
-class OutputSchema(BaseModel):
+class OutputSchema(ContractOutputs):
   T: Differentiable[Array[(None,), Float64]] = Field(
       description="final temperature profile")
-  residuals: Array[(None, None), Float64] | None = Field(
-      default=None, description="the checkpointed trajectory (save_residuals)")
 
 
 def _grid(inputs):
@@ -142,14 +143,13 @@ def apply(inputs: InputSchema) -> OutputSchema:
 
 
 def abstract_eval(abstract_inputs):
+  ABSTRACT_EVALS["with_residuals" if abstract_inputs.save_residuals
+                 else "plain"] += 1
   nx = abstract_inputs.T0.shape[0]
   n_ckpt = -(-abstract_inputs.nt // abstract_inputs.stride)
-  out = {"T": {"shape": [nx], "dtype": "float64"}}
-  if abstract_inputs.save_residuals:
-    out["residuals"] = {"shape": [n_ckpt, nx], "dtype": "float64"}
-  else:
-    out["residuals"] = None
-  return out
+  return with_residuals(abstract_inputs,
+                        {"T": {"shape": [nx], "dtype": "float64"}},
+                        {"shape": [n_ckpt, nx], "dtype": "float64"})
 
 
 def vector_jacobian_product(inputs: InputSchema, vjp_inputs: set[str],
