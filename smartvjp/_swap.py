@@ -181,8 +181,10 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
   function that runs (or is traced) in the block, as
   ``equinox.filter_custom_vjp`` does when its rules are given.
 
-  With ``existing=True`` it also reaches the ``jax.custom_vjp`` functions
-  that exist already (decorated before the block, by a module imported
+  With ``existing=True`` (the one call for a library you did not write:
+  wrap the tracing, or the first call of a ``jax.jit`` function, in the
+  block) it also reaches the ``jax.custom_vjp`` functions that exist
+  already (decorated before the block, by a module imported
   before it, or one that cannot be imported twice because it registers
   pytree nodes or primitives at import): each call of one inside the block
   runs as a ``smart_custom_vjp`` with the same ``fun``, ``fwd``, ``bwd``,
@@ -580,9 +582,13 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
     and the parent package's attribute are restored afterwards. Another
     thread that imports one of those modules during the call may get the
     copy; calls of ``import_swapped`` run one at a time.
-  * Submodules the copy imports later, lazily, after this call returns, and
-    modules found through ``importlib.import_module`` inside the copy, are
-    the shared ones.
+  * A module the copy imports later, inside a function that runs after
+    this call returns, is the copy's where ``name`` or ``include`` covers it
+    (made then, in the same way); ``from pkg import sub`` with ``pkg.sub``
+    in ``include`` and ``pkg`` shared gets the copy's ``sub``. Modules found
+    through ``importlib.import_module`` inside the copy, and ``import
+    a.b.c`` used as ``a.b.c.fn`` where only ``a.b.c`` is covered, are the
+    shared ones.
   * Parent packages are shared and imported first, as usual. A module that
     its package's ``__init__`` imports part-way, and that relies on that
     (reading a submodule from the package before the ``__init__`` rebinds
@@ -614,9 +620,15 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
     SwapError: the module cannot be swapped: it is JAX's core, jaxlib or
       smartvjp (never re-executed); it has no Python source to run again (an
       extension, built-in or frozen module); it imports ``custom_vjp`` from
-      one of JAX's private modules; or, after loading, the copy still holds
+      one of JAX's private modules; after loading, the copy still holds
       ``jax.custom_vjp`` functions (the message lists them, each with the
-      module it comes from, to add to ``include`` where that helps).
+      module it comes from, to add to ``include`` where that helps); or,
+      with no ``include``, the copy holds no ``custom_vjp`` function and no
+      code that makes one, so it would change nothing (a package whose
+      ``__init__`` imports none of its submodules, as ``"aqt"``; a library
+      whose ``custom_vjp`` another library makes, as optimistix's through
+      equinox): the message names the submodules to copy instead, and
+      ``swap_custom_vjp(existing=True)``.
 
   An exception that the module's own code raises while it runs propagates
   unchanged.
