@@ -569,8 +569,10 @@ def main() -> int:
     with open(args.json, "w") as fh:
       json.dump(results, fh, indent=1)
   failed = [r["library"] for r in results if bad(r)]
-  print("every case equal or within tolerance, no more work, reports agree: "
-        + ("yes" if not failed else f"NO ({', '.join(failed)})"))
+  ran = [r["library"] for r in results if "cases" in r]
+  print(f"{len(ran)} of {len(results)} libraries ran ({', '.join(ran) or 'none'}"
+        "); every case equal or within tolerance, no more work, reports "
+        "agree: " + ("yes" if not failed else f"NO ({', '.join(failed)})"))
   return 1 if failed else 0
 
 
