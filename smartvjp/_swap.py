@@ -40,6 +40,7 @@ import jax.custom_derivatives
 
 from smartvjp._api import smart_custom_vjp
 # JAX's class, captured there before any swap can be active
+from smartvjp import _swap_report as _record
 from smartvjp._swap_report import JAX_CUSTOM_VJP as _JAX_CUSTOM_VJP
 from smartvjp._swap_report import entries, made_inside_jax
 
@@ -93,18 +94,35 @@ _JAX_CALL = _JAX_CUSTOM_VJP.__call__   # JAX's own, captured at import
 _twins: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _refusal(fn) -> str | None:
+  """Why ``fn`` (a ``jax.custom_vjp`` function) runs as JAX's inside
+  ``swap_custom_vjp(existing=True)``, or None where it runs as smartvjp's."""
+  if getattr(fn, "fwd", None) is None or getattr(fn, "bwd", None) is None:
+    return "no rules (defvjp was not called)"
+  for attr, how in (("with_logs", "defvjp_with_logs"),
+                    ("with_accums", "defvjp_with_accums")):
+    if getattr(fn, attr, False):
+      return (f"its rules were given by {how}, which smartvjp does not take "
+              "over from a jax.custom_vjp: decorate it with smart_custom_vjp")
+  if getattr(fn, "remat_rules", None) is not None:
+    return ("it has defremat rules, which smartvjp does not take over from a "
+            "jax.custom_vjp: decorate it with smart_custom_vjp")
+  if made_inside_jax(getattr(fn, "fun", None)):
+    return _record._WHY_INSIDE_JAX
+  return None
+
+
 def _twin(fn):
   """The ``smart_custom_vjp`` with ``fn``'s rules (``fn`` a ``jax.custom_vjp``
   function), or ``None`` where ``fn`` is to run as JAX's: no rules yet, rules
   of a kind smartvjp does not take from it (``defvjp_with_logs``,
   ``defvjp_with_accums``, ``defremat``), or made by JAX's own APIs in its
-  private modules."""
-  fwd, bwd = getattr(fn, "fwd", None), getattr(fn, "bwd", None)
-  if (fwd is None or bwd is None or getattr(fn, "with_logs", False)
-      or getattr(fn, "with_accums", False)
-      or getattr(fn, "remat_rules", None) is not None
-      or made_inside_jax(getattr(fn, "fun", None))):
+  private modules (``_refusal`` says which; ``swap_report`` repeats it)."""
+  why = _refusal(fn)
+  if why is not None:
+    _record.note_refused(fn, why)
     return None
+  fwd, bwd = fn.fwd, fn.bwd
   cached = _twins.get(fn)
   if cached is not None and cached[0] is fwd and cached[1] is bwd:
     return cached[2]
@@ -121,6 +139,10 @@ def _call_as_smart(self, *args, **kwargs):
   if twin is None:
     return _JAX_CALL(self, *args, **kwargs)
   return twin(*args, **kwargs)
+
+
+_call_as_smart._smartvjp_existing = True   # read by swap_report
+_block_modules: set = set()   # sys.modules' names when the outer block began
 
 
 @contextlib.contextmanager
@@ -159,8 +181,10 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
   function that runs (or is traced) in the block, as
   ``equinox.filter_custom_vjp`` does when its rules are given.
 
-  With ``existing=True`` it also reaches the ``jax.custom_vjp`` functions
-  that exist already (decorated before the block, by a module imported
+  With ``existing=True`` (the one call for a library you did not write:
+  wrap the tracing, or the first call of a ``jax.jit`` function, in the
+  block) it also reaches the ``jax.custom_vjp`` functions that exist
+  already (decorated before the block, by a module imported
   before it, or one that cannot be imported twice because it registers
   pytree nodes or primitives at import): each call of one inside the block
   runs as a ``smart_custom_vjp`` with the same ``fun``, ``fwd``, ``bwd``,
@@ -222,6 +246,8 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
   with _patch_lock:
     if _patch_depth == 0:
       _patch_saved = (_JAX.custom_vjp, _JAX_CD.custom_vjp)
+      _block_modules.clear()
+      _block_modules.update(sys.modules)
       _JAX.custom_vjp = _JAX_CD.custom_vjp = smart_custom_vjp
     _patch_depth += 1
     if existing:
@@ -237,6 +263,10 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
           _JAX_CUSTOM_VJP.__call__ = _JAX_CALL
       _patch_depth -= 1
       if _patch_depth == 0:
+        # for swap_report: what a block imported, whose later run-time
+        # custom_vjp lookups get JAX's
+        _record.IMPORTED_IN_BLOCK.update(set(sys.modules) - _block_modules)
+        _block_modules.clear()
         found = {"jax.custom_vjp": _JAX.custom_vjp,
                  "jax.custom_derivatives.custom_vjp": _JAX_CD.custom_vjp}
         _JAX.custom_vjp, _JAX_CD.custom_vjp = _patch_saved
@@ -259,7 +289,8 @@ class _SwappedModule(types.ModuleType):
   copy: ``custom_vjp`` is ``smart_custom_vjp``; every other attribute is read
   from (and written to) the real module."""
 
-  def __init__(self, real: types.ModuleType, overrides: dict):
+  def __init__(self, real: types.ModuleType, overrides: dict,
+               what: str = "custom_vjp is smart_custom_vjp"):
     super().__init__(real.__name__, real.__doc__)
     own = vars(self)
     for attr in ("__spec__", "__package__", "__loader__", "__file__",
@@ -268,6 +299,7 @@ class _SwappedModule(types.ModuleType):
         own[attr] = getattr(real, attr)
     own.update(overrides)
     own["_smartvjp_real"] = real
+    own["_smartvjp_what"] = what
 
   def __getattr__(self, attr):
     return getattr(vars(self)["_smartvjp_real"], attr)
@@ -279,11 +311,12 @@ class _SwappedModule(types.ModuleType):
     delattr(vars(self)["_smartvjp_real"], attr)
 
   def __dir__(self):
-    return sorted(set(dir(vars(self)["_smartvjp_real"])) | {"custom_vjp"})
+    own = {k for k in vars(self) if not k.startswith("_smartvjp_")}
+    return sorted(set(dir(vars(self)["_smartvjp_real"])) | own)
 
   def __repr__(self):
     return (f"<module {self.__name__!r}, as seen by a module that "
-            "smartvjp.import_swapped loaded: custom_vjp is smart_custom_vjp>")
+            f"smartvjp.import_swapped loaded: {vars(self)['_smartvjp_what']}>")
 
 
 _CD_VIEW = _SwappedModule(_JAX_CD, {"custom_vjp": smart_custom_vjp})
@@ -292,11 +325,9 @@ _JAX_VIEW = _SwappedModule(_JAX, {"custom_vjp": smart_custom_vjp,
 _VIEWS = {id(_JAX): _JAX_VIEW, id(_JAX_CD): _CD_VIEW}
 
 
-def _swapped_import(name, globals=None, locals=None, fromlist=(), level=0):
-  """``__import__`` for the code of a swapped copy: ``jax`` and
-  ``jax.custom_derivatives`` come back as views whose ``custom_vjp`` is
-  ``smart_custom_vjp``; anything else as usual."""
-  module = builtins.__import__(name, globals, locals, fromlist, level)
+def _refuse_private_custom_vjp(module, fromlist, globals):
+  """``from <module> import custom_vjp`` where ``module`` holds JAX's
+  decorator under a name the swap does not cover: a SwapError."""
   if fromlist and "custom_vjp" in fromlist and id(module) not in _VIEWS:
     if getattr(module, "custom_vjp", None) is _JAX_CUSTOM_VJP:
       importer = (globals or {}).get("__name__", "a swapped module")
@@ -308,13 +339,19 @@ def _swapped_import(name, globals=None, locals=None, fromlist=(), level=0):
           "can change between JAX releases), so this module's custom_vjp "
           "functions would stay jax.custom_vjp. It cannot be swapped without "
           "editing it.")
-  return _VIEWS.get(id(module), module)
 
 
-def _swapped_builtins() -> dict:
-  table = dict(vars(builtins))
-  table["__import__"] = _swapped_import
-  return table
+def _absolute(name, globals, level):
+  """The absolute module name an import statement names, or None."""
+  if level == 0:
+    return name
+  package = (globals or {}).get("__package__")
+  if not package:
+    return None
+  try:
+    return importlib.util.resolve_name("." * level + name, package)
+  except (ImportError, ValueError):
+    return None
 
 
 def _covers(prefixes: tuple[str, ...], name: str) -> bool:
@@ -340,7 +377,7 @@ def _reexecutable(spec) -> bool:
 
 
 class _SwappedLoader:
-  """Wraps a module's loader: executes the module with the swapped
+  """Wraps a module's loader: executes the module with the copy's
   ``__import__`` in its builtins, and records it as a fresh copy."""
 
   def __init__(self, loader, finder):
@@ -359,14 +396,29 @@ class _SwappedLoader:
 
 
 class _FreshFinder:
-  """A meta-path finder, first in ``sys.meta_path`` while a copy is made:
-  modules that ``prefixes`` cover are found by the finders after it, and
-  their loaders wrapped."""
+  """One swapped copy: the modules ``prefixes`` cover, made fresh.
 
-  def __init__(self, prefixes):
+  While ``loading()`` is active it is first in ``sys.meta_path``: modules
+  that ``prefixes`` cover are found by the finders after it and their
+  loaders wrapped, and ``sys.modules`` holds the copy's modules. The
+  copy's modules import through ``import_`` (their ``__import__``), at
+  import and whenever their functions run later: ``jax`` comes back as a
+  view whose ``custom_vjp`` is smartvjp's; a covered module (``from pkg
+  import sub`` where ``pkg.sub`` is covered and ``pkg`` is not, or an
+  import inside a function that runs after ``import_swapped`` returned) as
+  the copy's, made then if it was not yet; any other module as usual."""
+
+  def __init__(self, name, prefixes):
+    self.name = name
     self.prefixes = prefixes
-    self.builtins = _swapped_builtins()
+    self.builtins = dict(vars(builtins))
+    self.builtins["__import__"] = self.import_
     self.created: dict[str, types.ModuleType] = {}
+    self.shared: set[str] = set()   # modules outside prefixes it imported
+    self._active = 0
+
+  def __hash__(self):
+    return id(self)
 
   def find_spec(self, fullname, path=None, target=None):
     if not _covers(self.prefixes, fullname):
@@ -385,6 +437,73 @@ class _FreshFinder:
       spec.loader = _SwappedLoader(spec.loader, self)
     return spec
 
+  @contextlib.contextmanager
+  def loading(self):
+    """``sys.modules`` and ``sys.meta_path`` set for importing into the
+    copy; everything put back afterwards."""
+    with _import_lock:
+      if self._active:
+        self._active += 1
+        try:
+          yield
+        finally:
+          self._active -= 1
+        return
+      # parent packages are shared: imported first, as usual, so that a
+      # package whose __init__ imports the module binds the shared module's
+      # names, never the copy's
+      for p in self.prefixes:
+        parent = p.rpartition(".")[0]
+        if parent and not _covers(self.prefixes, parent):
+          importlib.import_module(parent)
+      saved = {n: m for n, m in list(sys.modules.items())
+               if _covers(self.prefixes, n)
+               and _reexecutable(getattr(m, "__spec__", None))}
+      for n in saved:
+        del sys.modules[n]
+      sys.modules.update(self.created)
+      sys.meta_path.insert(0, self)
+      self._active = 1
+      try:
+        yield
+      finally:
+        self._active = 0
+        sys.meta_path.remove(self)
+        for n, fresh in self.created.items():
+          if sys.modules.get(n) is fresh:
+            del sys.modules[n]
+        sys.modules.update(saved)
+        _restore_parent_attributes(self.created, saved)
+
+  def import_(self, name, globals=None, locals=None, fromlist=(), level=0):
+    """``__import__`` of the copy's modules."""
+    absolute = _absolute(name, globals, level)
+    wanted = [absolute] if absolute else []
+    if absolute and fromlist:
+      wanted += [f"{absolute}.{x}" for x in fromlist if x != "*"]
+    if self._active or not any(_covers(self.prefixes, n) for n in wanted):
+      module = self._import(name, globals, locals, fromlist, level)
+      # for swap_report: modules the copy uses as the process imported them
+      self.shared.update(n for n in wanted if n in sys.modules
+                         and not _covers(self.prefixes, n))
+      return module
+    with self.loading():   # after import_swapped returned: into the copy
+      return self._import(name, globals, locals, fromlist, level)
+
+  def _import(self, name, globals, locals, fromlist, level):
+    module = builtins.__import__(name, globals, locals, fromlist, level)
+    _refuse_private_custom_vjp(module, fromlist, globals)
+    if fromlist and not _covers(self.prefixes, module.__name__):
+      # from pkg import sub, pkg shared: its attribute is the shared sub
+      fresh = {x: importlib.import_module(f"{module.__name__}.{x}")
+               for x in fromlist if x != "*"
+               and _covers(self.prefixes, f"{module.__name__}.{x}")}
+      if fresh:
+        return _SwappedModule(module, fresh, f"the copy's {', '.join(fresh)}")
+    return _VIEWS.get(id(module), module)
+
+
+_FreshFinder.import_._smartvjp_copy = True   # read by swap_report
 
 _import_lock = threading.RLock()
 
@@ -463,9 +582,13 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
     and the parent package's attribute are restored afterwards. Another
     thread that imports one of those modules during the call may get the
     copy; calls of ``import_swapped`` run one at a time.
-  * Submodules the copy imports later, lazily, after this call returns, and
-    modules found through ``importlib.import_module`` inside the copy, are
-    the shared ones.
+  * A module the copy imports later, inside a function that runs after
+    this call returns, is the copy's where ``name`` or ``include`` covers it
+    (made then, in the same way); ``from pkg import sub`` with ``pkg.sub``
+    in ``include`` and ``pkg`` shared gets the copy's ``sub``. Modules found
+    through ``importlib.import_module`` inside the copy, and ``import
+    a.b.c`` used as ``a.b.c.fn`` where only ``a.b.c`` is covered, are the
+    shared ones.
   * Parent packages are shared and imported first, as usual. A module that
     its package's ``__init__`` imports part-way, and that relies on that
     (reading a submodule from the package before the ``__init__`` rebinds
@@ -497,9 +620,15 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
     SwapError: the module cannot be swapped: it is JAX's core, jaxlib or
       smartvjp (never re-executed); it has no Python source to run again (an
       extension, built-in or frozen module); it imports ``custom_vjp`` from
-      one of JAX's private modules; or, after loading, the copy still holds
+      one of JAX's private modules; after loading, the copy still holds
       ``jax.custom_vjp`` functions (the message lists them, each with the
-      module it comes from, to add to ``include`` where that helps).
+      module it comes from, to add to ``include`` where that helps); or,
+      with no ``include``, the copy holds no ``custom_vjp`` function and no
+      code that makes one, so it would change nothing (a package whose
+      ``__init__`` imports none of its submodules, as ``"aqt"``; a library
+      whose ``custom_vjp`` another library makes, as optimistix's through
+      equinox): the message names the submodules to copy instead, and
+      ``swap_custom_vjp(existing=True)``.
 
   An exception that the module's own code raises while it runs propagates
   unchanged.
@@ -508,37 +637,17 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
   if isinstance(include, str):
     include = (include,)
   prefixes = (name, *(_check_name("include", n) for n in include))
-  with _import_lock:
-    # Parent packages are shared: import them first, as usual, so that a
-    # package whose __init__ imports the module binds the shared module's
-    # names, never the copy's.
-    for p in prefixes:
-      parent = p.rpartition(".")[0]
-      if parent and not _covers(prefixes, parent):
-        importlib.import_module(parent)
-    finder = _FreshFinder(prefixes)
-    saved = {n: m for n, m in list(sys.modules.items())
-             if _covers(prefixes, n)
-             and _reexecutable(getattr(m, "__spec__", None))}
-    for n in saved:
-      del sys.modules[n]
-    sys.meta_path.insert(0, finder)
-    try:
-      importlib.import_module(name)
-    finally:
-      sys.meta_path.remove(finder)
-      for n, fresh in finder.created.items():
-        if sys.modules.get(n) is fresh:
-          del sys.modules[n]
-      sys.modules.update(saved)
-      _restore_parent_attributes(finder.created, saved)
-    module = finder.created.get(name)
+  finder = _FreshFinder(name, prefixes)
+  with finder.loading():
+    importlib.import_module(name)
+  module = finder.created.get(name)
   if module is None:
     raise SwapError(
         f"import_swapped: {name!r} has no Python source to run again (an "
         "extension, built-in or frozen module); its custom_vjp functions, if "
         "any, cannot be swapped.")
-  _check_copy(name, finder.created)
+  _check_copy(name, finder.created, include)
+  _record.COPIES.add(finder)
   return module
 
 
@@ -561,7 +670,7 @@ def _restore_parent_attributes(created, saved):
         pass
 
 
-def _check_copy(name, created):
+def _check_copy(name, created, include):
   """Raises SwapError if a module of the copy holds jax.custom_vjp functions
   or JAX's decorator itself. A ``jax.custom_vjp`` that a JAX API builds in
   JAX's private modules (``jax.custom_gradient``) is left as it is, as no
@@ -569,8 +678,8 @@ def _check_copy(name, created):
   problems = []
   for mod in created.values():
     for key, smart, obj, what in entries(mod, recurse=False):
-      if smart or what == "module":
-        continue   # a module binding is what a later lookup would get: reported
+      if smart:
+        continue
       origin = getattr(obj, "__module__", None)
       if what == "function" and made_inside_jax(obj):
         continue
@@ -584,3 +693,17 @@ def _check_copy(name, created):
     raise SwapError(
         f"import_swapped({name!r}): the copy still holds jax.custom_vjp "
         f"where smart_custom_vjp was asked for: {'; '.join(problems)}.")
+  if not include and not any(smart for mod in created.values()
+             for _, smart, _, _ in entries(mod, recurse=False)):
+    subs = sorted(n for n in sys.modules if n.startswith(name + "."))
+    raise SwapError(
+        f"import_swapped({name!r}): the copy holds no custom_vjp function "
+        "and no code that makes one, so it would change nothing"
+        + (f" (its package imports none of the submodules that define "
+           f"them, such as {', '.join(subs[:3])}: copy one of those, with "
+           f"include=({name!r},))" if subs else "")
+        + ". Where a library makes its custom_vjp functions in another "
+        "library's code when it runs (optimistix's through equinox), or "
+        "imports them lazily, trace the program inside `with "
+        "smartvjp.swap_custom_vjp(existing=True):` instead; swap_report(fn, "
+        "*args) says whether a program's rules are smartvjp's.")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -42,6 +43,38 @@ if not isinstance(JAX_CUSTOM_VJP, type) or JAX_CUSTOM_VJP is smart_custom_vjp:
       f"import (found {JAX_CUSTOM_VJP!r}); import smartvjp before anything "
       "replaces it")
 JAX_MODULES = (jax, jax.custom_derivatives)
+
+
+# -- what the swaps did, for the reasons a report gives (written by _swap.py) ------
+
+# a jax.custom_vjp function's bwd -> why swap_custom_vjp(existing=True) left
+# the function as JAX's when it was called inside the block
+REFUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# modules first imported inside a swap_custom_vjp() block
+IMPORTED_IN_BLOCK: set[str] = set()
+# the copies import_swapped made (its finders: name, prefixes, created, shared)
+COPIES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def note_refused(fn, why: str) -> None:
+  """Records why ``fn`` (a ``jax.custom_vjp`` function) ran as JAX's."""
+  bwd = getattr(fn, "bwd", None)
+  try:
+    REFUSED[bwd] = why
+  except TypeError:   # not weakly referenceable: no reason kept
+    pass
+
+
+def existing_active() -> bool:
+  """A ``swap_custom_vjp(existing=True)`` block is active."""
+  return getattr(JAX_CUSTOM_VJP.__call__, "_smartvjp_existing", False)
+
+
+def is_swapped_copy_globals(g) -> bool:
+  """``g`` is the namespace of a module that ``import_swapped`` made."""
+  b = (g or {}).get("__builtins__")
+  return isinstance(b, dict) and getattr(b.get("__import__"),
+                                         "_smartvjp_copy", None) is not None
 
 class SwapReport(dict):
   """``{name: is_smart}``, as ``swap_report`` finds them.
@@ -72,10 +105,33 @@ class SwapReport(dict):
 
 # -- a traced program --------------------------------------------------------------
 
+def _user_fun(fun):
+  """The user's function behind one that smartvjp made for it (the ``f``
+  of a batched call is a closure over the call it batches)."""
+  for _ in range(16):
+    inner = fun
+    while isinstance(inner, functools.partial):
+      inner = inner.func
+    if not (getattr(inner, "__module__", None) or "").startswith("smartvjp._"):
+      return fun
+    for cell in getattr(inner, "__closure__", None) or ():
+      try:
+        held = cell.cell_contents
+      except ValueError:
+        continue
+      rules = getattr(held, "rules", held)   # a call's spec, or its rules
+      if callable(getattr(rules, "fun", None)) and hasattr(rules, "fwd_bwd"):
+        fun = rules.fun
+        break
+    else:
+      return fun
+  return fun
+
+
 def _qualified(fun, name=None) -> str:
   """``"<module>.<name>"`` of a user's function (``name``: JAX's record of
   it, when ``fun`` is another rule of the same call)."""
-  inner = fun
+  inner = _user_fun(fun)
   while isinstance(inner, functools.partial):
     inner = inner.func
   module = getattr(inner, "__module__", None) or "<unknown module>"
@@ -95,19 +151,76 @@ def made_inside_jax(fun) -> bool:
   return jx.is_jax_private_module(getattr(fun, "__module__", None) or "")
 
 
-def _why_jax(module_name: str, bwd_fun) -> str:
+_FIX = ("trace the program inside `with smartvjp.swap_custom_vjp("
+        "existing=True):`, which reaches every jax.custom_vjp function "
+        "however it was made")
+
+
+def _covering_copy(module_name):
+  for copy in list(COPIES):
+    if any(module_name == p or module_name.startswith(p + ".")
+           for p in copy.prefixes):
+      return copy
+  return None
+
+
+def _sharing_copy(module_name):
+  """A copy that uses ``module_name`` as the process imported it."""
+  for copy in list(COPIES):
+    if module_name in copy.shared:
+      return copy
+    for mod in list(copy.created.values()):
+      for value in list(vars(mod).values()):
+        if (getattr(value, "__module__", None) == module_name
+            or getattr(value, "__name__", None) == module_name):
+          return copy
+  return None
+
+
+def _why_jax(module_name: str, bwd_fun, vjp3: bool = False) -> str:
+  """Why a ``jax.custom_vjp`` call found in a program is JAX's, and what to do."""
   if jx.is_jax_private_module(module_name):
     return _WHY_INSIDE_JAX
-  module = sys.modules.get(module_name)
-  if module is not None and getattr(bwd_fun, "__globals__", None) is vars(module):
-    return (f"the program calls it from {module_name} as the process "
-            "imported it, not from a swapped copy: add "
-            f"{module_name!r} to import_swapped's include= (a module that "
-            "is imported inside a function when it runs is not reached by a "
-            "copy: import it first inside `with smartvjp.swap_custom_vjp():`)")
-  return (f"its module {module_name} made it with jax.custom_vjp: swap that "
-          "module (import_swapped, or its first import inside "
-          "swap_custom_vjp())")
+  try:
+    refused = REFUSED.get(bwd_fun)
+  except TypeError:
+    refused = None
+  if refused:
+    return refused
+  if is_swapped_copy_globals(getattr(bwd_fun, "__globals__", None)):
+    return ("made in a swapped copy through a name the swap does not cover "
+            "(jax.custom_vjp reached through one of JAX's private modules): "
+            + _FIX)
+  if existing_active():
+    if vjp3:
+      return ("made while JAX's jax_custom_vjp3 flag was on, which makes "
+              "objects of another class on jax 0.10 and 0.11 that the block "
+              "does not reach: make it with the flag off, or use "
+              "smart_custom_vjp")
+    return ("a trace made before this swap_custom_vjp(existing=True) "
+            "block: jax.jit (or jax.checkpoint) reused the program it had "
+            "cached; trace the function for the first time inside the block")
+  copy = _sharing_copy(module_name)
+  if copy is not None:
+    return (f"not in include=: the copy import_swapped({copy.name!r}) uses "
+            f"{module_name} as the process imported it (imported at module "
+            f"level or inside a function): add {module_name!r} (or its "
+            "package) to include=, or " + _FIX)
+  copy = _covering_copy(module_name)
+  if copy is not None:
+    return (f"the program calls {module_name} as the process imported it, "
+            f"not the swapped copy import_swapped({copy.name!r}) made of it "
+            "(use the module import_swapped returned wherever the program "
+            "reaches it; a copy reaches only what it imports with import "
+            "statements, not importlib.import_module): or " + _FIX)
+  top = module_name.split(".")[0]
+  if module_name in IMPORTED_IN_BLOCK or top in IMPORTED_IN_BLOCK:
+    return (f"made when the program ran, after the swap_custom_vjp() block "
+            f"in which {module_name} was first imported had ended (its code "
+            "calls jax.custom_vjp when it runs, not only at import): " + _FIX)
+  return (f"not swapped: {module_name} made it with JAX's jax.custom_vjp and "
+          "the program was traced outside `swap_custom_vjp(existing=True)`: "
+          + _FIX + " (or copy the library with import_swapped)")
 
 
 def _walk(jaxpr, found: dict, why: dict, seen: set):
@@ -125,7 +238,7 @@ def _walk(jaxpr, found: dict, why: dict, seen: set):
       name = _qualified(bwd, f_name)
       found[name] = False
       why.setdefault(name, _why_jax(getattr(bwd, "__module__", None) or "",
-                                    bwd))
+                                    bwd, eqn.params.get("_prim") is not None))
     for sub in jx.jaxprs_in_eqn(eqn):
       if id(sub) not in seen:
         seen.add(id(sub))
@@ -172,8 +285,8 @@ def _real_module(value):
 
 def entries(module, recurse=True, seen=None):
   """``(key, is_smart, object, what)`` for each custom_vjp thing ``module``
-  holds; ``what`` is "function", "decorator" or "module" (a name bound to
-  ``jax`` or ``jax.custom_derivatives``)."""
+  holds; ``what`` is "function", "decorator" or "runtime" (a function of
+  the module that looks ``custom_vjp`` up when it runs)."""
   seen = set() if seen is None else seen
   if id(module) in seen:
     return
@@ -184,13 +297,13 @@ def entries(module, recurse=True, seen=None):
       continue
     key = f"{prefix}.{attr}"
     if isinstance(value, types.ModuleType):
-      if any(_real_module(value) is m for m in JAX_MODULES):
-        yield (f"{key}.custom_vjp", value.custom_vjp is smart_custom_vjp,
-               value, "module")
-      elif recurse and getattr(value, "__name__", "").startswith(prefix + "."):
+      # a name bound to jax itself says nothing about what the module's
+      # functions make: the functions that look custom_vjp up are reported
+      if (recurse and not any(_real_module(value) is m for m in JAX_MODULES)
+          and getattr(value, "__name__", "").startswith(prefix + ".")):
         yield from entries(value, recurse, seen)
       continue
-    hit = _found(key, value)
+    hit = _found(key, value) or _runtime(key, value, module)
     if hit:
       yield hit
       continue
@@ -207,9 +320,33 @@ def entries(module, recurse=True, seen=None):
         continue
     for sub, member in list(members.items()):
       if not isinstance(member, types.ModuleType):
-        hit = _found(f"{key}.{sub}", member)
+        hit = (_found(f"{key}.{sub}", member)
+               or _runtime(f"{key}.{sub}", member, module))
         if hit:
           yield hit
+
+
+def _names_custom_vjp(code, depth=0) -> bool:
+  """``code`` (or a function nested in it) reads a name ``custom_vjp``."""
+  if "custom_vjp" in code.co_names:
+    return True
+  return depth < 8 and any(
+      isinstance(c, types.CodeType) and _names_custom_vjp(c, depth + 1)
+      for c in code.co_consts)
+
+
+def _runtime(key, value, module):
+  """A function of ``module`` whose code looks up ``custom_vjp`` when it
+  runs (``jax.custom_vjp(fun)`` in a method, ``from jax import custom_vjp``
+  in a decorator factory): it makes a ``custom_vjp`` function each time,
+  smartvjp's only in a swapped copy."""
+  fn = getattr(value, "__func__", value)   # staticmethod, classmethod
+  if not isinstance(fn, types.FunctionType):
+    return None
+  g = fn.__globals__
+  if g is not vars(module) or not _names_custom_vjp(fn.__code__):
+    return None
+  return key, is_swapped_copy_globals(g), value, "runtime"
 
 
 def _found(key, value):
@@ -229,11 +366,10 @@ _WHY_IN_MODULE = {
                 "it was decorated",
     "decorator": "bound to JAX's decorator: what the module decorates with "
                  "it when its code runs stays jax.custom_vjp's",
-    "module": "jax.custom_vjp looked up through this name now gets JAX's "
-              "class (the module is not a swapped copy, or swap_custom_vjp's "
-              "block has ended): only what the module decorates when its "
-              "code runs is affected; swap_report(fn, *args) tells whether "
-              "a program runs smartvjp's rules",
+    "runtime": "looks up jax.custom_vjp when it runs, and the module is "
+               "not a swapped copy: what it makes then is JAX's unless the "
+               "program is traced inside `with smartvjp.swap_custom_vjp("
+               "existing=True):` (swap_report(fn, *args) says)",
 }
 
 
@@ -262,16 +398,30 @@ def swap_report(target: Any, /, *args, **kwargs) -> SwapReport:
   ``jax.custom_vjp`` call is inlined into plain equations and can no
   longer be seen.
 
+  The reasons a call stays ``jax.custom_vjp``'s, each with what to do: a
+  ``jax.custom_vjp`` that JAX makes in its private modules
+  (``jax.custom_gradient``), which no swap reaches; rules
+  ``swap_custom_vjp(existing=True)`` does not take over
+  (``defvjp_with_logs``, ``defvjp_with_accums``, ``defremat``); a trace
+  cached before the block; a module the swapped copy shares (not in
+  ``include=``, or reached through ``importlib``); a ``jax.custom_vjp``
+  made when the program ran, after the ``swap_custom_vjp()`` block its
+  module was imported in had ended; or a module imported as it is, traced
+  outside any swap.
+
   ``swap_report(module)`` lists, without tracing, the ``custom_vjp``
   functions a module holds: its global names, one level into the classes it
   defines and the other objects it holds (an ``equinox.filter_custom_vjp``
   object's wrapped function), its submodules (for a package), following
   ``functools.partial`` and ``__wrapped__`` (a ``jax.jit`` of one counts);
-  names bound to either decorator; and, for each name bound to the ``jax``
-  or ``jax.custom_derivatives`` module, ``"<name>.custom_vjp"``: what a
-  ``jax.custom_vjp`` looked up through it gets now (so ``False`` after a
-  ``swap_custom_vjp`` block ends, although the functions decorated inside it
-  stay smartvjp's).
+  names bound to either decorator; and the module's functions and methods
+  whose code looks ``custom_vjp`` up when they run (AQT's
+  ``DotGeneral.dg_core``, TFP's ``custom_gradient``): ``True`` in a
+  swapped copy, ``False`` elsewhere, since what they make is JAX's unless
+  the program is traced inside ``swap_custom_vjp(existing=True)``. It
+  cannot see ``custom_vjp`` functions that another library makes for the
+  module when it runs (optimistix's through equinox): only the program
+  form can.
 
   Args:
     target: a callable (with the positional and keyword arguments to trace

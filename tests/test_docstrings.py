@@ -378,8 +378,16 @@ CLAIMS = [
       "tests/test_swap.py::test_import_swapped_changes_nothing_global"),
     C("import_swapped", "calls of import_swapped run one at a time",
       "tests/test_swap.py::test_import_swapped_from_threads"),
-    C("import_swapped", "Submodules the copy imports later, lazily",
+    C("import_swapped", "A module the copy imports later, inside a function "
+      "that runs after this call returns, is the copy's",
       "test_import_swapped_copy_is_another_module"),
+    C("import_swapped", "from pkg import sub with pkg.sub in include and pkg "
+      "shared gets the copy's sub",
+      "tests/test_swap.py::test_include_reaches_a_submodule_imported_from_its_package"),
+    C("import_swapped", "the copy holds no custom_vjp function and no code "
+      "that makes one",
+      "tests/test_swap.py::test_a_copy_that_would_change_nothing_is_a_swap_error",
+      raises="SwapError"),
     C("import_swapped", "fails in its own code when copied alone: copy the "
       "package instead",
       "tests/test_swap.py::test_a_module_that_needs_its_package_mid_init_is_copied_with_it"),
@@ -857,10 +865,15 @@ def test_import_swapped_copy_is_another_module(tmp_path, monkeypatch):
   assert sys.modules["smartvjp_lazy_pkg"] is shared
   assert isinstance(copy.f, smart_custom_vjp) and copy.f is not again.f
   assert not isinstance(shared.f, smart_custom_vjp)
-  # a submodule the copy imports later is the shared one, unswapped
+  # a submodule the copy imports later, when its function runs, is the
+  # copy's; the process's own is made as usual, unswapped
   sub = copy.later()
-  assert sub is sys.modules["smartvjp_lazy_pkg.sub"]
-  assert not isinstance(sub.g, smart_custom_vjp)
+  assert isinstance(sub.g, smart_custom_vjp)
+  assert "smartvjp_lazy_pkg.sub" not in sys.modules
+  assert copy.later() is sub
+  import smartvjp_lazy_pkg.sub as own
+  assert own is not sub and not isinstance(own.g, smart_custom_vjp)
+  monkeypatch.delitem(sys.modules, "smartvjp_lazy_pkg.sub", raising=False)
 
 
 def test_swap_custom_vjp_leaves_jax_private_names_alone():

@@ -171,8 +171,8 @@ def test_import_swapped_reaches_every_spelling(library):
   report = swap_report(copy)
   expected = {f"{name}.{n}" for n in FUNCTIONS} | {
       f"{name}.scaled", f"{name}.later", f"{name}.custom_vjp",
-      f"{name}.cd_custom_vjp", f"{name}.jax.custom_vjp",
-      f"{name}.cd.custom_vjp", f"{name}.Holder.op", f"{name}.box.op"}
+      f"{name}.cd_custom_vjp", f"{name}.made_at_call_time",
+      f"{name}.Holder.op", f"{name}.box.op"}
   assert set(report) == expected and all(report.values()), report
   theirs = swap_report(shared)
   assert set(theirs) == expected and not any(theirs.values()), theirs
@@ -308,8 +308,7 @@ def test_a_module_that_needs_its_package_mid_init_is_copied_with_it(library):
   copy = import_swapped(name)
   assert swap_report(copy) == {f"{name}.backend": True,
                                f"{name}.ops.backend": True,
-                               f"{name}.ops.op": True,
-                               f"{name}.ops.jax.custom_vjp": True}
+                               f"{name}.ops.op": True}
 
 
 def test_custom_vjp_from_a_shared_module_needs_include(library):
@@ -469,8 +468,9 @@ def test_first_import_in_the_block_is_swapped_an_earlier_one_is_not(library):
   for fn in FUNCTIONS + ("scaled", "later", "custom_vjp", "cd_custom_vjp"):
     assert report[f"{name}.{fn}"], fn
   # after the block: module-level decorators stay smartvjp's; jax.custom_vjp
-  # looked up at call time is JAX's again
-  assert report[f"{name}.jax.custom_vjp"] is False
+  # looked up at call time is JAX's again, and the report says so
+  assert report[f"{name}.made_at_call_time"] is False
+  assert "existing=True" in report.why[f"{name}.made_at_call_time"]
   assert isinstance(swapped.made_at_call_time(), JAX_CUSTOM_VJP)
   with swap_custom_vjp():
     assert isinstance(swapped.made_at_call_time(), smartvjp.smart_custom_vjp)
@@ -613,7 +613,9 @@ def test_swap_report_of_a_program_finds_every_call_and_says_why(library,
   theirs = swap_report(shared.loss, X)
   assert set(theirs) == set(report) and not any(theirs.values())
   for key in theirs:
-    assert f"{name}.kernels" in theirs.why[key] and "include=" in theirs.why[key]
+    why = theirs.why[key]
+    assert f"{name}.kernels as the process imported it" in why, why
+    assert "swap_custom_vjp(existing=True)" in why
   assert "JAX" in str(theirs) and f"{name}.kernels.attribute" in str(theirs)
 
 
@@ -625,11 +627,14 @@ def test_swap_report_of_a_program_sees_what_the_module_report_misses(library):
   inventory = swap_report(api)
   assert inventory[f"{name}.api.clip_gradient"] is False, inventory
   assert "jax.custom_gradient" in inventory.why[f"{name}.api.clip_gradient"]
+  # a module the copy imports inside a function, when it runs: the copy's
+  # own where include= names it, and the report says so where it does not
   lazy = swap_report(api.eager_path, X)
-  assert lazy == {f"{name}.kernels.attribute": False}, lazy
-  assert "imported inside a function" in lazy.why[
-      f"{name}.kernels.attribute"]
-  assert not lazy.ok
+  assert lazy == {f"{name}.kernels.attribute": True} and lazy.ok, lazy
+  alone = import_swapped(f"{name}.api", include=(f"{name}.model",))
+  shared = swap_report(alone.eager_path, X)
+  assert shared == {f"{name}.kernels.attribute": False}, shared
+  assert "not in include=" in shared.why[f"{name}.kernels.attribute"]
   gradient = swap_report(api.gradient_path, X)
   assert list(gradient.values()) == [False], gradient
   (why,) = gradient.why.values()
@@ -641,13 +646,20 @@ def test_swap_report_after_swap_custom_vjp_tells_the_truth(library):
   with swap_custom_vjp():
     swapped = importlib.import_module(name)
   inventory = swap_report(swapped)
-  # what a lookup of jax.custom_vjp gets now: JAX's again, and said so
-  assert inventory[f"{name}.jax.custom_vjp"] is False
-  assert "swap_report(fn, *args)" in inventory.why[f"{name}.jax.custom_vjp"]
+  # every decorated function is smartvjp's; the function that calls
+  # jax.custom_vjp when it runs gets JAX's again, and the report says so
+  assert inventory.pop(f"{name}.made_at_call_time") is False
+  assert all(inventory.values()) and f"{name}.attribute" in inventory
   program = swap_report(lambda x: swapped.attribute(x) + swapped.scaled(x, 2.0),
                         X)
   assert program.ok and set(program) == {f"{name}.attribute",
                                          f"{name}.scaled"}, program
+  late = swap_report(lambda x: swapped.made_at_call_time()(x), X)
+  assert list(late.values()) == [False], late
+  (why,) = late.why.values()
+  assert "after the swap_custom_vjp() block" in why and "existing=True" in why
+  with swap_custom_vjp(existing=True):
+    assert swap_report(lambda x: swapped.made_at_call_time()(x), X).ok
 
 
 def test_swap_report_of_a_program_nested_in_a_smart_function(library):
@@ -734,3 +746,75 @@ def test_existing_blocks_nest_and_restore_jax_call(library):
     assert JAX_CUSTOM_VJP.__call__ is jax_call
     assert not swap_report(lib.attribute, X).ok
   assert JAX_CUSTOM_VJP.__call__ is jax_call and jax.custom_vjp is JAX_CUSTOM_VJP
+
+
+# -- issue 34: the forms the seven libraries needed ---------------------------------
+
+def test_include_reaches_a_submodule_imported_from_its_package(library):
+  """``from pkg import sub`` with ``pkg.sub`` in include= and ``pkg``
+  shared (TFP's ``from ...internal import custom_gradient``): the copy's
+  sub, at import and inside a function that runs later."""
+  name = library({
+      "__init__.py": "",
+      "lib/__init__.py": "from . import kernels\n",
+      "lib/kernels.py": LIBRARY,
+      "user.py": """
+          from .lib import kernels
+
+          def eager(x):
+            return kernels.attribute(x)
+
+          def lazy(x):
+            from .lib import kernels as again
+            return again.scaled(x, 2.0)
+          """,
+  })
+  importlib.import_module(f"{name}.user")   # the shared package holds kernels
+  user = import_swapped(f"{name}.user", include=(f"{name}.lib.kernels",))
+  assert swap_report(user.eager, X).ok
+  assert swap_report(user.lazy, X).ok
+  shared = importlib.import_module(f"{name}.user")
+  assert not swap_report(shared.eager, X).ok
+  assert_bitwise(checkpointed_grad(user.lazy)(X),
+                 checkpointed_grad(shared.lazy)(X))
+
+
+def test_a_copy_that_would_change_nothing_is_a_swap_error(library):
+  """``import_swapped("aqt")`` copied a package whose ``__init__`` imports
+  none of its submodules: the error names them and the way that works."""
+  name = library({"__init__.py": "", "kernels.py": LIBRARY})
+  importlib.import_module(f"{name}.kernels")
+  with pytest.raises(SwapError, match="no custom_vjp function") as e:
+    import_swapped(name)
+  assert f"{name}.kernels" in str(e.value)
+  assert "swap_custom_vjp(existing=True)" in str(e.value)
+  copy = import_swapped(f"{name}.kernels", include=(name,))   # the advice
+  assert swap_report(copy).ok
+
+
+def test_existing_names_what_it_leaves_and_a_cached_trace(library):
+  name = library(LIBRARY)
+  lib = importlib.import_module(name)
+  grad_clip = jax.custom_gradient(
+      lambda x: (x, lambda g: (jnp.clip(g, -1, 1),)))
+  cached = jax.jit(lambda x: lib.attribute(x) * 2.0)
+  cached(X)   # traced and cached before the block
+  with swap_custom_vjp(existing=True):
+    report = swap_report(lambda x: grad_clip(x) + cached(x), X)
+  assert sorted(report.values()) == [False, False], report
+  whys = " | ".join(report.why.values())
+  assert "jax.custom_gradient" in whys
+  assert "a trace made before this swap_custom_vjp(existing=True)" in whys
+
+
+def test_a_batched_call_is_reported_under_the_users_name(library):
+  name = library(LIBRARY)
+  copy = import_swapped(name)
+  report = swap_report(jax.vmap(copy.attribute), jnp.ones((3, 7)))
+  assert report == {f"{name}.attribute": True}, report
+  with swap_custom_vjp(existing=True):
+    lib = importlib.import_module(name)
+    report = swap_report(
+        lambda x: jnp.vectorize(lib.attribute, signature="(n)->(n)")(x),
+        jnp.ones((3, 7)))
+  assert report == {f"{name}.attribute": True}, report
