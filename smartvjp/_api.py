@@ -130,8 +130,9 @@ class smart_custom_vjp:
   documentation site; it is not installed with the package):
 
   * Where smartvjp runs ``f`` in ``fwd``'s place (the forward pass under
-    remat; under ``jit``, a ``fwd`` whose residuals are all inputs, or a
-    call that no cotangent reaches) the forward value is ``f``'s, where
+    remat; under ``jit``, where ``f`` is traced anyway, as in a staged
+    body, a ``fwd`` whose residuals are all inputs or a call that no
+    cotangent reaches) the forward value is ``f``'s, where
     ``jax.custom_vjp``'s is ``fwd``'s: keep ``f`` and ``fwd``'s primal
     output equal; ``smartvjp.check_primals`` checks it under remat.
   * Within one traced program (``jit``, ``make_jaxpr``) each rule is traced

@@ -108,8 +108,15 @@ def _lin_batching(axis_data, args, dims, *, call, fwd, in_nz, reload):
     outs = tangents_only(call, args[n - call.num_primals:n], in_nz, tangents,
                          fwd_rule)
     return outs, [0] * len(outs)
-  args = [_vmap.front(axis_data, x, d) for x, d in zip(args, dims)]
-  bcall = _vmap.linear_only_call(call, [0] * call.num_primals, axis_data)
+  # residuals vmap does not map stay unmapped (bwd reads them so, as
+  # jax.custom_vjp's batched bwd does); tangents, and the primals of the
+  # fused form or of a forward rule, are mapped at 0
+  keep = fwd is not None and call.rules.jvp is None
+  res_mapped = [d is not None for d in dims[:n]] if keep else None
+  args = [x if keep and i < n and d is None else _vmap.front(axis_data, x, d)
+          for i, (x, d) in enumerate(zip(args, dims))]
+  bcall = _vmap.linear_only_call(call, [0] * call.num_primals, axis_data,
+                                 res_mapped)
   bfwd = fwd
   if fwd is not None:
     size, _, _, mesh_axis = jx.vmap_axis(axis_data)

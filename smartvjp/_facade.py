@@ -56,7 +56,7 @@ _core = _internals(
     "ShapedArray", "typeof", "typecompat", "mem_kind_to_space", "trace_ctx",
     "EvalTrace", "eval_jaxpr", "unmapped_aval", "mapped_aval", "pp_eqn_rules",
     "pp_eqn", "set_current_trace", "DropVar", "get_referent", "Jaxpr",
-    "NamedAxisEffect",
+    "NamedAxisEffect", "TraceTag",
     since=(V.EFFECTS_NAME_VARS,
            ("positional_effects", "resolve_input_effects")))
 _pe = _internals(
@@ -391,9 +391,15 @@ def carries_tangent(x) -> bool:
 
 
 def is_mapped_here(x) -> bool:
-  """Whether ``x`` is a value of the vmap now tracing, with a mapped axis."""
-  return (isinstance(x, _batching.BatchTracer)
-          and x._trace is current_trace() and x.batch_dim is not None)  # pylint: disable=protected-access
+  """Whether ``x`` is a value of the vmap now tracing, with a mapped axis
+  (a value of the same vmap's trace that a rule closes over, joined by its
+  trace tag, counts)."""
+  trace = current_trace()
+  if not isinstance(x, _batching.BatchTracer) or x.batch_dim is None:
+    return False
+  return x._trace is trace or (  # pylint: disable=protected-access
+      isinstance(trace, _batching.BatchTrace)
+      and x._trace.tag is trace.tag)  # pylint: disable=protected-access
 
 
 def batch_parts(x, trace):
@@ -424,15 +430,19 @@ def vmap_axis(axis_data) -> tuple:
           axis_data.explicit_mesh_axis)
 
 
-def batch_inner(fun: Callable, tag, axis_data, in_dims, num_outs: Callable):
+def new_trace_tag():
+  """A tag for a new vmap (what ``jax.vmap`` makes for each of its calls)."""
+  return _core.TraceTag()
+
+
+def batch_inner(fun: Callable, tag, axis_data, in_dims, out_dims: Callable):
   """Runs ``fun(*flat_args)`` batched as part of the vmap with trace ``tag``
-  (inputs at ``in_dims``, every output at axis 0); returns a function of the
-  flat arguments."""
+  (inputs at ``in_dims``, outputs at ``out_dims()``, 0 or ``None`` each,
+  asked once ``fun`` has run); returns a function of the flat arguments."""
   def run(*args):
     dbg = _api_util.debug_info("smartvjp vmap", fun, args, {})
     wrapped = _batching._batch_inner(  # pylint: disable=protected-access
-        _lu.wrap_init(fun, debug_info=dbg), axis_data,
-        lambda: [0] * num_outs(), False)
+        _lu.wrap_init(fun, debug_info=dbg), axis_data, out_dims, False)
     outs, _, _ = wrapped.call_wrapped(tag, list(in_dims), *args)
     return list(outs)
   return run

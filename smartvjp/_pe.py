@@ -29,7 +29,7 @@ from smartvjp import _plan
 from smartvjp import _policy
 from smartvjp._primitive import (
     call_p, dce_whole, jvp_p, lin_p, register, replace_rule, rule_p)
-from smartvjp._spec import pruned, with_f_traced
+from smartvjp._spec import pruned
 
 
 # -- smartvjp_jvp: policy-driven partial evaluation (jax.checkpoint) ------------------
@@ -149,42 +149,19 @@ register(jvp_p, "partial_eval", _jvp_partial_eval)
 # A jvp whose tangents are dead stands for the rule jax.custom_vjp runs for a
 # differentiated call: fwd, when it has effects.
 
-def _passed_through(fwd):
-  """For a ``fwd`` each of whose computed residuals is one of its inputs
-  (through ``checkpoint_name`` at most: the backward side of a split whose
-  residuals were all saved), the input position of each; else ``None``."""
-  jaxpr = fwd.jaxpr.jaxpr
-  named = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
-           if jx.checkpoint_name_of(e.primitive, e.params) is not None}
-  pos = {v: i for i, v in enumerate(jaxpr.invars)}
-  passed = []
-  for v in jaxpr.outvars[len(jaxpr.outvars) - fwd.num_new_res:]:
-    while type(v) is jx.Var and v in named:
-      v = named[v]
-    if type(v) is not jx.Var or v not in pos:
-      return None
-    passed.append(pos[v])
-  return passed
-
-
 def _linear_part(eqn):
-  """A jvp equation whose primal outputs are unused, when its tangents need
-  no rule to run first (``fwd``'s residuals are all inputs or saved values,
-  or ``fwd_bwd`` runs): only its linear map, so that neither ``f`` nor
-  ``fwd`` runs for outputs nobody reads (this matters eagerly, where nothing
-  else removes them: the backward region of ``jax.checkpoint``, evaluated
-  equation by equation)."""
+  """A jvp equation whose primal outputs are unused: only its linear map
+  where the plan says it needs nothing else (``_plan.linear_part_only``)."""
   call, fwd, in_nz = (eqn.params[k] for k in ("call", "fwd", "in_nz"))
-  if _policy.has_effects(call, fwd) or _policy.uses_references(call):
+  schedule = eqn.params["schedule"]
+  if not _plan.linear_part_only(_policy.facts(call, fwd), schedule):
     return None
   _, fwd_consts, primals, tangents = call.split_jvp_args(eqn.invars, fwd)
   fwd_inputs = [*fwd_consts, *primals]
-  if eqn.params["schedule"].runs_fwd_bwd:
+  if schedule.runs_fwd_bwd:
     ins, params = primals, ex.lin_params(call, None, in_nz)
   else:
-    passed = _passed_through(fwd)
-    if passed is None:
-      return None
+    passed = _policy.passed_through(fwd)
     ins = fwd.assemble_residuals(fwd_inputs, [fwd_inputs[i] for i in passed])
     params = ex.lin_params(call, fwd, in_nz)
   new_eqn = jx.new_eqn([*ins, *tangents], eqn.outvars[call.num_outs:], lin_p,
@@ -209,7 +186,8 @@ def _jvp_dce(used_outputs, eqn):
                                                                 fwd)
   unused = lambda xs: [False] * len(xs)
   used = lambda xs: [True] * len(xs)
-  if fwd is not None and jx.effects_keep_alive(fwd.jaxpr.effects):
+  facts = _policy.facts(call, fwd)
+  if fwd is not None and facts.fwd_keeps_effects:
     emit = ex.Eqns(eqn)
     emit(rule_p, [*fwd_consts, *primals], ex.fwd_params(call, fwd),
          first=[*eqn.outvars[:n], *(jx.drop_var(a)
@@ -252,9 +230,8 @@ replace_rule(call_p, "dce", _call_dce)
 def _fwd_dce(used_outputs, eqn):
   """``fwd`` some of whose residuals are unused computes only the others
   (``bwd`` does not read them); ``fwd`` none of whose residuals is used (no
-  cotangent reaches the call) is just ``f``; kept when ``f`` closes over
-  values ``fwd``'s equation does not carry, or when either rule has effects
-  or touches references."""
+  cotangent reaches the call) is just ``f`` where the plan says so
+  (``_plan.without_residuals``)."""
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
   kept = used_outputs[n:]
@@ -269,14 +246,9 @@ def _fwd_dce(used_outputs, eqn):
          first=[*eqn.outvars[:n], *(v for v, k in zip(eqn.outvars[n:], kept)
                                     if k)])
     return [True] * len(eqn.invars), emit.eqn
-  if (call.fwd_only is not None and not any(used_outputs[n:])
-      and any(used_outputs[:n])):
-    # linearized where it was made: f was not traced; it is now, to run
-    call = with_f_traced(call) or call
-  if (any(used_outputs[n:]) or not any(used_outputs[:n]) or call.num_consts
-      or call.jaxpr is None or fwd.jaxpr is None
-      or _policy.has_effects(call, fwd) or _policy.uses_references(call)
-      or not _policy.f_matches_fwd(call, fwd)):
+  if (any(used_outputs[n:]) or not any(used_outputs[:n]) or fwd.jaxpr is None
+      or _plan.without_residuals(_policy.facts(call, fwd, f_carried=False))
+      is not _plan.Forward.F):
     return dce_whole(used_outputs, eqn)
   fwd_consts, primals = eqn.invars[:fwd.num_consts], eqn.invars[fwd.num_consts:]
   emit = ex.Eqns(eqn)

@@ -72,6 +72,14 @@ class Facts:
   splittable: bool = True
   keeps_effects: bool = False
   f_matches_fwd: bool = True
+  # for dead-code elimination: fwd itself has effects JAX keeps; f's traced
+  # code and what it closes over are carried by the equation at hand;
+  # references are involved; the backward side computes residuals before
+  # bwd (False where fwd's residuals are all inputs or saved values)
+  fwd_keeps_effects: bool = False
+  f_carried: bool = True
+  references: bool = False
+  rebuilds: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +171,33 @@ def fwd_or_f(facts: Facts, spaces: tuple = ()) -> Plan:
       and facts.f_matches_fwd):
     return Plan(Kind.F_FOR_FWD, Schedule(Forward.F, Backward.BWD))
   return Plan(Kind.FWD, Schedule(Forward.FWD, Backward.BWD), spaces)
+
+
+def without_residuals(facts: Facts) -> Forward:
+  """What runs for a differentiated call none of whose residuals is read
+  (no cotangent reaches it, or only its primal outputs are used): ``f`` in
+  ``fwd``'s place, as ``optimize_remat=True`` does under ``jit``, where the
+  equation carries ``f``'s traced code (``f`` is never traced for this
+  alone: a call linearized where it is made keeps ``fwd``, as with
+  ``jax.custom_vjp``) and ``f`` can stand in (same output types, no
+  references); ``fwd`` where it has effects ``jax.custom_vjp`` would run."""
+  if (facts.fwd_keeps_effects or not facts.f_carried or facts.references
+      or not facts.f_matches_fwd):
+    return Forward.FWD
+  return Forward.F
+
+
+def linear_part_only(facts: Facts, schedule: Schedule) -> bool:
+  """Whether a call whose primal outputs nobody reads needs only its linear
+  map (neither ``f`` nor ``fwd``): where the backward side rebuilds nothing
+  before ``bwd`` (``fwd``'s residuals are inputs or saved values) or runs
+  ``fwd_bwd``, and no rule has effects or references that would then be
+  skipped. This matters eagerly, where nothing else removes the outputs
+  nobody reads (the backward region of ``jax.checkpoint``, evaluated
+  equation by equation)."""
+  if facts.keeps_effects or facts.references:
+    return False
+  return schedule.runs_fwd_bwd or not facts.rebuilds
 
 
 def plan(facts: Facts, answers: Answers | None) -> Plan:

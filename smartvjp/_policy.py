@@ -185,8 +185,28 @@ def f_matches_fwd(call, fwd) -> bool:
       jx.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
 
 
-def facts(call, fwd, remat_rules_usable=lambda: True) -> _plan.Facts:
-  """The facts of a call whose ``fwd`` is ``fwd`` (``None`` without one)."""
+def passed_through(fwd):
+  """For a ``fwd`` each of whose computed residuals is one of its inputs
+  (through ``checkpoint_name`` at most: the backward side of a split whose
+  residuals were all saved), the input position of each; else ``None``."""
+  jaxpr = fwd.jaxpr.jaxpr
+  named = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
+           if jx.checkpoint_name_of(e.primitive, e.params) is not None}
+  pos = {v: i for i, v in enumerate(jaxpr.invars)}
+  passed = []
+  for v in jaxpr.outvars[len(jaxpr.outvars) - fwd.num_new_res:]:
+    while type(v) is jx.Var and v in named:
+      v = named[v]
+    if type(v) is not jx.Var or v not in pos:
+      return None
+    passed.append(pos[v])
+  return passed
+
+
+def facts(call, fwd, remat_rules_usable=lambda: True,
+          f_carried=True) -> _plan.Facts:
+  """The facts of a call whose ``fwd`` is ``fwd`` (``None`` without one);
+  ``f_carried``: the equation at hand carries what ``f`` closes over."""
   traced = fwd is not None and fwd.jaxpr is not None
   return _plan.Facts(
       has_fwd=call.rules.fwd is not None,
@@ -199,7 +219,11 @@ def facts(call, fwd, remat_rules_usable=lambda: True) -> _plan.Facts:
       splittable=(traced and call.jaxpr is not None
                   and not uses_references(call)),
       keeps_effects=has_effects(call, fwd),
-      f_matches_fwd=call.jaxpr is not None and f_matches_fwd(call, fwd))
+      f_matches_fwd=call.jaxpr is not None and f_matches_fwd(call, fwd),
+      fwd_keeps_effects=traced and jx.effects_keep_alive(fwd.jaxpr.effects),
+      f_carried=call.jaxpr is not None and (f_carried or not call.num_consts),
+      references=uses_references(call),
+      rebuilds=not traced or passed_through(fwd) is None)
 
 
 def schedule_without_policy(call, fwd) -> _plan.Schedule:

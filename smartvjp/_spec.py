@@ -426,21 +426,6 @@ def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
       num_consts=len(consts), fwd_only=fwd), consts
 
 
-def with_f_traced(call: CallSpec) -> CallSpec | None:
-  """``call`` (linearized where it was made, ``f`` untraced) with ``f``
-  traced, for where ``f`` is to run in ``fwd``'s place after all (no
-  residual of ``fwd`` used); ``None`` when ``f`` closes over values (the
-  equation has no inputs for them) or fails to trace."""
-  try:
-    traced, consts = trace_call(call.rules, call.nondiff, call.num_args,
-                                call.in_tree, call.in_avals)
-  except Exception:  # noqa: BLE001 - then fwd simply stays
-    return None
-  if consts or traced.out_tree != call.out_tree:
-    return None
-  return traced
-
-
 def eager_f(call: CallSpec, primals) -> list:
   """``f`` called on concrete values (flat outputs)."""
   with jax.named_scope(f"smartvjp/{call.name}/f"):

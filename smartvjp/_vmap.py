@@ -26,16 +26,20 @@ from smartvjp._forward import BatchedJvpRule
 from smartvjp._spec import (
     CallSpec, Rules, is_static_residual, remat_call, trace_call)
 
-def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None):
+def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None, may_stay=None):
   """``jax.vmap(fn, in_axes)`` over ``axis_data`` (every output at axis 0);
   with the trace ``tag`` of the vmap being batched, as part of that vmap.
-  ``report``, if given, receives which output leaves ``fn`` mapped."""
+  ``report``, if given, receives which output leaves ``fn`` mapped.
+  ``may_stay(i)``: output leaf ``i`` that ``fn`` leaves unmapped stays
+  unmapped (as ``jax.custom_vjp`` leaves a residual ``fwd`` does not map)."""
   if report is not None:
     fn = _reporting(fn, report)
   size, name, spmd_name, _ = jx.vmap_axis(axis_data)
-  if tag is None:
+  if tag is None and may_stay is None:
     return jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_size=size,
                     axis_name=name, spmd_axis_name=spmd_name)
+  if tag is None:
+    tag = jx.new_trace_tag()
 
   def batched(*args):
     axes = in_axes if isinstance(in_axes, (tuple, list)) else \
@@ -46,10 +50,13 @@ def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None):
     def flat(*xs):
       out = fn(*tree_util.tree_unflatten(in_tree, list(xs)))
       out_leaves, store["tree"] = tree_util.tree_flatten(out)
-      store["n"] = len(out_leaves)
+      store["dims"] = [
+          None if may_stay is not None and may_stay(i)
+          and not jx.is_mapped_here(x) else 0
+          for i, x in enumerate(out_leaves)]
       return out_leaves
     outs = jx.batch_inner(flat, tag, axis_data, _flat_axes(tuple(axes), args),
-                          lambda: store["n"])(*leaves)
+                          lambda: store["dims"])(*leaves)
     return tree_util.tree_unflatten(store["tree"], outs)
   return batched
 
@@ -105,20 +112,27 @@ def _fwd_values(rules, leaves, n):
   return list(leaves), [True] * n
 
 
-def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
+def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
+                  res_mapped=None):
   """The user's rules under vmap, over flat leaves (batched ones at axis 0);
-  every output is batched (per-example values and cotangents)."""
+  every output is batched (per-example values and cotangents), except the
+  residuals ``fwd`` does not map, which stay unmapped, as ``jax.custom_vjp``
+  keeps them, and reach ``bwd`` unmapped (``res_mapped``: which residual
+  leaves ``bwd`` is given mapped, where no ``fwd`` of these rules ran)."""
   rules = call.rules
   n = call.num_primals
   tag = batching_tag(axis_data)
 
-  def vmapped(fn, in_axes, report=None):
-    return _vmap_rule(fn, in_axes, axis_data, tag, report)
+  def vmapped(fn, in_axes, report=None, may_stay=None):
+    return _vmap_rule(fn, in_axes, axis_data, tag, report, may_stay)
 
-  seen = {}   # which primal outputs fwd maps, noted when it is traced
+  # which primal outputs and array residuals fwd maps, noted when it runs
+  seen = {} if res_mapped is None else {"res": tuple(res_mapped)}
 
   def note(mapped):
-    seen["fwd"] = tuple(mapped[:out_tree().num_leaves])
+    k = out_tree().num_leaves
+    seen["fwd"] = tuple(mapped[:k])
+    seen["res"] = tuple(mapped[k:])
 
   def out_tree():
     """``f``'s output tree (``fwd``'s, where ``f`` was not traced)."""
@@ -149,7 +163,8 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
                            for r in res_leaves]
       return tuple(out_leaves), [r for r in res_leaves
                                  if not is_static_residual(r)]
-    out, dynamic = vmapped(one, list(in_dims), note)(*vals)
+    out, dynamic = vmapped(one, list(in_dims), note,
+                           lambda i: i >= seen["out_tree"].num_leaves)(*vals)
     it = iter(dynamic)
     res = [next(it) if s is None else s for s in statics["leaves"]]
     return out, tree_util.tree_unflatten(statics["tree"], res)
@@ -157,8 +172,10 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data):
 
   def bwd(res, g):
     arrays, rebuild = _split_symbolic(list(g))
+    mapped = iter(seen.get("res", ()))
     res_axes = tree_util.tree_map(
-        lambda r: None if is_static_residual(r) else 0, res)
+        lambda r: None if is_static_residual(r) else
+        (0 if next(mapped, True) else None), res)
 
     def one(res, arrays):
       with _jax_api.collecting_logs() as sink:   # per example, batched out
@@ -231,13 +248,15 @@ def batched_call(call, consts, const_dims, in_dims, axis_data):
   return out
 
 
-def linear_only_call(call, in_dims, axis_data):
-  """A batched CallSpec for the linear primitive: rules only, no ``f``."""
-  key = ("linear", tuple(in_dims), axis_data)
+def linear_only_call(call, in_dims, axis_data, res_mapped=None):
+  """A batched CallSpec for the linear primitive: rules only, no ``f``
+  (``res_mapped``: which residual leaves its ``bwd`` gets mapped)."""
+  key = ("linear", tuple(in_dims), axis_data,
+         None if res_mapped is None else tuple(res_mapped))
   hit = call.batch_cache.get(key)
   if hit is not None:
     return hit
-  rules = batched_rules(call, (), (), in_dims, axis_data)
+  rules = batched_rules(call, (), (), in_dims, axis_data, res_mapped)
   in_avals = batched_avals(call.in_avals, in_dims, axis_data)
   out_avals = batched_avals(call.out_avals, [0] * call.num_outs, axis_data)
   spec = CallSpec(

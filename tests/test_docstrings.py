@@ -598,10 +598,14 @@ def test_forward_value_is_fs_where_f_stands_in_for_fwd():
   value = lambda fn: float(fn(x))
   # the forward pass under remat
   assert value(lambda x: jax.value_and_grad(jax.checkpoint(F))(x)[0]) == 0.0
-  # under jit, a fwd whose residuals are all inputs
-  assert value(jax.jit(lambda x: jax.value_and_grad(G)(x)[0])) == 0.0
-  # under jit, a call that no cotangent reaches
-  assert value(jax.jit(lambda x: jax.vjp(F, x)[0])) == 0.0
+  # under jit, a fwd whose residuals are all inputs, f traced anyway (staged)
+  assert value(jax.jit(lambda x: jax.value_and_grad(jax.jit(G))(x)[0])) == 0.0
+  # ... but f is not traced for this alone: linearized where made, fwd's
+  assert value(jax.jit(lambda x: jax.value_and_grad(G)(x)[0])) == 0.5
+  # under jit, a call that no cotangent reaches, f traced anyway (staged)
+  assert value(jax.jit(lambda x: jax.vjp(jax.jit(F), x)[0])) == 0.0
+  # ... but not traced for this alone: linearized where made, fwd's value
+  assert value(jax.jit(lambda x: jax.vjp(F, x)[0])) == 0.5
   # elsewhere fwd's, as with jax.custom_vjp
   assert value(lambda x: jax.value_and_grad(F)(x)[0]) == 0.5
   J = jax.custom_vjp(jnp.sin)

@@ -8,9 +8,11 @@ that differ for it.
 
 import pytest
 
+import dataclasses
+
 from smartvjp._plan import (
-    RECOMPUTE, SAVE, Answer, Answers, Asked, Facts, Kind, answer_for_chain,
-    fwd_or_f, plan)
+    RECOMPUTE, SAVE, Answer, Answers, Asked, Facts, Forward, Kind,
+    answer_for_chain, fwd_or_f, linear_part_only, plan, without_residuals)
 
 FWD_BWD = Facts(has_fwd=True, has_fwd_bwd=False)          # defvjp(fwd, bwd)
 ALL_THREE = Facts(has_fwd=True, has_fwd_bwd=True)         # + fwd_bwd=
@@ -173,3 +175,48 @@ def test_defremat_rules_that_cannot_be_used_recompute_instead():
   facts = Facts(has_fwd=True, has_fwd_bwd=False, remat_rules=True,
                 remat_rules_usable=lambda: False)
   assert plan(facts, Answers(RECOMPUTE, (RECOMPUTE,))).kind is Kind.RECOMPUTE
+
+
+def _facts(base=FWD_BWD, **kw):
+  return dataclasses.replace(base, **kw)
+
+
+# Dead-code elimination asks these two (tests/test_contract.py has the
+# programs): what runs where no residual is read, and whether a call whose
+# primal outputs nobody reads needs only its linear map.
+UNREAD = [
+    ("f traced and carried: f stands in", _facts(), Forward.F),
+    ("linearized where made: f not traced", _facts(f_carried=False),
+     Forward.FWD),
+    ("fwd prints: jax.custom_vjp would", _facts(fwd_keeps_effects=True),
+     Forward.FWD),
+    ("references involved", _facts(references=True), Forward.FWD),
+    ("f's output types differ from fwd's", _facts(f_matches_fwd=False),
+     Forward.FWD),
+]
+
+
+@pytest.mark.parametrize("name, facts, forward", UNREAD,
+                         ids=[r[0] for r in UNREAD])
+def test_without_residuals_table(name, facts, forward):
+  assert without_residuals(facts) is forward, name
+
+
+RECOMPUTED = plan(FWD_BWD, Answers(RECOMPUTE, (RECOMPUTE,))).schedule
+FUSED = plan(ALL_THREE, Answers(RECOMPUTE, (RECOMPUTE,))).schedule
+LINEAR_ONLY = [
+    ("fwd computes residuals: they must be rebuilt", _facts(), RECOMPUTED,
+     False),
+    ("the seed's fwd: residuals are inputs", _facts(rebuilds=False),
+     RECOMPUTED, True),
+    ("fwd_bwd runs on the inputs", _facts(ALL_THREE), FUSED, True),
+    ("an effect would be skipped", _facts(rebuilds=False, keeps_effects=True),
+     RECOMPUTED, False),
+    ("references", _facts(ALL_THREE, references=True), FUSED, False),
+]
+
+
+@pytest.mark.parametrize("name, facts, schedule, linear", LINEAR_ONLY,
+                         ids=[r[0] for r in LINEAR_ONLY])
+def test_linear_part_only_table(name, facts, schedule, linear):
+  assert linear_part_only(facts, schedule) is linear, name

@@ -44,6 +44,9 @@ PROGRAMS = {
         jax.vmap(F)(jnp.stack([x, x + 1.0]))))(X),
     "jit(grad(vmap(F)))": lambda F: jax.jit(jax.grad(lambda x: jnp.sum(
         jax.vmap(F)(jnp.stack([x, x + 1.0])))))(X),
+    "jit(vjp(F)[0])": lambda F: jax.jit(lambda x: jax.vjp(F, x)[0])(X),
+    "jit(linearize(F)[0])": lambda F: jax.jit(
+        lambda x: jax.linearize(F, x)[0])(X),
     "jit(grad(checkpoint(scan)))": lambda F: jax.jit(jax.grad(lambda x: jnp.sum(
         jax.lax.scan(lambda c, _: (jax.checkpoint(F)(c), None), x, None,
                      length=3)[0])))(X),

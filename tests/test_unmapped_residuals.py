@@ -8,10 +8,9 @@ cross-entropy saves the vocabulary weights ``w`` (unmapped under
 ``w`` broadcast along the batch (a ``[B, V, D]`` residual) and the batched
 ``bwd`` loops over ``B`` copies, then sums them: 7% more flops here, 1.4%
 for jax-cce, 6% for optimistix's ``grad(vmap(solve))``. Gradients are
-equal. The fix is in the core (``_vmap``'s batching of ``smartvjp_fwd``): a
-residual that ``fwd``'s batched trace leaves unmapped should leave the
-equation unmapped, and the batched ``bwd`` take it with ``in_axes=None``, as
-f055d99 does for Python residuals.
+equal. Fixed in the core (``_vmap.batched_rules``): a residual that
+``fwd``'s batched trace leaves unmapped leaves it unmapped, and the batched
+``bwd`` takes it with ``in_axes=None``, as for Python residuals.
 """
 
 from __future__ import annotations
@@ -59,15 +58,12 @@ def test_gradients_equal_jax_custom_vjp():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: smartvjp_fwd's batching rule maps every residual; an unmapped "
-    "one (an input vmap does not map) should stay unmapped, as with "
-    "jax.custom_vjp (issue 34, tools/try_libraries.py: jax-cce, optimistix)"))
 def test_an_unmapped_residual_stays_unmapped():
+  # the batched fwd leaves w unmapped (forwarded, not broadcast along the
+  # batch) and the batched bwd reads it so, as jax.custom_vjp's does
   program = jax.make_jaxpr(_program(smart_custom_vjp))(X, W)
-  fwd = next(e for e in program.jaxpr.eqns
-             if e.primitive.name == "smartvjp_fwd")
-  shapes = [tuple(v.aval.shape) for v in fwd.outvars]
+  rules = [e for e in program.jaxpr.eqns if e.primitive.name == "smartvjp_rule"]
+  shapes = [tuple(v.aval.shape) for e in rules for v in (*e.invars, *e.outvars)]
   assert W.shape in shapes and (3, *W.shape) not in shapes, shapes
   assert _flops(_program(smart_custom_vjp)) <= _flops(
       _program(jax.custom_vjp))
@@ -121,10 +117,6 @@ def test_second_order_through_an_unmapped_input_within_float32_rounding():
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-6 * np.abs(a).max())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: the batched bwd maps an unmapped input and sums its per-example "
-    "cotangents after the rule, where jax.custom_vjp's sums inside it; "
-    "fixed with test_an_unmapped_residual_stays_unmapped's change"))
 def test_second_order_through_an_unmapped_input_is_bitwise():
   want = _second_order(jax.custom_vjp)(XS, V)
   got = _second_order(smart_custom_vjp)(XS, V)

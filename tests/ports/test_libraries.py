@@ -37,12 +37,10 @@ def _tool():
 # the cases run here (names from the tool); more_work: the cases where
 # smartvjp's program has more flops than jax.custom_vjp's, each a known
 # difference with its reason (design/conformance.md)
-UNMAPPED = ("core: under grad(vmap(F)) smartvjp_fwd maps a residual that "
-            "vmap leaves unmapped (tests/test_unmapped_residuals.py)")
 CASES = {
     "jax_cce": {
         "loss": None, "loss eager": None, "filter_eps": None,
-        "vmap(grad)": None, "grad(vmap)": UNMAPPED,
+        "vmap(grad)": None, "grad(vmap)": None,
         "loss checkpoint": (
             "XLA fuses the masked select of f's loop into two consumers "
             "(1024 flops more, one 32x32 select): JAX's partial evaluation "
@@ -50,7 +48,7 @@ CASES = {
             "smartvjp's traced fwd keeps them in the loop")},
     "optimistix": {
         "root_find Newton grad": None, "root_find Newton vmap(grad)": None,
-        "root_find Newton grad(vmap)": UNMAPPED, "fixed_point grad": None},
+        "root_find Newton grad(vmap)": None, "fixed_point grad": None},
 }
 
 
