@@ -23,11 +23,11 @@ Public names:
 
 from smartvjp._api import smart_custom_vjp
 # each transformation's module registers its rules when imported
-from smartvjp import _ad, _batching, _checkify, _pe, _remat3  # noqa: F401
+from smartvjp import _ad, _batching, _checkify, _pe, _process, _remat3  # noqa: F401
 from smartvjp._check import PrimalMismatchError, check_primals
 from smartvjp._equinox import filter_custom_vjp
 from smartvjp._swap import SwapError, import_swapped, swap_custom_vjp
-from smartvjp._swap_report import SwapReport, swap_report
+from smartvjp._swap import SwapReport, swap_report
 
 # The one place the version is written: pyproject.toml reads it from here
 # (setuptools' dynamic version, without importing the package), and

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -13,17 +12,12 @@ from jax.errors import UnexpectedTracerError
 
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
-from smartvjp import _spec
 from smartvjp import _versions
-from smartvjp import _vmap
-from smartvjp._cache import TraceLocalCache, batching, linearized_where_made
-from smartvjp._checks import (
-    check_aliased_arguments, check_f_output, function_name, rule_error)
+from smartvjp._cache import TraceLocalCache
+from smartvjp._checks import check_aliased_arguments, function_name, rule_error
 from smartvjp._forward import JvpRule
 from smartvjp._primitive import call_p
-from smartvjp._spec import (EagerClosureError, Rules, eager_call,
-                            linearized_call, trace_call)
-from smartvjp._static import static_key
+from smartvjp._spec import Rules, Unprocessed
 
 _CACHE_SIZE = 256
 
@@ -340,137 +334,14 @@ class smart_custom_vjp:
     dyn = tuple(a for i, a in enumerate(args) if i not in self.nondiff_argnums)
     leaves, in_tree = tree_util.tree_flatten(dyn)
     avals = tuple(_aval(rules, dyn, i, x) for i, x in enumerate(leaves))
-    plain = jx.is_eval_trace() and not any(
-        isinstance(x, jx.Tracer) for x in leaves)
     # references, as jax.custom_vjp checks them: aliasing at every call (jax
-    # 0.12) or where f or fwd runs on the arguments themselves (before)
-    if _versions.ALIASED_REFS_CHECKED_AT_CALL or plain:
+    # 0.12; before, where f runs on the arguments themselves: _process.py)
+    if _versions.ALIASED_REFS_CHECKED_AT_CALL:
       check_aliased_arguments(rules, "fun", len(args), in_tree, leaves)
-    if plain:   # plain eager evaluation, as jax.custom_vjp
-      # f gets its differentiable arguments rebuilt from their leaves (fresh
-      # pytree objects, as jax.custom_vjp gives it), the nondiff ones as given
-      out = self.fun(*_rebuilt_args(self.nondiff_argnums, nondiff, in_tree,
-                                    leaves, len(args)))
-      check_f_output(rules, out)
-      return out
-    linearizing = _linearizing(leaves)
-    if linearizing is not None:   # grad/vjp innermost: f need not be traced
-      hit = self._linearized(rules, nondiff, len(args), in_tree, avals,
-                             *linearizing)
-      if hit is not None:
-        call, consts = hit
-        outs = call_p.bind(*consts, *leaves, call=call)
-        return tree_util.tree_unflatten(call.out_tree, outs)
-    outs = self._vmap_of_linearized(rules, nondiff, len(args), in_tree, avals,
-                                    leaves)
-    if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
-      return outs
-    call, consts = self._spec(rules, nondiff, len(args), in_tree, avals)
-    # linearized now, by the current trace (as opposed to staged and
-    # differentiated later): the two refuse a closure with different errors
-    with (linearized_where_made(call) if linearizing is not None
-          else contextlib.nullcontext()):
-      outs = call_p.bind(*consts, *leaves, call=call)
+    # the current trace processes the call (_process.py)
+    call = Unprocessed(rules, nondiff, len(args), in_tree, avals, self._cache)
+    outs = call_p.bind(*leaves, call=call)
     return tree_util.tree_unflatten(call.out_tree, outs)
-
-  def _linearized(self, rules, nondiff, num_args, in_tree, avals, trace,
-                  primals, nonzero):
-    """The call linearized where it is made, ``f`` untraced (as
-    ``jax.custom_vjp``: ``fwd`` now, ``bwd`` in the transpose; only
-    ``fwd_bwd``: ``f`` now, which is then traced): eagerly, ``fwd`` runs on
-    the concrete values; under another trace, ``fwd`` is traced
-    (``_spec.linearized_call``). ``None`` where ``f`` is traced after all
-    (a rule closes over a value being differentiated, references)."""
-    parent = jx.parent_trace(trace)
-    if jx.is_eval_trace(parent) and not any(
-        isinstance(p, jx.Tracer) for p in primals):
-      try:
-        with jx.set_current_trace(parent):
-          return eager_call(rules, nondiff, num_args, in_tree, avals, primals,
-                            nonzero), ()
-      except (EagerClosureError, UnexpectedTracerError):
-        return None    # a rule closes over a tracer: trace f to find it
-    if rules.fwd is None or any(jx.is_ref_aval(a) for a in avals):
-      return None
-    in_nz = tuple(nz and possible for nz, possible in
-                  zip(nonzero, _tangent_possible(avals)))
-    if not any(in_nz):
-      return None
-    static = tuple(static_key(v) for v in nondiff)
-    key = ("linearized", in_tree, avals, static, num_args, in_nz,
-           jx.config_key())
-    hit = None if None in static else self._cache.get(key)
-    if hit is None:
-      hit = linearized_call(
-          rules, nondiff, num_args, in_tree, avals, in_nz,
-          lambda c: jx.linearize_parts(c, trace) is not None)
-      if hit is not None and None not in static:
-        self._cache.put(key, hit, hit[1])
-    return hit
-
-  def _vmap_of_linearized(self, rules, nondiff, num_args, in_tree, avals,
-                          leaves):
-    """A call under ``jax.vmap`` directly inside ``jax.grad``/``jax.vjp``
-    (``grad(vmap(F))``), as ``jax.custom_vjp`` makes it: the user's rules
-    batched as Python functions (``_vmap.batched_rules``) and the batched
-    call linearized where it is made, ``f`` untraced; outputs mapped as the
-    batched ``fwd`` maps them, as ``smartvjp_call``'s batching rule maps a
-    differentiated call's. ``None`` where that does not apply (``f`` is then
-    traced and the call batched by its rule)."""
-    batch = jx.current_trace()
-    if (not jx.is_batch_trace(batch) or rules.generic_batching
-        or rules.fwd is None or any(jx.is_ref_aval(a) for a in avals)):
-      return None
-    lin = jx.parent_trace(batch)
-    if not jx.is_linearize_trace(lin):
-      return None
-    _, axis_data = jx.batch_trace_key(batch)
-    parts = [jx.batch_parts(x, batch) for x in leaves]
-    vals = [x if p is None else _vmap.front(axis_data, p[0], p[1])
-            if p[1] is not None else p[0] for x, p in zip(leaves, parts)]
-    in_dims = [None if p is None or p[1] is None else 0 for p in parts]
-    base = _spec.CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
-                          in_tree=in_tree, in_avals=avals, out_tree=None,
-                          out_avals=(), jaxpr=None, num_consts=0)
-    with batching(jx.batch_trace_key(batch)):
-      brules = _vmap.batched_rules(base, (), (), in_dims, axis_data)
-    bavals = _vmap.batched_avals(avals, in_dims, axis_data)
-    with jx.set_current_trace(lin):
-      linearizing = _linearizing(vals)
-      if linearizing is None:
-        return None
-      _, primals, nonzero = linearizing
-      in_nz = tuple(nz and possible for nz, possible in
-                    zip(nonzero, _tangent_possible(avals)))
-      if not any(in_nz):
-        return None
-      hit = linearized_call(brules, (), len(vals), _vmap.tuple_tree(len(vals)),
-                            bavals, in_nz,
-                            lambda c: jx.linearize_parts(c, lin) is not None)
-      if hit is None:
-        return None
-      call, consts = hit
-      outs = call_p.bind(*consts, *vals, call=call)
-    seen = brules.fwd.mapped_outputs   # what the batched fwd noted
-    outs = [jx.batch_tracer(batch, o, 0) if m else o[0]
-            for o, m in zip(outs, seen["fwd"])]
-    return tree_util.tree_unflatten(seen["out_tree"], outs)
-
-  def _spec(self, rules, nondiff, num_args, in_tree, avals):
-    """The traced ``f`` for this signature, reused within one outer trace
-    (see ``_cache.py``; at most ``_CACHE_SIZE`` signatures). Nondiff arguments
-    are part of the key (see ``_static.static_key``); unhashable ones are
-    traced afresh at every call."""
-    static = tuple(static_key(v) for v in nondiff)
-    if any(k is None for k in static):   # unhashable: it may be mutated
-      return trace_call(rules, nondiff, num_args, in_tree, avals)
-    key = (in_tree, avals, static, num_args, jx.config_key())
-    hit = self._cache.get(key)
-    if hit is not None:
-      return hit
-    call, consts = trace_call(rules, nondiff, num_args, in_tree, avals)
-    self._cache.put(key, (call, consts), consts)
-    return call, consts
 
   # -- jax.custom_vjp's newer definition methods (see _jax_api.py) -------------
 
@@ -584,28 +455,6 @@ class smart_custom_vjp:
     self._cache = TraceLocalCache(_CACHE_SIZE)
 
 
-def _linearizing(leaves):
-  """``(trace, primals, nonzero)`` when the current trace is a linearization
-  (``jax.grad``, ``jax.vjp``) and some leaf is its tracer with a nonzero
-  tangent: the call is differentiated where it is made. ``primals`` are the
-  leaves' primal values (others as they are)."""
-  trace = jx.current_trace()
-  if not jx.is_linearize_trace(trace):
-    return None
-  primals, nonzero = [], []
-  for x in leaves:
-    parts = jx.linearize_parts(x, trace)
-    primals.append(x if parts is None else parts[0])
-    nonzero.append(parts is not None and parts[1])
-  return (trace, primals, nonzero) if any(nonzero) else None
-
-
-def _tangent_possible(avals):
-  """Which inputs can carry a tangent (integer ones have float0 tangents)."""
-  return [a.to_tangent_aval().dtype != jx.float0 for a in avals]
-
-
-
 def _aval(rules, dyn, i, x):
   try:
     return jx.get_aval(x)
@@ -616,15 +465,6 @@ def _aval(rules, dyn, i, x):
         f"was called with a value of type {type(x).__name__} at "
         f"(differentiable) arguments{path}, which is not a valid JAX type; "
         "mark non-array arguments with nondiff_argnums.") from None
-
-
-def _rebuilt_args(nondiff_argnums, nondiff, in_tree, leaves, num_args):
-  """The positional arguments with the differentiable ones unflattened anew
-  from ``leaves`` (``in_tree`` is the tree of their tuple) and the nondiff
-  ones (``nondiff``, at ``nondiff_argnums``) as given."""
-  dyn = iter(tree_util.tree_unflatten(in_tree, list(leaves)))
-  static = dict(zip(nondiff_argnums, nondiff))
-  return [static[i] if i in static else next(dyn) for i in range(num_args)]
 
 
 def _resolve_kwargs(fun, args, kwargs):
@@ -639,7 +479,6 @@ def _resolve_kwargs(fun, args, kwargs):
 def _check_no_tracers(fun, args, i):
   for leaf in tree_util.tree_leaves(args[i]):
     if isinstance(leaf, jx.Tracer):
-      from jax.errors import UnexpectedTracerError
       raise UnexpectedTracerError(
           f"Found a JAX Tracer passed to smart_custom_vjp function "
           f"{function_name(fun)} as argument {i}, a position marked non-"

@@ -20,7 +20,6 @@ import jax
 import numpy as np
 
 from smartvjp import _facade as jx
-from smartvjp._primitive import call_p
 
 _option = jx.define_string_option(
     "smartvjp_check_primals",
@@ -143,11 +142,14 @@ class check_primals(contextlib.ContextDecorator):
 jx.quiet_callback_failures(PrimalMismatchError)
 
 
-def maybe_check(call, f_consts, primals, fwd_outs) -> None:
+def maybe_check(call, f_outputs: Callable, fwd_outs) -> None:
+  """Where both ran (remat), compares ``f``'s outputs (``f_outputs()``
+  binds ``f`` again, only when the check is on) with ``fwd``'s primal
+  outputs ``fwd_outs`` on the host, as the option says."""
   mode, rtol, atol = _settings()
   if mode == "off":
     return
-  f_outs = call_p.bind(*f_consts, *primals, call=call)
+  f_outs = f_outputs()
   names = (call.name, call.rules.rule_name("fwd"))
 
   def compare(f_vals, fwd_vals):

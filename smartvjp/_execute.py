@@ -154,7 +154,8 @@ def backward_region(call, fwd, schedule, in_nz, f_consts, fwd_consts,
     return outs, list(primals), lin_params(call, None, in_nz)
   outs, residuals = fwd_side(call, fwd, f_consts, fwd_consts, primals)
   if schedule.recomputes and fwd.num_new_res:   # f ran forward, fwd here
-    maybe_check(call, f_consts, primals, outs)
+    maybe_check(call, lambda: call_p.bind(*f_consts, *primals, call=call),
+                outs)
   return outs, residuals, lin_params(call, fwd, in_nz)
 
 

@@ -362,11 +362,29 @@ def _call_code(*, call):
   return Code(call.jaxpr, "fun")
 
 
+_PROCESSING: list = []
+
+
+def set_call_processing(fn: Callable) -> None:
+  """``fn(leaves, call) -> outs``: how ``smartvjp_call`` processes a call
+  that ``smart_custom_vjp.__call__`` binds unprocessed (``_process.py``)."""
+  _PROCESSING[:] = [fn]
+
+
+def _bind_call(default, *args, call):
+  """Every bind of ``smartvjp_call``: a call bound unprocessed goes to the
+  current trace's processing (as a ``jax.custom_vjp`` call goes to its
+  trace's ``process_custom_vjp_call``); a traced one is bound as it is."""
+  if getattr(call, "unprocessed", False):
+    return _PROCESSING[0](list(args), call)
+  return default(*args, call=call)
+
+
 # its JVP (the custom rule: a smartvjp_jvp) is _ad.py's
 call_p = define("smartvjp_call", code=_call_code,
                 abstract_eval=_code_abstract_eval(
                     _call_code, lambda *, call: call.out_avals),
-                jvp="elsewhere")
+                jvp="elsewhere", bind=_bind_call)
 
 
 def _num_fwd_consts(fwd) -> int:

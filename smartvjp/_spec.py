@@ -286,6 +286,27 @@ def pruned(call: CallSpec, kept: tuple) -> CallSpec:
       full=base, kept=base_kept)
 
 
+@dataclasses.dataclass(eq=False)
+class Unprocessed:
+  """A call as ``smart_custom_vjp.__call__`` binds it, before the current
+  trace has processed it (``_process.py``): the rules, the nondiff values,
+  the number of positional arguments, the tree and types of the
+  differentiable leaves, and the owner's cache of traced rules.
+  ``out_tree``: ``f``'s output tree, set by the processing."""
+  rules: Rules
+  nondiff: tuple
+  num_args: int
+  in_tree: Any
+  avals: tuple
+  cache: TraceLocalCache
+  out_tree: Any = None
+  unprocessed = True   # what smartvjp_call's bind looks for
+
+  @property
+  def signature(self) -> tuple:
+    return self.rules, self.nondiff, self.num_args, self.in_tree, self.avals
+
+
 def remat_call(call: CallSpec) -> CallSpec | None:
   """``call`` with its ``defremat`` rules in place of its ``defvjp`` ones
   (the same traced ``f``), or ``None`` when it has none; cached on it."""

@@ -14,7 +14,7 @@ filter_custom_vjp.def_bwd
 filter_custom_vjp.def_fwd_bwd
 
 # Public: SwapReport.ok, what the docs' recipe checks (tests/test_swap.py).
-from smartvjp._swap_report import SwapReport  # noqa: E402
+from smartvjp._swap import SwapReport  # noqa: E402
 SwapReport.ok
 
 # _facade.register_to_lojax: an attribute JAX reads from a primitive (hijax

@@ -1,0 +1,206 @@
+"""How each trace processes a ``smart_custom_vjp`` call.
+
+``smart_custom_vjp.__call__`` checks the arguments and binds
+``smartvjp_call`` with an :class:`~smartvjp._spec.Unprocessed` call; the
+primitive's bind hands it here, where the current trace decides how the call
+is made, as each of JAX's traces does for a ``jax.custom_vjp`` call
+(``process_custom_vjp_call``):
+
+* plain evaluation: ``f`` itself, called on its arguments rebuilt from
+  their leaves (fresh pytree objects, as ``jax.custom_vjp`` gives it);
+* a linearization (``jax.grad``/``jax.vjp`` applied directly to the call,
+  eagerly or over ``jit``/``vmap``): linearized where it is made, only
+  ``fwd`` traced (run on the values eagerly), never ``f``;
+* a ``vmap`` directly inside a linearization (``grad(vmap(F))``): the
+  user's rules batched as Python functions, the batched call linearized
+  where it is made, ``f`` untraced;
+* anything else (``jit``, ``make_jaxpr``, staged bodies, ``jax.jvp``,
+  ``jax.checkpoint``): ``f`` traced once per signature and outer trace
+  (``_cache.py``), its closed-over values leading inputs of a
+  ``smartvjp_call`` with a traced ``CallSpec``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from jax import tree_util
+from jax.errors import UnexpectedTracerError
+
+from smartvjp import _facade as jx
+from smartvjp import _spec
+from smartvjp import _versions
+from smartvjp import _vmap
+from smartvjp._cache import batching, linearized_where_made
+from smartvjp._checks import check_aliased_arguments, check_f_output
+from smartvjp._primitive import call_p, set_call_processing
+from smartvjp._spec import (
+    EagerClosureError, eager_call, linearized_call, trace_call)
+from smartvjp._static import static_key
+
+
+def _process(leaves, call) -> list:
+  """The outputs (flat) of the unprocessed ``call`` on ``leaves``; sets
+  ``call.out_tree``."""
+  rules, nondiff, num_args, in_tree, _ = call.signature
+  if jx.is_eval_trace() and not any(isinstance(x, jx.Tracer) for x in leaves):
+    if not _versions.ALIASED_REFS_CHECKED_AT_CALL:   # (else checked already)
+      check_aliased_arguments(rules, "fun", num_args, in_tree, leaves)
+    out = rules.fun(*_rebuilt_args(rules.nondiff_argnums, nondiff, in_tree,
+                                   leaves, num_args))
+    check_f_output(rules, out)
+    out_leaves, call.out_tree = tree_util.tree_flatten(out)
+    return out_leaves
+  linearizing = _linearizing(leaves)
+  if linearizing is not None:   # grad/vjp innermost: f need not be traced
+    hit = _linearized(call, *linearizing)
+    if hit is not None:
+      spec, consts = hit
+      call.out_tree = spec.out_tree
+      return call_p.bind(*consts, *leaves, call=spec)
+  outs = _vmap_of_linearized(call, leaves)
+  if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
+    return outs
+  spec, consts = _traced(call)
+  call.out_tree = spec.out_tree
+  # linearized now, by the current trace (as opposed to staged and
+  # differentiated later): the two refuse a closure with different errors
+  with (linearized_where_made(spec) if linearizing is not None
+        else contextlib.nullcontext()):
+    return call_p.bind(*consts, *leaves, call=spec)
+
+
+set_call_processing(_process)
+
+
+def _linearized(call, trace, primals, nonzero):
+  """The call linearized where it is made, ``f`` untraced (as
+  ``jax.custom_vjp``: ``fwd`` now, ``bwd`` in the transpose; only
+  ``fwd_bwd``: ``f`` now, which is then traced): eagerly, ``fwd`` runs on
+  the concrete values; under another trace, ``fwd`` is traced
+  (``_spec.linearized_call``). ``None`` where ``f`` is traced after all
+  (a rule closes over a value being differentiated, references)."""
+  rules, nondiff, num_args, in_tree, avals = call.signature
+  parent = jx.parent_trace(trace)
+  if jx.is_eval_trace(parent) and not any(
+      isinstance(p, jx.Tracer) for p in primals):
+    try:
+      with jx.set_current_trace(parent):
+        return eager_call(rules, nondiff, num_args, in_tree, avals, primals,
+                          nonzero), ()
+    except (EagerClosureError, UnexpectedTracerError):
+      return None    # a rule closes over a tracer: trace f to find it
+  if rules.fwd is None or any(jx.is_ref_aval(a) for a in avals):
+    return None
+  in_nz = tuple(nz and possible for nz, possible in
+                zip(nonzero, _tangent_possible(avals)))
+  if not any(in_nz):
+    return None
+  static = tuple(static_key(v) for v in nondiff)
+  key = ("linearized", in_tree, avals, static, num_args, in_nz,
+         jx.config_key())
+  hit = None if None in static else call.cache.get(key)
+  if hit is None:
+    hit = linearized_call(
+        rules, nondiff, num_args, in_tree, avals, in_nz,
+        lambda c: jx.linearize_parts(c, trace) is not None)
+    if hit is not None and None not in static:
+      call.cache.put(key, hit, hit[1])
+  return hit
+
+
+def _vmap_of_linearized(call, leaves):
+  """A call under ``jax.vmap`` directly inside ``jax.grad``/``jax.vjp``
+  (``grad(vmap(F))``), as ``jax.custom_vjp`` makes it: the user's rules
+  batched as Python functions (``_vmap.batched_rules``) and the batched
+  call linearized where it is made, ``f`` untraced; outputs mapped as the
+  batched ``fwd`` maps them, as ``smartvjp_call``'s batching rule maps a
+  differentiated call's. ``None`` where that does not apply (``f`` is then
+  traced and the call batched by its rule)."""
+  rules, nondiff, num_args, in_tree, avals = call.signature
+  batch = jx.current_trace()
+  if (not jx.is_batch_trace(batch) or rules.generic_batching
+      or rules.fwd is None or any(jx.is_ref_aval(a) for a in avals)):
+    return None
+  lin = jx.parent_trace(batch)
+  if not jx.is_linearize_trace(lin):
+    return None
+  _, axis_data = jx.batch_trace_key(batch)
+  parts = [jx.batch_parts(x, batch) for x in leaves]
+  vals = [x if p is None else _vmap.front(axis_data, p[0], p[1])
+          if p[1] is not None else p[0] for x, p in zip(leaves, parts)]
+  in_dims = [None if p is None or p[1] is None else 0 for p in parts]
+  base = _spec.CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
+                        in_tree=in_tree, in_avals=avals, out_tree=None,
+                        out_avals=(), jaxpr=None, num_consts=0)
+  with batching(jx.batch_trace_key(batch)):
+    brules = _vmap.batched_rules(base, (), (), in_dims, axis_data)
+  bavals = _vmap.batched_avals(avals, in_dims, axis_data)
+  with jx.set_current_trace(lin):
+    linearizing = _linearizing(vals)
+    if linearizing is None:
+      return None
+    _, primals, nonzero = linearizing
+    in_nz = tuple(nz and possible for nz, possible in
+                  zip(nonzero, _tangent_possible(avals)))
+    if not any(in_nz):
+      return None
+    hit = linearized_call(brules, (), len(vals), _vmap.tuple_tree(len(vals)),
+                          bavals, in_nz,
+                          lambda c: jx.linearize_parts(c, lin) is not None)
+    if hit is None:
+      return None
+    spec, consts = hit
+    outs = call_p.bind(*consts, *vals, call=spec)
+  seen = brules.fwd.mapped_outputs   # what the batched fwd noted
+  call.out_tree = seen["out_tree"]
+  return [jx.batch_tracer(batch, o, 0) if m else o[0]
+          for o, m in zip(outs, seen["fwd"])]
+
+
+def _traced(call):
+  """The traced ``f`` for this signature, reused within one outer trace
+  (see ``_cache.py``; the cache bounds the signatures). Nondiff arguments
+  are part of the key (see ``_static.static_key``); unhashable ones are
+  traced afresh at every call."""
+  rules, nondiff, num_args, in_tree, avals = call.signature
+  static = tuple(static_key(v) for v in nondiff)
+  if any(k is None for k in static):   # unhashable: it may be mutated
+    return trace_call(rules, nondiff, num_args, in_tree, avals)
+  key = (in_tree, avals, static, num_args, jx.config_key())
+  hit = call.cache.get(key)
+  if hit is not None:
+    return hit
+  spec, consts = trace_call(rules, nondiff, num_args, in_tree, avals)
+  call.cache.put(key, (spec, consts), consts)
+  return spec, consts
+
+
+def _linearizing(leaves):
+  """``(trace, primals, nonzero)`` when the current trace is a linearization
+  (``jax.grad``, ``jax.vjp``) and some leaf is its tracer with a nonzero
+  tangent: the call is differentiated where it is made. ``primals`` are the
+  leaves' primal values (others as they are)."""
+  trace = jx.current_trace()
+  if not jx.is_linearize_trace(trace):
+    return None
+  primals, nonzero = [], []
+  for x in leaves:
+    parts = jx.linearize_parts(x, trace)
+    primals.append(x if parts is None else parts[0])
+    nonzero.append(parts is not None and parts[1])
+  return (trace, primals, nonzero) if any(nonzero) else None
+
+
+def _tangent_possible(avals):
+  """Which inputs can carry a tangent (integer ones have float0 tangents)."""
+  return [a.to_tangent_aval().dtype != jx.float0 for a in avals]
+
+
+def _rebuilt_args(nondiff_argnums, nondiff, in_tree, leaves, num_args):
+  """The positional arguments with the differentiable ones unflattened anew
+  from ``leaves`` (``in_tree`` is the tree of their tuple) and the nondiff
+  ones (``nondiff``, at ``nondiff_argnums``) as given."""
+  dyn = iter(tree_util.tree_unflatten(in_tree, list(leaves)))
+  static = dict(zip(nondiff_argnums, nondiff))
+  return [static[i] if i in static else next(dyn) for i in range(num_args)]
