@@ -78,7 +78,7 @@ _batching = _internals(
     "batch_jaxpr", "batch_jaxpr_axes", "bdim_at_front", "zero_if_mapped",
     "BatchTrace", "_batch_inner", "BatchTracer")
 _mlir = _internals("_mlir", "jax._src.interpreters.mlir", "register_lowering",
-                   "lower_fun")
+                   "lower_fun", "jaxpr_subcomp")
 _api_util = _internals("_api_util", "jax._src.api_util", "debug_info",
                        "resolve_kwargs")
 _lu = _internals("_lu", "jax._src.linear_util", "wrap_init")
@@ -696,9 +696,37 @@ def register_abstract_eval(prim, rule):
   prim.def_effectful_abstract_eval(rule)
 
 
-def register_lowering(prim, impl):
-  """Lowers ``prim`` by tracing ``impl`` (which evaluates its jaxprs)."""
-  _mlir.register_lowering(prim, _mlir.lower_fun(impl, multiple_results=True))
+def register_lowering(prim, impl, inline=None):
+  """Lowers ``prim`` by tracing ``impl`` (which evaluates its jaxprs); with
+  ``inline(**params) -> (jaxpr, scope, positions, num_outs)`` or ``None``,
+  by lowering that traced jaxpr (no constants of its own, low-level
+  primitives only) inlined where the equation stands, on the inputs at
+  ``positions`` (``None``: all), its first ``num_outs`` outputs kept
+  (``None``: all), under the named scope ``scope``: what tracing ``impl``
+  again would give, without the trace."""
+  traced = _mlir.lower_fun(impl, multiple_results=True)
+  if inline is None:
+    _mlir.register_lowering(prim, traced)
+    return
+
+  def lowering(ctx, *args, **params):
+    how = inline(**params)
+    closed = how[0] if how is not None else None
+    if (closed is None or closed.consts
+        or getattr(closed.jaxpr, "is_high", True)):
+      return traced(ctx, *args, **params)
+    jaxpr, scope, positions, num_outs = how
+    ins = list(args) if positions is None else [args[i] for i in positions]
+    sub = (ctx.module_context if ctx.platforms is None
+           else ctx.module_context.replace(platforms=ctx.platforms))
+    outs, tokens = _mlir.jaxpr_subcomp(
+        sub, closed.jaxpr, ctx.name_stack.extend(scope), ctx.tokens_in, [],
+        *ins, dim_var_values=ctx.dim_var_values,
+        const_lowering=ctx.const_lowering, outer_traceback=None)
+    ctx.set_tokens_out(tokens)
+    outs = list(outs)
+    return outs if num_outs is None else outs[:num_outs]
+  _mlir.register_lowering(prim, lowering)
 
 
 def register_jvp(prim, rule):

@@ -295,12 +295,20 @@ def define(name: str, *, abstract_eval: Callable,
     def impl(*args, **params):
       return evaluate(code(**params), params["call"], args)
 
+    def inline(**params):
+      c = code(**params)
+      if c.post is not None:
+        return None
+      return (c.jaxpr, scope(params["call"], c.role), c.positions,
+              c.num_outs)
+
     def discharge(should, *args, **params):
       c = code(**params)
       with jax.named_scope(scope(params["call"], c.role)):
         new_args, outs = discharged(c.jaxpr, should, args, c.positions)
       return new_args, c.finish(outs)
-    define_evaluation(prim, impl, role, jvp=jvp, discharge=discharge)
+    define_evaluation(prim, impl, role, jvp=jvp, discharge=discharge,
+                      inline=inline)
   if bind is not None:
     default = prim.bind
     prim.bind = lambda *args, **params: bind(default, *args, **params)
@@ -309,7 +317,8 @@ def define(name: str, *, abstract_eval: Callable,
 
 def define_evaluation(prim, impl: Callable, role: Callable, *,
                       jvp: Callable | str | None = None,
-                      discharge: Callable | None = None) -> None:
+                      discharge: Callable | None = None,
+                      inline: Callable | None = None) -> None:
   """Registers what follows from ``impl(*args, **params) -> outs``:
   evaluation and lowering, ``checkify`` of it, its JVP (higher order:
   ``impl`` differentiated, unless ``jvp`` is given) and, unless given, its
@@ -333,7 +342,10 @@ def define_evaluation(prim, impl: Callable, role: Callable, *,
     return rule_jvp(impl, role(params), list(primals), list(tangents),
                     **params)
 
-  for kind, fn in (("impl", impl), ("lowering", impl),
+  # lowering: the traced code inlined where it can be, else impl traced
+  RULES.setdefault(prim.name, {})["lowering"] = impl
+  jx.register_lowering(prim, impl, inline)
+  for kind, fn in (("impl", impl),
                    ("discharge", discharge or traced_discharge),
                    ("checkify", checkify), ("jvp", jvp or derivative)):
     if fn != "elsewhere":
