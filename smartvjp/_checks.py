@@ -328,6 +328,13 @@ def bwd_checks_disabled() -> bool:
   return bool(getattr(jax.config, "jax_disable_bwd_checks", False))
 
 
+def _custom_vjp3() -> bool:
+  """``jax_custom_vjp3``: JAX's upgraded ``custom_vjp`` refuses a tuple of
+  cotangents of the wrong length with ``ValueError`` (the default path
+  with ``TypeError``)."""
+  return bool(getattr(jax.config, "jax_custom_vjp3", False))
+
+
 _NO_CT = object()   # a None cotangent: no contribution to the input
 
 
@@ -356,11 +363,12 @@ def _spread(call, out, which) -> list:
   try:
     subtrees = out_tree.flatten_up_to(dummy)
   except ValueError:
+    arity = len(out) != len(arg_trees)
     what = ("a tuple with one cotangent (or None) per differentiable "
             f"argument of {rules.name}, i.e. of length {len(arg_trees)}"
-            if len(out) != len(arg_trees) else "cotangents")
+            if arity else "cotangents")
     raise rule_error(
-        TypeError, rules, which,
+        ValueError if arity and _custom_vjp3() else TypeError, rules, which,
         f"must return {what} matching the structure {call.in_tree} (None "
         f"or one array may stand for any subtree), but returned pytree "
         f"structure {out_tree}.") from None

@@ -11,9 +11,9 @@ is made, as each of JAX's traces does for a ``jax.custom_vjp`` call
 * a linearization (``jax.grad``/``jax.vjp`` applied directly to the call,
   eagerly or over ``jit``/``vmap``): linearized where it is made, only
   ``fwd`` traced (run on the values eagerly), never ``f``;
-* a ``vmap`` directly inside a linearization (``grad(vmap(F))``): the
-  user's rules batched as Python functions, the batched call linearized
-  where it is made, ``f`` untraced;
+* ``vmap`` (one or nested) directly inside a linearization
+  (``grad(vmap(F))``): the user's rules batched as Python functions, the
+  batched call linearized where it is made, ``f`` untraced;
 * anything else (``jit``, ``make_jaxpr``, staged bodies, ``jax.jvp``,
   ``jax.checkpoint``): ``f`` traced once per signature and outer trace
   (``_cache.py``), its closed-over values leading inputs of a
@@ -110,10 +110,11 @@ def _linearized(call, trace, primals, nonzero):
 
 
 def _vmap_of_linearized(call, leaves):
-  """A call under ``jax.vmap`` directly inside ``jax.grad``/``jax.vjp``
-  (``grad(vmap(F))``), as ``jax.custom_vjp`` makes it: the user's rules
-  batched as Python functions (``_vmap.batched_rules``) and the batched
-  call linearized where it is made, ``f`` untraced; outputs mapped as the
+  """A call under ``jax.vmap`` (one or several, nested) directly inside
+  ``jax.grad``/``jax.vjp`` (``grad(vmap(F))``, ``grad(vmap(vmap(F)))``),
+  as ``jax.custom_vjp`` makes it: the user's rules batched as Python
+  functions (``_vmap.batched_rules``), once per vmap, and the batched call
+  linearized where it is made, ``f`` untraced; outputs mapped as the
   batched ``fwd`` maps them, as ``smartvjp_call``'s batching rule maps a
   differentiated call's. ``None`` where that does not apply (``f`` is then
   traced and the call batched by its rule)."""
@@ -122,8 +123,11 @@ def _vmap_of_linearized(call, leaves):
   if (not jx.is_batch_trace(batch) or rules.generic_batching
       or rules.fwd is None or any(jx.is_ref_aval(a) for a in avals)):
     return None
-  lin = jx.parent_trace(batch)
-  if not jx.is_linearize_trace(lin):
+  parent = jx.parent_trace(batch)
+  below = parent
+  while jx.is_batch_trace(below):   # vmaps over vmaps over the linearization
+    below = jx.parent_trace(below)
+  if not jx.is_linearize_trace(below):
     return None
   _, axis_data = jx.batch_trace_key(batch)
   parts = [jx.batch_parts(x, batch) for x in leaves]
@@ -136,26 +140,41 @@ def _vmap_of_linearized(call, leaves):
   with batching(jx.batch_trace_key(batch)):
     brules = _vmap.batched_rules(base, (), (), in_dims, axis_data)
   bavals = _vmap.batched_avals(avals, in_dims, axis_data)
-  with jx.set_current_trace(lin):
-    linearizing = _linearizing(vals)
-    if linearizing is None:
-      return None
-    _, primals, nonzero = linearizing
-    in_nz = tuple(nz and possible for nz, possible in
-                  zip(nonzero, _tangent_possible(avals)))
-    if not any(in_nz):
-      return None
-    hit = linearized_call(brules, (), len(vals), _vmap.tuple_tree(len(vals)),
-                          bavals, in_nz,
-                          lambda c: jx.linearize_parts(c, lin) is not None)
-    if hit is None:
-      return None
-    spec, consts = hit
-    outs = call_p.bind(*consts, *vals, call=spec)
+  with jx.set_current_trace(parent):
+    if jx.is_linearize_trace(parent):
+      outs = _linearized_batched(brules, vals, bavals, avals, parent)
+    else:   # the next vmap out batches the batched rules again
+      outs = _vmap_of_linearized(
+          _spec.Unprocessed(brules, (), len(vals),
+                            _vmap.tuple_tree(len(vals)), bavals, call.cache),
+          vals)
+  if outs is None:
+    return None
   seen = brules.fwd.mapped_outputs   # what the batched fwd noted
   call.out_tree = seen["out_tree"]
   return [jx.batch_tracer(batch, o, 0) if m else o[0]
           for o, m in zip(outs, seen["fwd"])]
+
+
+def _linearized_batched(brules, vals, bavals, avals, lin):
+  """The batched call (rules ``brules`` on ``vals`` of types ``bavals``)
+  linearized by ``lin``, the current trace, where it is made: its outputs,
+  or ``None`` where no input carries a tangent."""
+  linearizing = _linearizing(vals)
+  if linearizing is None:
+    return None
+  _, primals, nonzero = linearizing
+  in_nz = tuple(nz and possible for nz, possible in
+                zip(nonzero, _tangent_possible(avals)))
+  if not any(in_nz):
+    return None
+  hit = linearized_call(brules, (), len(vals), _vmap.tuple_tree(len(vals)),
+                        bavals, in_nz,
+                        lambda c: jx.linearize_parts(c, lin) is not None)
+  if hit is None:
+    return None
+  spec, consts = hit
+  return call_p.bind(*consts, *vals, call=spec)
 
 
 def _traced(call):

@@ -101,6 +101,23 @@ def test_bwd_wrong_length_or_cotangent_for_nondiff_arg():
     jax.grad(lambda x: jnp.sum(scale(x, 2.0)))(X)
 
 
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("bad", ["short tuple", "bare array"])
+def test_bwd_wrong_length_raises_jaxs_type_on_each_path(ad_mode, remat, bad):
+  """A tuple of the wrong length: ``TypeError`` on JAX's default path,
+  ``ValueError`` under ``jax_custom_vjp3``; a bare array: ``TypeError`` on
+  both (the types ``jax.custom_vjp`` raises there)."""
+  def my_bwd(res, g):
+    return (g["out"],) if bad == "short tuple" else g["out"]
+  raised = []
+  for jax_impl in (True, False):
+    with pytest.raises(Exception) as info:
+      grad_of(make(bwd=my_bwd, jax_impl=jax_impl), remat)(X, X)
+    raised.append(type(info.value))
+  assert raised[0] in (TypeError, ValueError), raised
+  assert raised[1] is raised[0], raised
+
+
 def test_bwd_wrong_structure():
   def my_bwd(res, g):
     x, y = res

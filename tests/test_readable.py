@@ -2,6 +2,7 @@
 named scopes in HLO, and the wrapper's metadata."""
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -66,5 +67,7 @@ def test_named_scopes_in_hlo():
   F = make()
   loss = lambda x, y: jnp.sum(jax.checkpoint(F)(x, y) ** 2)
   hlo = jax.jit(jax.grad(loss)).lower(X, X).as_text(debug_info=True)
-  for scope in ("smartvjp/my_f/f/", "smartvjp/my_f/fwd/", "smartvjp/my_f/bwd/"):
-    assert scope in hlo, scope
+  # each rule's operations are located under its scope; a transformation
+  # JAX applied to the equation wraps the scope, as in "jvp(smartvjp/my_f/f)"
+  for rule in ("f", "fwd", "bwd"):
+    assert re.search(rf"smartvjp/my_f/{rule}\)*/(sin|cos|mul)", hlo), rule

@@ -44,6 +44,10 @@ PROGRAMS = {
         jax.vmap(F)(jnp.stack([x, x + 1.0]))))(X),
     "jit(grad(vmap(F)))": lambda F: jax.jit(jax.grad(lambda x: jnp.sum(
         jax.vmap(F)(jnp.stack([x, x + 1.0])))))(X),
+    "grad(vmap(vmap(F)))": lambda F: jax.grad(lambda x: jnp.sum(
+        jax.vmap(jax.vmap(F))(jnp.stack([jnp.stack([x, x + 1.0])] * 2))))(X),
+    "jit(grad(vmap(vmap(F))))": lambda F: jax.jit(jax.grad(lambda x: jnp.sum(
+        jax.vmap(jax.vmap(F))(jnp.stack([jnp.stack([x, x + 1.0])] * 2)))))(X),
     "jit(vjp(F)[0])": lambda F: jax.jit(lambda x: jax.vjp(F, x)[0])(X),
     "jit(linearize(F)[0])": lambda F: jax.jit(
         lambda x: jax.linearize(F, x)[0])(X),
@@ -74,7 +78,9 @@ def test_rule_bodies_run_as_with_custom_vjp(program):
 
 @pytest.mark.parametrize("program", ["jit(grad)", "eager grad",
                                      "jit(vmap(grad))", "grad(vmap(F))",
-                                     "jit(grad(vmap(F)))"])
+                                     "jit(grad(vmap(F)))",
+                                     "grad(vmap(vmap(F)))",
+                                     "jit(grad(vmap(vmap(F))))"])
 def test_f_is_not_traced_where_only_fwd_runs(program):
   """The examples of the issue: no trace of ``f`` at all, and values equal."""
   got = _runs(smartvjp.smart_custom_vjp, program)
@@ -93,7 +99,8 @@ def test_fwd_bwd_runs_instead_of_fwd_and_bwd_under_remat(program):
 
 def test_values_of_the_linearized_call_equal_custom_vjps():
   for program in ("jit(grad)", "jit(value_and_grad)", "jit(vmap(grad))",
-                  "eager grad"):
+                  "eager grad", "grad(vmap(F))", "grad(vmap(vmap(F)))",
+                  "jit(grad(vmap(vmap(F))))"):
     ref = PROGRAMS[program](_build(jax.custom_vjp, collections.Counter()))
     got = PROGRAMS[program](_build(smartvjp.smart_custom_vjp,
                                    collections.Counter()))

@@ -570,7 +570,7 @@ def _defvjp(kind):
         elif kind == "jax" and only_fb:
             # the schedule smartvjp has with fwd_bwd alone, in jax.custom_vjp's
             # terms: f forward (the inputs are the residuals), fwd_bwd backward
-            F.defvjp(lambda *a: (F.fun(*a), a),
+            F.defvjp(lambda *a: (F.__wrapped__(*a), a),
                      lambda res, g: fwd_bwd(*res, g),
                      symbolic_zeros=symbolic_zeros)
         else:
