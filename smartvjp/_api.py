@@ -84,9 +84,9 @@ class smart_custom_vjp:
     not traced.
   * ``jax.grad``/``jax.vjp`` without remat: ``fwd``, then ``bwd`` in the
     backward pass. Where they apply directly to the call (eagerly, inside
-    ``jit``, under ``vmap``), ``f`` is not traced, as with
-    ``jax.custom_vjp``: Python code in ``f`` that needs concrete values
-    (``if x > 0:``) works under eager ``jax.grad``.
+    ``jit``, under ``vmap``, or over one or nested ``vmap``s of it), ``f``
+    is not traced, as with ``jax.custom_vjp``: Python code in ``f`` that
+    needs concrete values (``if x > 0:``) works under eager ``jax.grad``.
   * Under ``jax.checkpoint`` with a policy that saves nothing ``fwd``
     computes (the default): ``f`` in the forward pass; ``fwd`` then ``bwd``
     (or ``fwd_bwd``, if given) in the rematerialized backward region. A
@@ -300,14 +300,16 @@ class smart_custom_vjp:
         that is not a JAX type; when a rule returns the wrong structure
         (``fwd`` not an ``(out, residuals)`` pair, residuals that are not JAX
         types, ``bwd`` or ``fwd_bwd`` not a tuple with one cotangent per
-        differentiable argument, or a cotangent of the wrong pytree
-        structure); when ``fwd``'s primal output differs from ``f``'s in
+        differentiable argument (but see ``ValueError``), or a cotangent of
+        the wrong pytree structure); when ``fwd``'s primal output differs from ``f``'s in
         structure, shape or dtype where both are traced (a staged call
         differentiated, remat; as ``jax.custom_vjp``, which checks only
         there); under forward mode, when ``bwd`` cannot be transposed. Each
         message names the rule, the pytree path and expected vs actual.
       ValueError: when ``bwd`` (or ``fwd_bwd``) returns a cotangent whose
-        shape differs from its argument's, as ``jax.custom_vjp``; with JAX's
+        shape differs from its argument's, as ``jax.custom_vjp``; with
+        JAX's ``jax_custom_vjp3`` flag on, when it returns a tuple or list
+        of the wrong length, as JAX does there; with JAX's
         mutable array checks on (the default), as ``jax.custom_vjp``, when
         one mutable array reference is passed through two differentiable
         arguments or when ``f`` or ``fwd`` returns a reference.

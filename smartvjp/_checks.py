@@ -329,9 +329,10 @@ def bwd_checks_disabled() -> bool:
 
 
 def _custom_vjp3() -> bool:
-  """``jax_custom_vjp3``: JAX's upgraded ``custom_vjp`` refuses a tuple of
-  cotangents of the wrong length with ``ValueError`` (the default path
-  with ``TypeError``)."""
+  """``jax_custom_vjp3``: JAX's upgraded ``custom_vjp`` takes cotangents as
+  a tuple or a list of any length and refuses one of the wrong length with
+  ``ValueError`` (the default path takes a list only of the right length,
+  and raises ``TypeError``)."""
   return bool(getattr(jax.config, "jax_custom_vjp3", False))
 
 
@@ -348,8 +349,9 @@ def _spread(call, out, which) -> list:
   """
   rules = call.rules
   arg_trees = tree_util.treedef_children(call.in_tree)
-  if isinstance(out, list) and len(out) == len(arg_trees):
-    out = tuple(out)
+  if isinstance(out, list) and (len(out) == len(arg_trees)
+                                or _custom_vjp3()):
+    out = tuple(out)   # (jax_custom_vjp3 takes a list of any length)
   if not isinstance(out, tuple):
     raise rule_error(
         TypeError, rules, which,

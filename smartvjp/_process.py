@@ -92,8 +92,7 @@ def _linearized(call, trace, primals, nonzero):
       return None    # a rule closes over a tracer: trace f to find it
   if rules.fwd is None or any(jx.is_ref_aval(a) for a in avals):
     return None
-  in_nz = tuple(nz and possible for nz, possible in
-                zip(nonzero, _tangent_possible(avals)))
+  in_nz = _perturbed(nonzero, avals)
   if not any(in_nz):
     return None
   static = tuple(static_key(v) for v in nondiff)
@@ -142,7 +141,7 @@ def _vmap_of_linearized(call, leaves):
   bavals = _vmap.batched_avals(avals, in_dims, axis_data)
   with jx.set_current_trace(parent):
     if jx.is_linearize_trace(parent):
-      outs = _linearized_batched(brules, vals, bavals, avals, parent)
+      outs = _linearized_batched(brules, vals, bavals, parent)
     else:   # the next vmap out batches the batched rules again
       outs = _vmap_of_linearized(
           _spec.Unprocessed(brules, (), len(vals),
@@ -156,7 +155,7 @@ def _vmap_of_linearized(call, leaves):
           for o, m in zip(outs, seen["fwd"])]
 
 
-def _linearized_batched(brules, vals, bavals, avals, lin):
+def _linearized_batched(brules, vals, bavals, lin):
   """The batched call (rules ``brules`` on ``vals`` of types ``bavals``)
   linearized by ``lin``, the current trace, where it is made: its outputs,
   or ``None`` where no input carries a tangent."""
@@ -164,8 +163,7 @@ def _linearized_batched(brules, vals, bavals, avals, lin):
   if linearizing is None:
     return None
   _, primals, nonzero = linearizing
-  in_nz = tuple(nz and possible for nz, possible in
-                zip(nonzero, _tangent_possible(avals)))
+  in_nz = _perturbed(nonzero, bavals)
   if not any(in_nz):
     return None
   hit = linearized_call(brules, (), len(vals), _vmap.tuple_tree(len(vals)),
@@ -211,9 +209,11 @@ def _linearizing(leaves):
   return (trace, primals, nonzero) if any(nonzero) else None
 
 
-def _tangent_possible(avals):
-  """Which inputs can carry a tangent (integer ones have float0 tangents)."""
-  return [a.to_tangent_aval().dtype != jx.float0 for a in avals]
+def _perturbed(nonzero, avals) -> tuple:
+  """Which inputs are perturbed: a nonzero tangent, on an input that can
+  carry one (integer inputs have float0 tangents)."""
+  return tuple(nz and a.to_tangent_aval().dtype != jx.float0
+               for nz, a in zip(nonzero, avals))
 
 
 def _rebuilt_args(nondiff_argnums, nondiff, in_tree, leaves, num_args):

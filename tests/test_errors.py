@@ -102,13 +102,14 @@ def test_bwd_wrong_length_or_cotangent_for_nondiff_arg():
 
 
 @pytest.mark.parametrize("remat", [False, True])
-@pytest.mark.parametrize("bad", ["short tuple", "bare array"])
+@pytest.mark.parametrize("bad", ["short tuple", "short list", "bare array"])
 def test_bwd_wrong_length_raises_jaxs_type_on_each_path(ad_mode, remat, bad):
-  """A tuple of the wrong length: ``TypeError`` on JAX's default path,
-  ``ValueError`` under ``jax_custom_vjp3``; a bare array: ``TypeError`` on
-  both (the types ``jax.custom_vjp`` raises there)."""
+  """A tuple or list of the wrong length: ``TypeError`` on JAX's default
+  path, ``ValueError`` under ``jax_custom_vjp3``; a bare array:
+  ``TypeError`` on both (the types ``jax.custom_vjp`` raises there)."""
   def my_bwd(res, g):
-    return (g["out"],) if bad == "short tuple" else g["out"]
+    return {"short tuple": (g["out"],), "short list": [g["out"]],
+            "bare array": g["out"]}[bad]
   raised = []
   for jax_impl in (True, False):
     with pytest.raises(Exception) as info:
