@@ -157,6 +157,7 @@ def make_data(cfg: Config, key):
 # -- counting launches in the program JAX lowers for a GPU ----------------------
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_CALL = "tpu_custom_call"
 # Single-operand ops that only annotate sharding: looked through when a loop
 # bound is read.
 _ANNOTATIONS = ("sdy.sharding_constraint", "mhlo.sharding")
@@ -217,9 +218,9 @@ def kernel_launches(module) -> collections.Counter:
 
   Walks the MLIR module JAX produced (after JAX's dead-code elimination, so
   a ``pallas_call`` whose outputs are all unused is already gone; a kernel
-  with one used output runs whole): each Triton custom call counts once per
-  execution, a ``func.call`` adds its callee's launches, and the body of a
-  ``stablehlo.while`` (what ``lax.scan`` and ``lax.fori_loop`` with static
+  with one used output runs whole): each Triton (GPU) or Mosaic (TPU)
+  custom call counts once per execution, a ``func.call`` adds its callee's
+  launches, and the body of a ``stablehlo.while`` (what ``lax.scan`` and ``lax.fori_loop`` with static
   bounds lower to) counts its trip count times, read from the loop:
   ``i < N`` on a counter that starts at a constant and steps by 1. A custom
   call none of whose results is used is not counted (XLA removes it).
@@ -241,10 +242,10 @@ def kernel_launches(module) -> collections.Counter:
     counts = collections.Counter()
     for op in _ops(b):
       if op.name == "stablehlo.custom_call":
-        if _attr_str(op, "call_target_name") == TRITON_CALL and any(
+        name = _kernel_name(op)
+        if name is not None and any(
             any(True for _ in r.uses) for r in op.results):
-          config = op.attributes["mhlo.backend_config"]
-          kernel = Kernel(str(config["name"]).strip('"'),
+          kernel = Kernel(name,
                           tuple(_tensor(str(r.type)) for r in op.results))
           counts[kernel] += 1
       elif op.name == "func.call":
@@ -270,6 +271,18 @@ def kernel_launches(module) -> collections.Counter:
     return counts
 
   return func("main")
+
+
+def _kernel_name(op):
+  """The kernel a custom call launches: a Triton kernel (GPU; its name in
+  the backend config) or a Mosaic one (TPU; its ``kernel_name``
+  attribute); ``None`` for any other custom call."""
+  target = _attr_str(op, "call_target_name")
+  if target == TRITON_CALL:
+    return str(op.attributes["mhlo.backend_config"]["name"]).strip('"')
+  if target == MOSAIC_CALL and "kernel_name" in op.attributes:
+    return _attr_str(op, "kernel_name")
+  return None
 
 
 def _ops(block):

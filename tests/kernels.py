@@ -98,8 +98,13 @@ def _kernel_lower(*args, name, fn, out_avals):
 
 
 kernel_p.def_impl(functools.partial(jax._src.dispatch.apply_primitive, kernel_p))
+# not cacheable, as JAX's own callbacks are not: on a TPU a host callback
+# moves its operands over a channel, and a lowering cached once and called
+# for two equations would send both over the same one (seen on a TPU v5e:
+# one kernel received another's operands)
 mlir.register_lowering(kernel_p, mlir.lower_fun(_kernel_lower,
-                                                multiple_results=True))
+                                                multiple_results=True),
+                       cacheable=False)
 _facade.register_dce(kernel_p, lambda used, eqn: ([True] * len(eqn.invars), eqn))
 
 

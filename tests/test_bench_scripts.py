@@ -5,6 +5,7 @@ commit, every time as a median with its range, and a verdict per goal."""
 import importlib.util
 import os
 import re
+import sys
 
 import jax
 import pytest
@@ -16,6 +17,7 @@ def load(name):
   spec = importlib.util.spec_from_file_location(
       f"smartvjp_bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module   # its dataclasses look their module up
   spec.loader.exec_module(module)
   return module
 
@@ -130,3 +132,28 @@ def test_scaling_smoke(capsys):
     assert layers == 1 and len(samples) == 3 and memory > 0
   row = next(l for l in out.splitlines() if l.strip().startswith("1 "))
   assert len(re.findall(r"\d+\.\d+ \[\d+\.\d+-\d+\.\d+\] / ", row)) == 4
+
+
+def test_tpu_attention_counts_off_a_tpu(capsys):
+  # JAX's shipped Pallas TPU flash attention, lowered for a TPU without one:
+  # swapped, each checkpointed call launches the kernel without l and m
+  # forward and the one that writes them once (shipped: that one twice)
+  bench = load("tpu_attention")
+  if jax.default_backend() == "tpu":
+    pytest.skip("on a TPU the script also times steps: run it by hand")
+  doc, goals = bench.main([])
+  out = capsys.readouterr().out
+  assert goals.all_met and len(goals.items) == 4, out
+  layers = bench.SMOKE_CONFIG.layers
+  for policy in bench.POLICIES:
+    counted = doc["policies"][policy]["launches"]
+    shipped, swapped = counted["shipped"], counted["swapped"]
+    fwd1, fwd3 = ("_flash_attention_kernel (1 output)",
+                  "_flash_attention_kernel (3 outputs)")
+    assert shipped["by_kernel"].get(fwd1, 0) == 0
+    assert shipped["by_kernel"][fwd3] == 2 * layers
+    assert swapped["by_kernel"][fwd1] == swapped["by_kernel"][fwd3] == layers
+    for bwd in ("_flash_attention_dkv_kernel (2 outputs)",
+                "_flash_attention_dq_kernel (1 output)"):
+      assert shipped["by_kernel"][bwd] == swapped["by_kernel"][bwd] == layers
+    assert 2 * swapped["residual_bytes"] == shipped["residual_bytes"] > 0
