@@ -133,19 +133,23 @@ def make_loss(cfg: Config, module, policy):
   return loss
 
 
-def lowered_for_tpu(fn, *args):
-  """``jax.jit(fn)`` lowered for the TPU, as an MLIR module (no TPU
+def make_step(cfg, module, policy):
+  """``jit(value_and_grad(loss))``: one step's loss and gradients."""
+  return jax.jit(jax.value_and_grad(make_loss(cfg, module, policy)))
+
+
+def lowered_for_tpu(step, *args):
+  """The jitted ``step`` lowered for the TPU, as an MLIR module (no TPU
   needed)."""
-  traced = jax.jit(fn).trace(*args)
+  traced = step.trace(*args)
   if jax.default_backend() == "tpu":
     return traced.lower().compiler_ir()
   return traced.lower(lowering_platforms=("tpu",)).compiler_ir()
 
 
-def launches(cfg, module, policy, params, x) -> dict:
+def launches(step, params, x) -> dict:
   """``{"by_kernel": {"name (outputs)": n}, "residual_launches",
-  "residual_bytes", "total"}`` per step."""
-  step = jax.value_and_grad(make_loss(cfg, module, policy))
+  "residual_bytes", "total"}`` per step of the jitted ``step``."""
   counts = EX.kernel_launches(lowered_for_tpu(step, params, x))
   by_kernel = collections.Counter()
   residual_launches = residual_bytes = 0
@@ -160,17 +164,9 @@ def launches(cfg, module, policy, params, x) -> dict:
               residual_bytes=residual_bytes, total=sum(counts.values()))
 
 
-def gradients(cfg, module, policy, params, x):
-  step = jax.jit(jax.value_and_grad(make_loss(cfg, module, policy)))
-  return jax.block_until_ready(step(params, x))
-
-
-def step_times(cfg, modules, policy, params, x, rounds, inner):
-  """``{schedule: [seconds per step, one per round]}``, interleaved."""
-  steps = {s: jax.jit(jax.value_and_grad(make_loss(cfg, modules[s], policy)))
-           for s in SCHEDULES}
-  for s in SCHEDULES:                                  # compile and warm up
-    jax.block_until_ready(steps[s](params, x))
+def step_times(steps, params, x, rounds, inner):
+  """``{schedule: [seconds per step, one per round]}``, interleaved (the
+  ``steps`` already compiled and run once)."""
   times = {s: [] for s in SCHEDULES}
   for r in range(rounds):
     for s in SCHEDULES[r % 2:] + SCHEDULES[:r % 2]:
@@ -204,8 +200,8 @@ def main(argv=None):
              versions=R.versions(), policies={})
   for name, policy in POLICIES.items():
     res = doc["policies"][name] = {}
-    counted = {s: launches(cfg, modules[s], policy, params, x)
-               for s in SCHEDULES}
+    steps = {s: make_step(cfg, modules[s], policy) for s in SCHEDULES}
+    counted = {s: launches(steps[s], params, x) for s in SCHEDULES}
     res["launches"] = counted
     print(f"\n== policy {name}: kernel launches per step ==")
     kernels = sorted(set().union(*(c["by_kernel"] for c in counted.values())))
@@ -226,13 +222,12 @@ def main(argv=None):
                 sw["total"] <= sh["total"])
 
     if on_tpu:
-      grads = {s: gradients(cfg, modules[s], policy, params, x)
+      grads = {s: jax.block_until_ready(steps[s](params, x))  # compiles
                for s in SCHEDULES}
       same = EX.bitwise_equal(grads["shipped"], grads["swapped"])
       res["bitwise_equal"] = same
       goals.check(f"{name}: loss and gradients bitwise equal", same)
-      times = step_times(cfg, modules, policy, params, x, args.rounds,
-                         args.inner)
+      times = step_times(steps, params, x, args.rounds, args.inner)
       ratio = R.Spread(R.paired_ratios(times["swapped"], times["shipped"]))
       res["step_s"] = {s: R.Spread(times[s]).as_dict() for s in SCHEDULES}
       res["ratio"] = ratio.as_dict()

@@ -154,7 +154,7 @@ def make_data(cfg: Config, key):
                             jnp.int32)
 
 
-# -- counting launches in the program JAX lowers for a GPU ----------------------
+# -- counting launches in the program JAX lowers for a GPU (or a TPU) ---------
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = "tpu_custom_call"
@@ -220,10 +220,11 @@ def kernel_launches(module) -> collections.Counter:
   a ``pallas_call`` whose outputs are all unused is already gone; a kernel
   with one used output runs whole): each Triton (GPU) or Mosaic (TPU)
   custom call counts once per execution, a ``func.call`` adds its callee's
-  launches, and the body of a ``stablehlo.while`` (what ``lax.scan`` and ``lax.fori_loop`` with static
-  bounds lower to) counts its trip count times, read from the loop:
-  ``i < N`` on a counter that starts at a constant and steps by 1. A custom
-  call none of whose results is used is not counted (XLA removes it).
+  launches, and the body of a ``stablehlo.while`` (what ``lax.scan`` and
+  ``lax.fori_loop`` with static bounds lower to) counts its trip count
+  times, read from the loop: ``i < N`` on a counter that starts at a
+  constant and steps by 1. A custom call none of whose results is used is
+  not counted (XLA removes it).
 
   Raises:
     LaunchCountError: a loop whose trip count is not such a constant, or a
