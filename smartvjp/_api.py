@@ -205,9 +205,10 @@ class smart_custom_vjp:
         0.12), with its meaning: under ``vmap``, an output that ``f``
         computes from unmapped inputs only stays unmapped even when ``fwd``
         maps it (it takes the first example's value, and its whole
-        cotangent goes to the first example's ``bwd``). ``False`` (the
-        default): when the call is differentiated, ``fwd``'s mapping
-        decides, as for the classic ``jax.custom_vjp``.
+        cotangent goes to the first example's ``bwd``). ``None`` (the
+        default, which any jax accepts) or ``False``: when the call is
+        differentiated, ``fwd``'s mapping decides, as for the classic
+        ``jax.custom_vjp``.
       fwd_bwd: optional fused rule ``fwd_bwd(*args, g) -> tuple`` returning
         what ``bwd`` returns, recomputing what it needs from the arguments
         (all in their places). Used in the rematerialized backward region

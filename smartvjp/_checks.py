@@ -67,14 +67,35 @@ def function_name(fn) -> str:
   return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def function_location(fn) -> str | None:
+  """``file:line`` where a user's function is defined (through
+  ``functools.partial`` and ``__wrapped__``), or ``None`` (a builtin, a
+  callable object without Python code)."""
+  for _ in range(8):
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+      return f"{code.co_filename}:{code.co_firstlineno}"
+    inner = getattr(fn, "func", None) or getattr(fn, "__wrapped__", None)
+    if inner is None:
+      inner = getattr(type(fn), "__call__", None)
+      if inner is None or getattr(inner, "__code__", None) is None:
+        return None
+    fn = inner
+  return None
+
+
 def rule_error(exc_type, rules, which: str, message: str) -> Exception:
-  """``exc_type`` whose message starts with the rule's role and user name."""
+  """``exc_type`` whose message starts with the rule's role and user name
+  and ends with where the rule is defined (a ``lambda``'s name alone does
+  not find it)."""
   fn_name = rules.rule_name(which)
   where = (f"smart_custom_vjp function {rules.name}"
            if which == "fun" else
            f"the {_ROLE[which]} rule {fn_name} of smart_custom_vjp function "
            f"{rules.name}")
-  return exc_type(f"{where} {message}")
+  loc = function_location(getattr(rules, which, None))
+  at = "" if loc is None else f" ({_ROLE[which]} is defined at {loc})"
+  return exc_type(f"{where} {message}{at}")
 
 
 def describe_tree(x) -> str:

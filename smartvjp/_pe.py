@@ -235,6 +235,13 @@ def _fwd_dce(used_outputs, eqn):
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
   kept = used_outputs[n:]
+  if (any(kept) and not all(used_outputs[:n]) and fwd.jaxpr is not None
+      and eqn.params["offload"] is None):
+    # residuals read and some primal outputs not: fwd's traced code pruned
+    # as JAX prunes the inlined fwd of a jax.custom_vjp (a solver's unused
+    # state is not computed)
+    return _traced_dce(used_outputs, jx.eqn_with(eqn, params=dict(
+        call=call, which="fwd", jaxpr=fwd.jaxpr)))
   if any(kept) and not all(kept) and fwd.jaxpr is not None:
     # some residuals read, some not: fwd computes only those read
     offload = eqn.params["offload"]
@@ -257,11 +264,12 @@ def _fwd_dce(used_outputs, eqn):
   return [reads_consts] * len(fwd_consts) + [True] * len(primals), emit.eqn
 
 
-def _bwd_dce(used_outputs, eqn):
+def _traced_dce(used_outputs, eqn):
   """The traced rule's dead code removed: the inputs it does not read (a
   residual that ``bwd`` ignores) and the outputs nobody uses leave the
   equation, as they leave the inlined ``bwd`` of a ``jax.custom_vjp``; the
-  ``fwd`` producing such a residual then computes less (:func:`_fwd_dce`)."""
+  ``fwd`` producing such a residual then computes less (:func:`_fwd_dce`).
+  The same for any traced rule (a pruned or checked ``fwd``)."""
   jaxpr = eqn.params["jaxpr"]
   if not any(used_outputs) and not jx.effects_keep_alive(eqn.effects):
     return [False] * len(eqn.invars), None
@@ -279,8 +287,8 @@ def _rule_dce(used_outputs, eqn):
   which, params = eqn.params["which"], eqn.params
   if which == "fwd" and params.get("jaxpr") is None:
     return _fwd_dce(used_outputs, eqn)
-  if which in ("bwd", "fwd_bwd"):
-    return _bwd_dce(used_outputs, eqn)
+  if which in ("bwd", "fwd_bwd", "fwd"):   # a traced rule
+    return _traced_dce(used_outputs, eqn)
   return dce_whole(used_outputs, eqn)
 
 

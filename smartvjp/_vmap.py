@@ -161,6 +161,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
       res_leaves, statics["tree"] = tree_util.tree_flatten(res)
       statics["leaves"] = [r if is_static_residual(r) else None
                            for r in res_leaves]
+      seen["static"] = tuple(s is not None for s in statics["leaves"])
       return tuple(out_leaves), [r for r in res_leaves
                                  if not is_static_residual(r)]
     out, dynamic = vmapped(one, list(in_dims), note,
@@ -173,17 +174,25 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
   def bwd(res, g):
     arrays, rebuild = _split_symbolic(list(g))
     mapped = iter(seen.get("res", ()))
-    res_axes = tree_util.tree_map(
-        lambda r: None if is_static_residual(r) else
-        (0 if next(mapped, True) else None), res)
+    # which leaves are Python values: as fwd returned them (a float input
+    # that fwd saw traced may come back a float subclass), else by type
+    leaves, res_tree = tree_util.tree_flatten(res)
+    static = seen.get("static")
+    if static is None or len(static) != len(leaves):
+      static = [is_static_residual(r) for r in leaves]
+    # axes over the flat leaves: an axes pytree would be matched against
+    # res by JAX, which reads a None node of res as an axis
+    res_axes = [None if s else (0 if next(mapped, True) else None)
+                for s in static]
 
-    def one(res, arrays):
+    def one(leaves, arrays):
+      res = tree_util.tree_unflatten(res_tree, leaves)
       with _jax_api.collecting_logs() as sink:   # per example, batched out
         py_g = tree_util.tree_unflatten(out_tree(), rebuild(arrays))
         cts = flatten_cotangents(
             call, rules.bwd(*call.nondiff, res, py_g), "bwd")
       return _none_for_zeros(cts), _jax_api.merged_logs(sink)
-    out, logs = vmapped(one, (res_axes, 0))(res, arrays)
+    out, logs = vmapped(one, (res_axes, 0))(leaves, arrays)
     _jax_api.deposit_logs(logs)
     return _sum_unbatched(out, in_dims)
 

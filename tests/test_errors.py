@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from smartvjp import smart_custom_vjp
+from smartvjp._checks import function_location
 
 X = jnp.ones((2, 3), jnp.float32)
 
@@ -142,6 +143,34 @@ def test_bwd_wrong_shape_or_dtype(remat):
     return g["out"] * y, (g["out"] * x)[:1].astype(jnp.int32)
   with pytest.raises(ValueError, match=r"int32\[1,3\] at output\[1\]"):
     grad_of(make(bwd=my_bwd_int))(X, X)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_error_says_where_a_lambda_rule_is_defined(remat):
+  """A ``lambda`` rule's name does not find it: the message ends with the
+  file and line where the rule is defined (jax 0.12 says where, too)."""
+  F = smart_custom_vjp(lambda x: jnp.sin(x))
+  bwd = lambda r, g: (jnp.ones(3),)  # noqa: E731
+  F.defvjp(lambda x: (jnp.sin(x), x), bwd)
+  with pytest.raises(ValueError, match=r"bwd rule <lambda> .*\(bwd is defined "
+                     rf"at {__file__}:{bwd.__code__.co_firstlineno}\)"):
+    grad_of_sum = jax.grad(lambda x: jnp.sum((jax.checkpoint(F) if remat
+                                              else F)(x)))
+    grad_of_sum(jnp.ones(2))
+
+
+def test_rule_location_through_partial_and_callable_objects():
+  def rule(a, b):
+    return a
+
+  class Rule:
+    def __call__(self, x):
+      return x
+  here = rule.__code__.co_firstlineno
+  assert function_location(functools.partial(rule, 1)) == f"{__file__}:{here}"
+  assert function_location(Rule()).endswith(
+      f":{Rule.__call__.__code__.co_firstlineno}")
+  assert function_location(len) is None
 
 
 @pytest.mark.parametrize("ct_dtype", [jnp.float16, jnp.bfloat16, jnp.int32])

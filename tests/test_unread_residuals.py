@@ -77,3 +77,35 @@ def test_dce_leaves_fwd_computing_only_what_bwd_reads():
   want = loss(rules(jax.custom_vjp, False))(X)
   for a, b in zip(got, want):
     np.testing.assert_array_equal(a, b)
+
+
+def solver_rules(decorator):
+  """A solver's form (jaxopt's implicit differentiation through LBFGS): ``f``
+  returns its whole state, the caller reads one field, ``bwd`` reads a
+  residual; the unread state is a loop carry XLA cannot remove."""
+  F = decorator(lambda x: _loop(x))
+
+  def fwd(x):
+    y, buffer = _loop(x)
+    return (y, buffer), jnp.cos(x)
+
+  def bwd(cos_x, g):
+    return (g[0] * cos_x * 1.5,)
+  F.defvjp(fwd, bwd)
+  return F
+
+
+def test_a_primal_output_nobody_reads_is_not_computed():
+  # JAX's own dead-code elimination, as jit runs it before lowering
+  loss = lambda F: jax.value_and_grad(lambda x: jnp.sum(F(x)[0]))
+  closed = jax.make_jaxpr(loss(solver_rules(smartvjp.smart_custom_vjp)))(X)
+  jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True, True])
+  fwd = {printed_name(e): e for e in jaxpr.eqns}["smartvjp_fwd"]
+  # the state nobody reads (f32[16,16]) is not an output of fwd, nor
+  # computed inside it: no matmul is left in its code
+  assert [v.aval.shape for v in fwd.outvars] == [(16,), (16,)], fwd
+  assert "dot_general" not in str(fwd.params["jaxpr"]), fwd
+  got = jax.core.eval_jaxpr(jaxpr, closed.consts, X)
+  want = loss(solver_rules(jax.custom_vjp))(X)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)

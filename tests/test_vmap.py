@@ -337,3 +337,57 @@ def test_rules_closing_over_a_vmapped_value_under_remat_raise_as_jax():
     grad_of("custom")
   with pytest.raises(jax.errors.UnexpectedTracerError):
     grad_of("smart")
+
+
+@jax.tree_util.register_pytree_node_class
+class _Cloud:
+  """A pytree whose ``y=None`` means "y is x" (as ott-jax's ``PointCloud``):
+  rebuilt from per-leaf axes, it would give ``y`` the axis of ``x``."""
+
+  def __init__(self, x, y=None):
+    self.x, self.y = x, x if y is None else y
+
+  def tree_flatten(self):
+    return (self.x, self.y), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children)
+
+
+def _residual_program(impl, residuals):
+  def f(x, y, c):
+    return jnp.sin(x) * jnp.sum(y) * c
+
+  def fwd(x, y, c):
+    return f(x, y, c), residuals(x, y, c)
+
+  def bwd(res, g):
+    cloud, c = res
+    dx = jnp.cos(cloud.x) * jnp.sum(cloud.y) * c * g
+    return dx, jnp.ones_like(cloud.y) * jnp.sum(jnp.sin(cloud.x) * c * g), 0.0
+  F = impl(f)
+  F.defvjp(fwd, bwd)
+  return F
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("order", ["grad(vmap)", "vmap(grad)"])
+def test_residual_pytree_that_rebuilds_none_and_python_float_input(jit, order):
+  """ott-jax's Sinkhorn under grad(vmap): a residual pytree whose
+  unflattening reads None as another field (axes must not go through it),
+  and a float input passed as a Python number kept as a residual (bwd gets
+  a float subclass back where fwd saw a tracer: it stays unmapped)."""
+  y = jnp.linspace(0.0, 1.0, 5)
+
+  def residuals(x, y, c):
+    return _Cloud(x, y), c
+  outs = []
+  for impl in (jax.custom_vjp, smart_custom_vjp):
+    F = _residual_program(impl, residuals)
+    if order == "grad(vmap)":
+      g = jax.grad(lambda xs: jnp.sum(jax.vmap(lambda x: F(x, y, 2.0))(xs)))
+    else:
+      g = jax.vmap(jax.grad(lambda x: jnp.sum(F(x, y, 2.0))))
+    outs.append((jax.jit(g) if jit else g)(X))
+  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6)
