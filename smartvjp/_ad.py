@@ -40,7 +40,7 @@ from smartvjp import _versions
 from smartvjp._checks import (
     blame_fwd, check_aliased_refs, check_f_output_invariance,
     check_fwd_output_invariance, check_fwd_output_types)
-from smartvjp._cache import made_under_linearize
+from smartvjp._cache import made_where_differentiated
 from smartvjp._forward import tangents_only
 from smartvjp._primitive import (
     call_p, define_evaluation, forward_role, jvp_p, lin_out_avals, lin_p,
@@ -49,14 +49,15 @@ from smartvjp._primitive import (
 from smartvjp._spec import eager_f, eager_fwd, select_outputs
 
 
-def closure_error(call, where: str = "", linearizing: bool = False):
+def closure_error(call, where: str = "", where_made: bool = False):
   """What ``jax.custom_vjp`` raises where a value the function closes over
   is differentiated with its arguments (or, ``where`` says, in a context
   smartvjp does not differentiate ``f`` itself in): its type, our words.
-  JAX's type depends on the path: linearizing (``jax.grad`` without remat),
-  ``fwd`` runs on the closed-over tracer, which leaks
-  (``UnexpectedTracerError``); differentiating a staged call (remat), JAX
-  detects it (``CustomVJPException``)."""
+  JAX's type depends on the path: differentiating the call where it is made
+  (``jax.grad``, ``jax.jvp``, through ``vmap``s too), ``fwd`` runs on the
+  closed-over tracer, which leaks (``UnexpectedTracerError``);
+  differentiating a staged call (``jit``, remat), JAX detects it
+  (``CustomVJPException``)."""
   what = (f" {where}" if where else
           " and, by the same transformation, with respect to its arguments")
   message = (
@@ -65,19 +66,20 @@ def closure_error(call, where: str = "", linearizing: bool = False):
       "with jax.custom_vjp) because the custom rules only say how to "
       "differentiate with respect to explicit arguments. Pass the value as "
       "an argument instead, or use jax.closure_convert.")
-  if linearizing:
+  if where_made:
     return UnexpectedTracerError(message)
   return jx.custom_vjp_exception(message)
 
 
-def _classify(call, nonzeros, linearizing=False) -> str:
+def _classify(call, nonzeros) -> str:
   """``"args"``, ``"closure"`` (only closed-over values move) or ``"none"``;
   raises when both move."""
   const_nz = any(nonzeros[:call.num_consts])
   arg_nz = any(nz and possible for nz, possible in
                zip(nonzeros[call.num_consts:], call.in_nz_possible))
   if const_nz and arg_nz:
-    raise closure_error(call, linearizing=linearizing)
+    raise closure_error(call,
+                        where_made=made_where_differentiated.get() is call)
   return "closure" if const_nz else ("args" if arg_nz else "none")
 
 
@@ -135,9 +137,7 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
     in_nz, primal_outs, residuals, fwd = call.eager
     return _linearized(call, in_nz, primal_outs, residuals,
                        ex.lin_params(call, fwd, in_nz))
-  direct = made_under_linearize.get() is call
-  if (call.fwd_only is None
-      and _classify(call, nonzeros, linearizing=direct) == "closure"):
+  if call.fwd_only is None and _classify(call, nonzeros) == "closure":
     return jx.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
                                  call=call)
   f_consts, primals = primals_in[:call.num_consts], primals_in[call.num_consts:]

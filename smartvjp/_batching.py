@@ -10,11 +10,13 @@ the same way. Nothing here decides where a rule runs: a batched
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from smartvjp import _execute as ex
 from smartvjp import _facade as jx
 from smartvjp import _vmap
+from smartvjp._cache import differentiated_where_made, made_where_differentiated
 from smartvjp._forward import tangents_only
 from smartvjp._primitive import (
     call_p, jvp_p, lin_p, register, rem_p, rule_p)
@@ -33,7 +35,10 @@ def _call_batching(axis_data, args, dims, *, call):
   cdims, pdims = dims[:call.num_consts], dims[call.num_consts:]
   primals, pdims = _vmap.to_front_or_none(axis_data, primals, pdims)
   bcall, bconsts = _vmap.batched_call(call, consts, cdims, pdims, axis_data)
-  outs = call_p.bind(*bconsts, *primals, call=bcall)
+  with (differentiated_where_made(bcall)
+        if made_where_differentiated.get() is call
+        else contextlib.nullcontext()):
+    outs = call_p.bind(*bconsts, *primals, call=bcall)
   # an output f computes from unbatched inputs only is the same for every
   # example: one copy, unbatched, as JAX returns it; differentiated, fwd ran
   # and its outputs decide (_output_batching)

@@ -97,19 +97,22 @@ def batching_tag(axis_data):
 
 
 # The call being bound by ``smart_custom_vjp.__call__`` while the current
-# trace linearizes it where it is made (``jax.grad`` applied directly): there
+# trace differentiates it where it is made (``jax.grad``, ``jax.vjp`` or
+# ``jax.jvp`` applied directly, perhaps through ``vmap``s: ``grad(vmap(F))``,
+# ``jacfwd``), or the batched call a ``vmap`` there binds for it: there
 # ``jax.custom_vjp`` runs ``fwd`` on a closed-over tracer, which leaks, while a
 # staged call (a ``jit``, ``scan`` or ``cond`` body, ``jax.checkpoint``)
 # differentiated later is refused by its rule; the two raise different types.
-made_under_linearize: contextvars.ContextVar = contextvars.ContextVar(
-    "smartvjp_made_under_linearize", default=None)
+made_where_differentiated: contextvars.ContextVar = contextvars.ContextVar(
+    "smartvjp_made_where_differentiated", default=None)
 
 
 @contextlib.contextmanager
-def linearized_where_made(call):
-  """Marks ``call`` as bound directly under a linearization (see above)."""
-  token = made_under_linearize.set(call)
+def differentiated_where_made(call):
+  """Marks ``call`` as bound directly under a differentiation (see
+  above)."""
+  token = made_where_differentiated.set(call)
   try:
     yield
   finally:
-    made_under_linearize.reset(token)
+    made_where_differentiated.reset(token)

@@ -82,10 +82,19 @@ def fwd_params(call, fwd, offload=None) -> dict:
   return dict(call=call, which="fwd", fwd=fwd, offload=offload)
 
 
-def primal(emit, call, fwd, f_consts, fwd_consts, primals, first=None):
-  """``f``'s outputs for a differentiated call. Where references are
-  involved a plain ``smartvjp_call`` stands in (its rules handle them, and
-  nothing differentiates it here)."""
+def primal(emit, call, fwd, f_consts, fwd_consts, primals, first=None,
+           by=None):
+  """``f``'s outputs for a differentiated call, computed ``by`` ``f`` or by
+  the part of ``fwd`` producing them (``_plan.Forward``; by default as
+  ``_plan.primal_outputs_by`` says). Where references are involved a plain
+  ``smartvjp_call`` stands in (its rules handle them, and nothing
+  differentiates it here)."""
+  if by is None:
+    by = _plan.primal_outputs_by(_policy.facts(call, fwd))
+  if by is _plan.Forward.PART_OF_FWD:
+    part = fwd.computing_only([False] * fwd.num_new_res)
+    return emit(rule_p, [*fwd_consts, *primals], fwd_params(call, part),
+                first)[:call.num_outs]
   if _policy.uses_references(call):
     return emit(call_p, [*f_consts, *primals], dict(call=call), first)
   return emit(rule_p, [*f_consts, *fwd_consts, *primals],
@@ -103,8 +112,9 @@ def forward(emit, call, fwd, plan, f_consts, fwd_consts, primals,
     outs = emit(rule_p, [*fwd_consts, *primals],
                 fwd_params(call, plan.split.known), first)
     return outs[:n], outs[n:]
-  if plan.schedule.forward is _plan.Forward.F:
-    return primal(emit, call, fwd, f_consts, fwd_consts, primals, first), []
+  if plan.schedule.forward is not _plan.Forward.FWD:
+    return primal(emit, call, fwd, f_consts, fwd_consts, primals, first,
+                  plan.schedule.forward), []
   offload = plan.spaces if plan.offloads else None
   outs = emit(rule_p, [*fwd_consts, *primals], fwd_params(call, fwd, offload),
               first)
@@ -299,4 +309,5 @@ def passthrough(call, fwd, out_avals):
        for a in [*avals, *fwd.jaxpr.in_avals]])
   spec = fwd.shifted(closed, num_saved)
   return dataclasses.replace(spec, new_res_names=(None,) * fwd.num_new_res,
-                             new_res_eqns=(), out_avals=tuple(out_avals))
+                             new_res_eqns=(), out_avals=tuple(out_avals),
+                             reads_saved=True)

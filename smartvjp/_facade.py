@@ -373,6 +373,14 @@ def is_linearize_trace(trace) -> bool:
   return isinstance(trace, _ad.LinearizeTrace)
 
 
+def is_differentiating_trace(trace) -> bool:
+  """A trace that differentiates what is bound under it where it is made
+  (a linearization or a ``jax.jvp``), past any ``vmap`` over it."""
+  while isinstance(trace, _batching.BatchTrace):
+    trace = parent_trace(trace)
+  return isinstance(trace, (_ad.LinearizeTrace, _ad.JVPTrace))
+
+
 def linearize_parts(x, trace):
   """``(primal, tangent_is_nonzero)`` for a tracer of the linearization
   ``trace``, else ``None``."""

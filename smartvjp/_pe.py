@@ -166,8 +166,7 @@ def _linear_part(eqn):
     params = ex.lin_params(call, fwd, in_nz)
   new_eqn = jx.new_eqn([*ins, *tangents], eqn.outvars[call.num_outs:], lin_p,
                        params, set(), eqn)
-  read = {id(v) for v in new_eqn.invars}
-  return [id(v) in read for v in eqn.invars], new_eqn
+  return _reads(eqn, new_eqn), new_eqn
 
 
 def _jvp_dce(used_outputs, eqn):
@@ -184,25 +183,27 @@ def _jvp_dce(used_outputs, eqn):
     return [True] * len(eqn.invars), eqn
   f_consts, fwd_consts, primals, tangents = call.split_jvp_args(eqn.invars,
                                                                 fwd)
-  unused = lambda xs: [False] * len(xs)
-  used = lambda xs: [True] * len(xs)
   facts = _policy.facts(call, fwd)
   if fwd is not None and facts.fwd_keeps_effects:
     emit = ex.Eqns(eqn)
     emit(rule_p, [*fwd_consts, *primals], ex.fwd_params(call, fwd),
          first=[*eqn.outvars[:n], *(jx.drop_var(a)
                                     for a in fwd.jaxpr.out_avals[n:])])
-    return (unused(f_consts) + used(fwd_consts) + used(primals)
-            + unused(tangents)), emit.eqn
+    return _reads(eqn, emit.eqn), emit.eqn
   if not any(used_outputs[:n]) and (
       fwd is not None or not jx.effects_keep_alive(call.jaxpr.effects)):
     return [False] * len(eqn.invars), None  # fwd, which JAX would run, is pure
   emit = ex.Eqns(eqn)
   ex.primal(emit, call, fwd, f_consts, fwd_consts, primals,
-            first=eqn.outvars[:n])
-  reads_consts = emit.eqn.primitive is rule_p
-  return (used(f_consts) + [reads_consts] * len(fwd_consts) + used(primals)
-          + unused(tangents)), emit.eqn
+            first=eqn.outvars[:n], by=_plan.primal_outputs_by(facts))
+  return _reads(eqn, emit.eqn), emit.eqn
+
+
+def _reads(eqn, new_eqn):
+  """Per input of ``eqn``: whether ``new_eqn``, which replaces it, reads
+  it."""
+  read = {id(v) for v in new_eqn.invars}
+  return [id(v) in read for v in eqn.invars]
 
 
 replace_rule(jvp_p, "dce", _jvp_dce)
@@ -253,15 +254,16 @@ def _fwd_dce(used_outputs, eqn):
          first=[*eqn.outvars[:n], *(v for v, k in zip(eqn.outvars[n:], kept)
                                     if k)])
     return [True] * len(eqn.invars), emit.eqn
-  if (any(used_outputs[n:]) or not any(used_outputs[:n]) or fwd.jaxpr is None
-      or _plan.without_residuals(_policy.facts(call, fwd, f_carried=False))
-      is not _plan.Forward.F):
+  if any(used_outputs[n:]) or not any(used_outputs[:n]) or fwd.jaxpr is None:
+    return dce_whole(used_outputs, eqn)
+  by = _plan.without_residuals(_policy.facts(call, fwd, f_carried=False))
+  if by is _plan.Forward.FWD:
     return dce_whole(used_outputs, eqn)
   fwd_consts, primals = eqn.invars[:fwd.num_consts], eqn.invars[fwd.num_consts:]
   emit = ex.Eqns(eqn)
-  ex.primal(emit, call, fwd, [], fwd_consts, primals, first=eqn.outvars[:n])
-  reads_consts = emit.eqn.primitive is rule_p
-  return [reads_consts] * len(fwd_consts) + [True] * len(primals), emit.eqn
+  ex.primal(emit, call, fwd, [], fwd_consts, primals, first=eqn.outvars[:n],
+            by=by)
+  return _reads(eqn, emit.eqn), emit.eqn
 
 
 def _traced_dce(used_outputs, eqn):

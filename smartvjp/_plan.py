@@ -61,7 +61,10 @@ class Facts:
   ``f`` or ``fwd`` has effects JAX keeps (a debug print), so which of them
   runs is observable. ``f_matches_fwd``: ``f``'s outputs have ``fwd``'s full
   types (sharding, varying manual axes), so ``f`` may stand in for a ``fwd``
-  that computes nothing more.
+  that computes nothing more. ``fwd_reads_saved``: ``fwd``'s leading
+  inputs are values the forward pass saved (the backward side of a split,
+  met again by a nested ``jax.checkpoint``): its part producing the primal
+  outputs costs no more than ``f`` (``_policy.split_fwd`` made sure).
   """
   has_fwd: bool
   has_fwd_bwd: bool
@@ -80,6 +83,7 @@ class Facts:
   f_carried: bool = True
   references: bool = False
   rebuilds: bool = True
+  fwd_reads_saved: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,8 @@ class Plan:
 
 
 def _recompute(facts: Facts) -> Plan:
+  if facts.fwd_reads_saved:   # recomputing a split's backward side again
+    return Plan(Kind.RECOMPUTE, SPLIT_REBUILT)
   backward = (Backward.FWD_BWD if not facts.has_fwd or facts.has_fwd_bwd
               else Backward.FWD_THEN_BWD)
   return Plan(Kind.RECOMPUTE, Schedule(Forward.F, backward))
@@ -180,11 +186,25 @@ def without_residuals(facts: Facts) -> Forward:
   equation carries ``f``'s traced code (``f`` is never traced for this
   alone: a call linearized where it is made keeps ``fwd``, as with
   ``jax.custom_vjp``) and ``f`` can stand in (same output types, no
-  references); ``fwd`` where it has effects ``jax.custom_vjp`` would run."""
-  if (facts.fwd_keeps_effects or not facts.f_carried or facts.references
-      or not facts.f_matches_fwd):
+  references); ``fwd`` where it has effects ``jax.custom_vjp`` would run;
+  the part of ``fwd`` producing the primal outputs where ``fwd`` reads
+  saved values (cheaper than ``f``, and what JAX runs of the inlined
+  ``fwd``)."""
+  if facts.fwd_keeps_effects:
+    return Forward.FWD
+  if facts.fwd_reads_saved:
+    return Forward.PART_OF_FWD
+  if not facts.f_carried or facts.references or not facts.f_matches_fwd:
     return Forward.FWD
   return Forward.F
+
+
+def primal_outputs_by(facts: Facts) -> Forward:
+  """What computes a differentiated call's primal outputs where nothing
+  needs its residuals (its tangents unused): ``f``, or, where ``fwd`` reads
+  saved values, the part of ``fwd`` producing them (see
+  :func:`without_residuals`)."""
+  return Forward.PART_OF_FWD if facts.fwd_reads_saved else Forward.F
 
 
 def linear_part_only(facts: Facts, schedule: Schedule) -> bool:
@@ -223,7 +243,10 @@ def plan(facts: Facts, answers: Answers | None) -> Plan:
   * something recomputed and ``defremat`` rules usable: those instead;
   * everything kept: ``fwd`` forward (``f`` in its place when ``fwd``
     computes nothing more); else recompute the whole call, whose backward
-    region runs ``fwd_bwd`` where it is given, else ``fwd`` then ``bwd``.
+    region runs ``fwd_bwd`` where it is given, else ``fwd`` then ``bwd``;
+    where ``fwd`` reads saved values (a split's backward side, recomputed by
+    a nested ``jax.checkpoint``), its part producing the primal outputs
+    forward and all of it, then ``bwd``, backward.
   """
   if not facts.has_fwd:
     return _recompute(facts)

@@ -85,7 +85,8 @@ def split_fwd(saveable, call, fwd) -> Split | None:
   known_spec = dataclasses.replace(
       fwd, jaxpr=jx.ClosedJaxpr(known, ()),
       new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=())
-  staged_spec = fwd.shifted(jx.ClosedJaxpr(staged, ()), len(saved))
+  staged_spec = dataclasses.replace(
+      fwd.shifted(jx.ClosedJaxpr(staged, ()), len(saved)), reads_saved=True)
   return Split(known_spec, staged_spec, saved_outputs)
 
 
@@ -223,7 +224,8 @@ def facts(call, fwd, remat_rules_usable=lambda: True,
       fwd_keeps_effects=traced and jx.effects_keep_alive(fwd.jaxpr.effects),
       f_carried=call.jaxpr is not None and (f_carried or not call.num_consts),
       references=uses_references(call),
-      rebuilds=not traced or passed_through(fwd) is None)
+      rebuilds=not traced or passed_through(fwd) is None,
+      fwd_reads_saved=traced and fwd.reads_saved)
 
 
 def schedule_without_policy(call, fwd) -> _plan.Schedule:

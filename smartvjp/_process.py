@@ -31,7 +31,7 @@ from smartvjp import _facade as jx
 from smartvjp import _spec
 from smartvjp import _versions
 from smartvjp import _vmap
-from smartvjp._cache import batching, linearized_where_made
+from smartvjp._cache import batching, differentiated_where_made
 from smartvjp._checks import check_aliased_arguments, check_f_output
 from smartvjp._primitive import call_p, set_call_processing
 from smartvjp._spec import (
@@ -63,9 +63,10 @@ def _process(leaves, call) -> list:
     return outs
   spec, consts = _traced(call)
   call.out_tree = spec.out_tree
-  # linearized now, by the current trace (as opposed to staged and
+  # differentiated now, by the current trace (as opposed to staged and
   # differentiated later): the two refuse a closure with different errors
-  with (linearized_where_made(spec) if linearizing is not None
+  with (differentiated_where_made(spec)
+        if jx.is_differentiating_trace(jx.current_trace())
         else contextlib.nullcontext()):
     return call_p.bind(*consts, *leaves, call=spec)
 

@@ -99,6 +99,10 @@ class FwdSpec:
   # residuals are the call's primal inputs, for the linear map's forward
   # mode; ``bwd`` never sees them
   jvp_primals: int = 0
+  # the leading inputs are values the forward pass saved (the backward side
+  # of a split, or of remat3): the part producing the primal outputs costs
+  # no more than ``f``
+  reads_saved: bool = False
 
   @property
   def num_new_res(self) -> int:

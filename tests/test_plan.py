@@ -12,7 +12,8 @@ import dataclasses
 
 from smartvjp._plan import (
     RECOMPUTE, SAVE, Answer, Answers, Asked, Facts, Forward, Kind,
-    answer_for_chain, fwd_or_f, linear_part_only, plan, without_residuals)
+    answer_for_chain, fwd_or_f, linear_part_only, plan, primal_outputs_by,
+    without_residuals)
 
 FWD_BWD = Facts(has_fwd=True, has_fwd_bwd=False)          # defvjp(fwd, bwd)
 ALL_THREE = Facts(has_fwd=True, has_fwd_bwd=True)         # + fwd_bwd=
@@ -103,6 +104,17 @@ ROWS = [
     ("fwd computes nothing, but fwd has a debug print",
      Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0,
            keeps_effects=True), Answers(SAVE, ()), Kind.FWD, "fwd forward, bwd backward"),
+    ("a split's backward side met by a nested plain checkpoint",
+     Facts(has_fwd=True, has_fwd_bwd=False, fwd_reads_saved=True),
+     Answers(RECOMPUTE, (RECOMPUTE,), _split(None)),
+     Kind.RECOMPUTE, "part of fwd forward, fwd+bwd backward"),
+    ("the same, fwd_bwd also given (it would ignore the saved values)",
+     Facts(has_fwd=True, has_fwd_bwd=True, fwd_reads_saved=True),
+     Answers(RECOMPUTE, (RECOMPUTE,), _split(None)),
+     Kind.RECOMPUTE, "part of fwd forward, fwd+bwd backward"),
+    ("a split's backward side, everything saveable inside",
+     Facts(has_fwd=True, has_fwd_bwd=False, fwd_reads_saved=True),
+     Answers(SAVE, (SAVE,), _split(None)), Kind.FWD, "fwd forward, bwd backward"),
     ("fwd computes nothing, but its output type differs from f's",
      Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0,
            f_matches_fwd=False), Answers(SAVE, ()), Kind.FWD, "fwd forward, bwd backward"),
@@ -193,7 +205,19 @@ UNREAD = [
     ("references involved", _facts(references=True), Forward.FWD),
     ("f's output types differ from fwd's", _facts(f_matches_fwd=False),
      Forward.FWD),
+    ("fwd reads saved values: its primal part, cheaper than f",
+     _facts(fwd_reads_saved=True, f_carried=False), Forward.PART_OF_FWD),
+    ("fwd reads saved values and prints", _facts(fwd_reads_saved=True,
+                                                 fwd_keeps_effects=True),
+     Forward.FWD),
 ]
+
+
+@pytest.mark.parametrize("reads_saved, forward", [
+    (False, Forward.F), (True, Forward.PART_OF_FWD)])
+def test_primal_outputs_alone_come_from_f_or_the_part_of_fwd(reads_saved,
+                                                             forward):
+  assert primal_outputs_by(_facts(fwd_reads_saved=reads_saved)) is forward
 
 
 @pytest.mark.parametrize("name, facts, forward", UNREAD,

@@ -152,3 +152,40 @@ def test_primal_output_recomputed_only_where_read(policy, reads):
   assert counts[0] == counts[1] == (2 if reads else 1)
   for a, b in zip(*results):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _nested(F, policy):
+  """Each layer a plain ``jax.checkpoint`` of the call, the whole loss
+  checkpointed with ``policy`` (helper-found: the backward side of the split
+  that the outer policy made was recomputed by the inner checkpoint with
+  ``f``, a matrix product more per layer than JAX runs)."""
+  def L(x, w):
+    for _ in range(2):
+      x = jnp.sin(jax.checkpoint(F)(x, w))
+    return jnp.sum(x)
+  return jax.grad(jax.checkpoint(L, policy=policy), (0, 1))
+
+
+def _work(fn):
+  compiled = jax.jit(fn).lower(X, W).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return cost["flops"], compiled.as_text().count(" dot(")
+
+
+@pytest.mark.parametrize("remat3", [False, True], ids=["default", "remat3"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["saveable", "mixed"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_checkpoint_nested_in_a_policy_does_no_more_work_than_jax(
+    policy, mixed, remat3):
+  flags = ("jax_remat3", "jax_custom_vjp3")
+  if remat3 and not all(K.has_flag(f) for f in flags):
+    pytest.skip("jax_remat3 and jax_custom_vjp3 first appear in jax 0.10.1")
+  with K.config(**{f: remat3 for f in flags if K.has_flag(f)}):
+    smart = _nested(build(smart_custom_vjp, mixed), POLICIES[policy])
+    ref = _nested(build(jax.custom_vjp, mixed), POLICIES[policy])
+    (smart_flops, smart_dots), (ref_flops, ref_dots) = _work(smart), _work(ref)
+    assert smart_dots <= ref_dots and smart_flops <= ref_flops, (
+        smart_flops, smart_dots, ref_flops, ref_dots)
+    for a, b in zip(jax.jit(smart)(X, W), jax.jit(ref)(X, W)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -174,9 +174,10 @@ def make_closing(k):
   return f_closing
 
 
-# How the call is differentiated: jax.grad applied directly to it (JAX runs
-# fwd on the closed-over tracer, which leaks: UnexpectedTracerError), or a
-# staged call differentiated later (JAX's rule refuses it: CustomVJPException).
+# How the call is differentiated: jax.grad or jax.jvp applied directly to it,
+# perhaps through vmaps (JAX runs fwd on the closed-over tracer, which leaks:
+# UnexpectedTracerError), or a staged call differentiated later (JAX's rule
+# refuses it: CustomVJPException).
 CLOSURE_PROGRAMS = {
     "direct": lambda F: F,
     "checkpoint": jax.checkpoint,
@@ -185,20 +186,32 @@ CLOSURE_PROGRAMS = {
         lambda c, _: (F(c), None), x, None, length=2)[0]),
     "cond branch": lambda F: (lambda x: jax.lax.cond(
         True, F, lambda x: x, x)),
+    "vmap": jax.vmap,
+    "vmap of vmap": lambda F: (
+        lambda x: jax.vmap(jax.vmap(F))(x.reshape(2, 1)).reshape(2)),
+    "vmap of jit": lambda F: jax.vmap(jax.jit(F)),
+    "vmap of checkpoint": lambda F: jax.vmap(jax.checkpoint(F)),
+}
+CLOSURE_TRANSFORMS = {
+    "grad": jax.grad,
+    "jvp": lambda loss: (lambda k: jax.jvp(loss, (k,), (1.0,))[1]),
+    "jacfwd": jax.jacfwd,
 }
 
 
 @pytest.mark.parametrize("outer_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("transform", sorted(CLOSURE_TRANSFORMS))
 @pytest.mark.parametrize("program", sorted(CLOSURE_PROGRAMS))
 def test_closed_over_value_and_arguments_moved_together_is_an_error(
-    program, outer_jit):
-  """The error jax.custom_vjp raises (its type), in our words."""
+    program, transform, outer_jit):
+  """The error jax.custom_vjp raises (its type), in our words (helper-found:
+  under grad(vmap(F)), jvp and jacfwd the type differed)."""
   x = jnp.array([0.3, 0.4])
   k = jnp.float32(2.0)
   wrap = CLOSURE_PROGRAMS[program]
 
   def grad(loss):
-    g = jax.grad(loss)
+    g = CLOSURE_TRANSFORMS[transform](loss)
     return jax.jit(g) if outer_jit else g
 
   def reference_error():
@@ -209,7 +222,7 @@ def test_closed_over_value_and_arguments_moved_together_is_an_error(
       return jnp.sum(wrap(F)(x * k))
     with pytest.raises(Exception) as info:
       grad(loss)(k)
-    return type(info.value)
+    return info.value
 
   def loss(k):
     return jnp.sum(wrap(make_closing(k))(x * k))
@@ -217,7 +230,13 @@ def test_closed_over_value_and_arguments_moved_together_is_an_error(
   with pytest.raises(Exception, match="f_closing.*closes over.*same "
                      "transformation") as info:
     grad(loss)(k)
-  assert type(info.value) is expected
+  if type(expected) is TypeError and "forward-mode" in str(expected):
+    # JAX refuses forward mode of a custom_vjp before it sees the closure
+    # (jit(jacfwd)); smartvjp has forward mode (design/limitations.md), so
+    # the closure is what it refuses, with the type of the direct path
+    assert type(info.value) is jax.errors.UnexpectedTracerError
+  else:
+    assert type(info.value) is type(expected)
 
 
 def test_outer_derivative_through_a_closure_gradient_penalty():
