@@ -655,6 +655,13 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
   * a module that imports ``custom_vjp`` from one of JAX's private modules
     (those are never patched).
 
+  Conversely, what JAX caches by the Python function while the block is
+  active outlives it: a program traced after the block that checkpoints the
+  same library function (``jax.checkpoint(lib_fn)``, whose trace JAX caches
+  by ``lib_fn``) reuses the trace made inside, with smartvjp's rules. To
+  compare the two, run each in its own process or call
+  ``jax.clear_caches()`` between them.
+
   Threads: the patch is process-wide, so another thread that looks up
   ``jax.custom_vjp`` while the block is active gets ``smart_custom_vjp``
   too. Blocks in different threads run one at a time: a thread entering

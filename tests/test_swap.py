@@ -818,3 +818,24 @@ def test_a_batched_call_is_reported_under_the_users_name(library):
         lambda x: jnp.vectorize(lib.attribute, signature="(n)->(n)")(x),
         jnp.ones((3, 7)))
   assert report == {f"{name}.attribute": True}, report
+
+
+def test_a_checkpoint_trace_cached_in_the_block_outlives_it_until_caches_clear():
+  # documented (design/limitations.md, swap_custom_vjp's docstring): JAX
+  # caches jax.checkpoint's trace by the function, so a program traced after
+  # the block that checkpoints the same library function reuses the trace
+  # made inside; jax.clear_caches() ends that
+  lib_fn = jax.custom_vjp(lambda x: jnp.sin(x))
+  lib_fn.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+  x = jnp.arange(3.0)
+
+  def smart():
+    return "smartvjp_" in str(jax.make_jaxpr(jax.grad(
+        lambda x: jnp.sum(jax.checkpoint(lib_fn)(x))))(x))
+  assert not smart()
+  jax.clear_caches()
+  with swap_custom_vjp(existing=True):
+    assert smart()
+  assert smart()   # the trace made inside, reused
+  jax.clear_caches()
+  assert not smart()
