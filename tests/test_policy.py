@@ -10,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax._src.ad_checkpoint import saved_residuals
 
 import kernels as K
-from smartvjp import smart_custom_vjp
+from smartvjp import _versions, smart_custom_vjp
 
 P = jax.checkpoint_policies
 POLICIES = {
@@ -177,10 +177,16 @@ def _work(fn):
 @pytest.mark.parametrize("mixed", [False, True], ids=["saveable", "mixed"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_checkpoint_nested_in_a_policy_does_no_more_work_than_jax(
-    policy, mixed, remat3):
+    policy, mixed, remat3, request):
   flags = ("jax_remat3", "jax_custom_vjp3")
   if remat3 and not all(K.has_flag(f) for f in flags):
     pytest.skip("jax_remat3 and jax_custom_vjp3 first appear in jax 0.10.1")
+  if (remat3 and (policy, mixed) == ("all_but_d", False)
+      and _versions.REMAT3_RULE_GETS_TRACE
+      and not _versions.REMAT3_RULE_RETURNS_RES):
+    request.applymarker(pytest.mark.xfail(strict=True, reason=(
+        "jax 0.11.x remat3: the rem side keeps fwd's primal output beside "
+        "the saved value (design/limitations.md)")))
   with K.config(**{f: remat3 for f in flags if K.has_flag(f)}):
     smart = _nested(build(smart_custom_vjp, mixed), POLICIES[policy])
     ref = _nested(build(jax.custom_vjp, mixed), POLICIES[policy])
