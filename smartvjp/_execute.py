@@ -307,7 +307,6 @@ def passthrough(call, fwd, out_avals):
       same, [*avals, *fwd.jaxpr.in_avals], "smartvjp remat3 saved", same,
       [jax.ShapeDtypeStruct(a.shape, a.dtype)
        for a in [*avals, *fwd.jaxpr.in_avals]])
-  spec = fwd.shifted(closed, num_saved)
+  spec = fwd.reading_saved(closed, num_saved)
   return dataclasses.replace(spec, new_res_names=(None,) * fwd.num_new_res,
-                             new_res_eqns=(), out_avals=tuple(out_avals),
-                             reads_saved=True)
+                             new_res_eqns=(), out_avals=tuple(out_avals))

@@ -373,12 +373,17 @@ def is_linearize_trace(trace) -> bool:
   return isinstance(trace, _ad.LinearizeTrace)
 
 
+def below_vmaps(trace):
+  """The first trace from ``trace`` down that is not a ``vmap``'s."""
+  while isinstance(trace, _batching.BatchTrace):
+    trace = parent_trace(trace)
+  return trace
+
+
 def is_differentiating_trace(trace) -> bool:
   """A trace that differentiates what is bound under it where it is made
   (a linearization or a ``jax.jvp``), past any ``vmap`` over it."""
-  while isinstance(trace, _batching.BatchTrace):
-    trace = parent_trace(trace)
-  return isinstance(trace, (_ad.LinearizeTrace, _ad.JVPTrace))
+  return isinstance(below_vmaps(trace), (_ad.LinearizeTrace, _ad.JVPTrace))
 
 
 def linearize_parts(x, trace):

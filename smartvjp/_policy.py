@@ -85,8 +85,7 @@ def split_fwd(saveable, call, fwd) -> Split | None:
   known_spec = dataclasses.replace(
       fwd, jaxpr=jx.ClosedJaxpr(known, ()),
       new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=())
-  staged_spec = dataclasses.replace(
-      fwd.shifted(jx.ClosedJaxpr(staged, ()), len(saved)), reads_saved=True)
+  staged_spec = fwd.reading_saved(jx.ClosedJaxpr(staged, ()), len(saved))
   return Split(known_spec, staged_spec, saved_outputs)
 
 

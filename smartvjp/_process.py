@@ -124,10 +124,8 @@ def _vmap_of_linearized(call, leaves):
       or rules.fwd is None or any(jx.is_ref_aval(a) for a in avals)):
     return None
   parent = jx.parent_trace(batch)
-  below = parent
-  while jx.is_batch_trace(below):   # vmaps over vmaps over the linearization
-    below = jx.parent_trace(below)
-  if not jx.is_linearize_trace(below):
+  # vmaps over vmaps over the linearization
+  if not jx.is_linearize_trace(jx.below_vmaps(parent)):
     return None
   _, axis_data = jx.batch_trace_key(batch)
   parts = [jx.batch_parts(x, batch) for x in leaves]

@@ -163,6 +163,13 @@ class FwdSpec:
         res_src=tuple(s + shift if type(s) is int else s
                       for s in self.res_src))
 
+  def reading_saved(self, jaxpr, num_saved: int) -> "FwdSpec":
+    """The backward side of this ``fwd``: ``jaxpr`` rebuilds what it
+    returns from ``num_saved`` values the forward pass saved, its leading
+    inputs (:attr:`reads_saved`)."""
+    return dataclasses.replace(self.shifted(jaxpr, num_saved),
+                               reads_saved=True)
+
 
 @jx.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
