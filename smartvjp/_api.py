@@ -316,8 +316,10 @@ class smart_custom_vjp:
         arguments or when ``f`` or ``fwd`` returns a reference.
       jax.errors.UnexpectedTracerError: when a tracer is passed at a nondiff
         position; when a value that ``f`` closes over is differentiated
-        together with its arguments, where ``jax.grad``/``jax.vjp`` apply
-        directly to the call (``jax.custom_vjp`` raises this type there).
+        together with its arguments, where ``jax.grad``, ``jax.vjp`` or
+        ``jax.jvp`` apply directly to the call, through ``vmap``s too
+        (``grad(vmap(F))``, ``jacfwd``): ``jax.custom_vjp`` raises this type
+        there.
       CustomVJPException: when a value that ``f`` closes over is
         differentiated together with its arguments in a staged call
         (``jit(F)``, a ``scan`` or ``cond`` body, ``jax.checkpoint``): the

@@ -249,7 +249,8 @@ CLAIMS = [
     C(f"{SCV}.__call__", "when a tracer is passed at a nondiff position",
       "tests/test_api.py::test_tracer_in_nondiff_position",
       raises="jax.errors.UnexpectedTracerError"),
-    C(f"{SCV}.__call__", "where jax.grad/jax.vjp apply directly to the call",
+    C(f"{SCV}.__call__", "where jax.grad, jax.vjp or jax.jvp apply directly to "
+      "the call, through vmaps too",
       "tests/test_tracing.py::test_closed_over_value_and_arguments_moved_together_is_an_error",
       raises="jax.errors.UnexpectedTracerError"),
     C(f"{SCV}.__call__", "in a staged call (jit(F), a scan or cond body, "
