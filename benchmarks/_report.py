@@ -14,6 +14,7 @@ import platform
 import socket
 import statistics
 import subprocess
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,14 +51,15 @@ def usable_cores() -> int | None:
 
 def commit() -> str | None:
   """``git rev-parse --short HEAD`` of this checkout, with ``+changes`` when
-  tracked files differ from it; None outside a git checkout."""
+  tracked files differ from it; outside a git checkout (a copy sent to an
+  accelerator) ``$SMARTVJP_COMMIT``, else None."""
   def git(*args):
     return subprocess.run(["git", "-C", ROOT, *args], capture_output=True,
                           text=True, timeout=10)
   try:
     head = git("rev-parse", "--short", "HEAD")
-    if head.returncode != 0:
-      return None
+    if head.returncode != 0:   # a copy without .git: what the caller says
+      return os.environ.get("SMARTVJP_COMMIT")
     dirty = git("status", "--porcelain", "--untracked-files=no")
   except (OSError, subprocess.SubprocessError):
     return None
@@ -141,6 +143,56 @@ def paired_ratios(samples, base):
   """Round by round ``samples[r] / base[r]``: the spread of a ratio measured
   in the same rounds."""
   return [a / b for a, b in zip(samples, base)]
+
+
+def timed(fn, *args, rounds: int, inner: int) -> dict:
+  """Seconds per call of ``fn(*args)``: median, min and max over ``rounds``
+  rounds of ``inner`` back-to-back calls, after one warm-up call."""
+  import jax
+  jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / inner)
+  return dict(median_s=statistics.median(samples), min_s=min(samples),
+              max_s=max(samples))
+
+
+def new_outputs(rule):
+  """``rule`` returning only the leaves of its output that are not its
+  arguments passed through: timed alone under ``jax.jit``, a ``fwd`` that
+  returns its inputs among its residuals would otherwise be charged a copy of
+  them, which it never makes inside a step."""
+  import jax
+
+  def wrapped(*args):
+    ins = jax.tree.leaves(args)
+    return [leaf for leaf in jax.tree.leaves(rule(*args))
+            if not any(leaf is a for a in ins)]
+  return wrapped
+
+
+def measured_peaks(rounds: int = 5) -> dict:
+  """This chip's bf16 matmul rate and copy bandwidth, measured now:
+  ``{"TFLOP/s", "GB/s", "matmul", "copy"}``. The matmul is ``8192^3``
+  (``2 * 8192^3`` flops), the copy ``y = 2 * x`` of a 1 GiB bf16 array
+  (bytes read + written); each rate is from the fastest round."""
+  import jax
+  import jax.numpy as jnp
+  n = 8192
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  mm = timed(jax.jit(lambda a, b: a @ b), a, b, rounds=rounds, inner=10)
+  del a, b
+  big = jnp.ones((2**29,), jnp.bfloat16)
+  cp = timed(jax.jit(lambda x: x * 2), big, rounds=rounds, inner=10)
+  nbytes = big.nbytes
+  del big
+  return {"TFLOP/s": 2 * n ** 3 / mm["min_s"] / 1e12,
+          "GB/s": 2 * nbytes / cp["min_s"] / 1e9, "matmul": mm, "copy": cp}
 
 
 # -- goals and verdicts ------------------------------------------------------

@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(1, HERE)
 sys.path.insert(2, ROOT)   # smartvjp from this checkout where it is not installed
 import _report as R  # noqa: E402
-import gpu_mlp  # noqa: E402  (machine_info, memory_parts, fmt_bytes, now)
+import accel_mlp  # noqa: E402  (machine_info, memory_parts, fmt_bytes, now)
 import pallas_ops_transformer as EX  # noqa: E402
 
 SCHEMA = "smartvjp/gpu_transformer/2"   # 2: CPU model and commit
@@ -71,7 +71,7 @@ verdict = R.verdict
 
 
 def save(doc, path):
-  doc["updated"] = gpu_mlp.now()
+  doc["updated"] = accel_mlp.now()
   folder = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=".gpu_transformer.", suffix=".tmp",
@@ -93,10 +93,10 @@ def measure_policy(cfg, kernels, policy, params, tokens, interpret, args, log):
     step = jax.jit(EX.make_step(cfg, *kernels[s], policy, interpret))
     compiled = step.lower(params, tokens).compile()
     rec[s]["compile_s"] = time.perf_counter() - t
-    rec[s]["memory"] = gpu_mlp.memory_parts(compiled)
+    rec[s]["memory"] = accel_mlp.memory_parts(compiled)
     steps[s] = compiled
     log(f"{s}: compiled in {rec[s]['compile_s']:.1f} s, memory "
-        f"{gpu_mlp.fmt_bytes((rec[s]['memory'] or {}).get('total_bytes'))}")
+        f"{accel_mlp.fmt_bytes((rec[s]['memory'] or {}).get('total_bytes'))}")
   # values: the same SGD steps from the same start
   finals = {}
   for s in SCHEDULES:
@@ -172,7 +172,7 @@ def table(doc):
       lines.append(
           f"  {s:9s} {st['median_s'] * 1e3:10.3f} "
           f"[{st['min_s'] * 1e3:8.3f}-{st['max_s'] * 1e3:8.3f}] "
-          f"{gpu_mlp.fmt_bytes((x['memory'] or {}).get('total_bytes')):>11s} "
+          f"{accel_mlp.fmt_bytes((x['memory'] or {}).get('total_bytes')):>11s} "
           f"{sum(x['launches'].values()):8d} {x['residual_bytes']:11d}")
     lines.append("  launches per step by kernel (shipped / swapped):")
     names = sorted(set(r["shipped"]["launches"]) | set(r["swapped"]["launches"]))
@@ -246,8 +246,8 @@ def main(argv=None):
   interpret = not on_gpu
   out = args.out or os.path.join(tempfile.gettempdir(),
                                  f"gpu_transformer_{os.getpid()}.json")
-  machine, versions = gpu_mlp.machine_info()
-  doc = dict(schema=SCHEMA, started=gpu_mlp.now(), updated=None,
+  machine, versions = accel_mlp.machine_info()
+  doc = dict(schema=SCHEMA, started=accel_mlp.now(), updated=None,
              machine=machine, versions=versions, argv=argv, args=vars(args),
              config=dataclasses.asdict(cfg), interpret=interpret,
              policies={}, status="running")

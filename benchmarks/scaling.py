@@ -13,10 +13,10 @@ nothing about a GPU; the shape of the curves (linear in ``L``) is what this
 shows. Interpret mode also lowers kernels to ordinary XLA operations, which
 XLA's own dead-code elimination can thin out (a real ``pallas_call`` runs
 whole or not at all), so the gaps between implementations are smaller here than
-with real kernels: for those, see ``counts.py`` and ``gpu_mlp.py``.
+with real kernels: for those, see ``counts.py`` and ``accel_mlp.py``.
 
 No goal: this script shows how the costs grow; the goals are in
-``counts.py``, ``cost.py``, ``gpu_mlp.py`` and ``gpu_transformer.py``.
+``counts.py``, ``cost.py``, ``accel_mlp.py`` and ``gpu_transformer.py``.
 
 Run:    python benchmarks/scaling.py [--out scaling.png] [--max-layers 64]
 Smoke:  python benchmarks/scaling.py --smoke   (1-4 layers, tiny shapes, no
@@ -36,29 +36,31 @@ import jax.numpy as jnp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _report as R  # noqa: E402
-import gpu_mlp as G  # noqa: E402
+import accel_mlp as G  # noqa: E402
+
+IMPLS = tuple(i for i in G.IMPLS if i != G.XLA)   # the kernel rows
 
 
 def measure(layers_list, m, d, repeats):
   """``{impl: [(layers, [seconds per round], memory bytes)]}``."""
   interpret = jax.default_backend() != "gpu"
-  results = {impl: [] for impl in G.IMPLS}
+  results = {impl: [] for impl in IMPLS}
   for layers in layers_list:
     params, x = G.make_inputs("gelu_matmul", layers, m, d, jnp.float32)
     compiled, memory = {}, {}
-    for impl in G.IMPLS:
+    for impl in IMPLS:
       fn = G.stack_grad(G.build("gelu_matmul", impl, interpret, 32), "gelu_matmul")
       compiled[impl] = fn.lower(params, x).compile()
       memory[impl] = G.program_memory(compiled[impl])
       jax.block_until_ready(compiled[impl](params, x))   # warm-up
-    samples = {impl: [] for impl in G.IMPLS}
+    samples = {impl: [] for impl in IMPLS}
     for r in range(repeats):
-      order = G.IMPLS[r % len(G.IMPLS):] + G.IMPLS[:r % len(G.IMPLS)]
+      order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]
       for impl in order:
         t0 = time.perf_counter()
         jax.block_until_ready(compiled[impl](params, x))
         samples[impl].append(time.perf_counter() - t0)
-    for impl in G.IMPLS:
+    for impl in IMPLS:
       results[impl].append((layers, samples[impl], memory[impl]))
   return results
 
@@ -112,13 +114,13 @@ def main(argv=None):
         "rounds, each running every implementation once in turn; memory: "
         "compiled step MiB (deterministic)\n")
   results = measure(layers_list, batch, width, repeats)
-  print(f"{'layers':>6s} " + " ".join(f"{i:>32s}" for i in G.IMPLS))
+  print(f"{'layers':>6s} " + " ".join(f"{i:>32s}" for i in IMPLS))
   for k, layers in enumerate(layers_list):
     cells = [f"{R.spread(results[i][k][1], 1e3, 2)} / {results[i][k][2] / 2**20:.2f}"
-             for i in G.IMPLS]
+             for i in IMPLS]
     print(f"{layers:6d} " + " ".join(f"{c:>32s}" for c in cells))
   print("\nNo goal here: the curves show how step time and memory grow with "
-        "the layers; counts.py, cost.py and gpu_mlp.py hold the goals.")
+        "the layers; counts.py, cost.py and accel_mlp.py hold the goals.")
   if out:
     try:
       plot(results, out)

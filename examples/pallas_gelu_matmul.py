@@ -65,6 +65,7 @@ import time
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 from smartvjp import smart_custom_vjp
@@ -196,18 +197,233 @@ def _pad(a, rows, cols):
   return a if pr == pc == 0 else jnp.pad(a, ((0, pr), (0, pc)))
 
 
+# -- TPU (Mosaic) kernels -------------------------------------------------------
+# The TPU's own pattern: a 3-D grid whose last (innermost, "arbitrary") axis
+# walks the contracted dimension, an f32 accumulator in VMEM that lives across
+# it, and the epilogue (GELU, its derivative, the cast) on the last step. The
+# other axes are "parallel". Every block's last two dimensions are multiples of
+# (16, 128) (bf16 packs 16 rows per vreg sublane group), so operands are
+# zero-padded outside the kernels to whole tiles.
+
+# Tiles for a TPU, chosen by the measured search in tools/tpu_session.py
+# (TPU v5e, bf16, M = 8192, K = N in 2048 / 4096; the JSON is in
+# benchmarks/results/tpu_tiles.json). Forward kernels (f, fwd, the fused dy):
+# (bm, bn, bk) over (M, N, K). dx = dy @ w.T: (bm, bk_out, bn_in) over
+# (M, K, N), N contracted. dw = x.T @ dy: (bk_out, bn, bm_in) over (K, N, M),
+# M contracted. A backward tile that spans the whole of K computes dy once per
+# element; a narrower one recomputes it K / bk times.
+TPU_TILES = {
+    "fwd": (512, 1024, 512),
+    "dx": (512, 4096, 512),
+    "dw": (4096, 512, 512),
+}
+TPU_VMEM_LIMIT = 100 * 2**20   # of the v5e's 128 MiB; the kernels need less
+
+
+def _tpu_dot(a, b, trans_a=False, trans_b=False):
+  """``_dot`` at full precision for f32 operands (Mosaic's default for f32
+  is fewer bf16 passes) and at the operands' own for bf16, whatever
+  ``jax.default_matmul_precision`` says (Mosaic refuses fp32 passes on
+  bf16)."""
+  dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+  precision = (jax.lax.Precision.HIGHEST if a.dtype == jnp.float32
+               else jax.lax.Precision.DEFAULT)
+  return jax.lax.dot_general(a, b, dims, precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _fit(block, size, align):
+  """A tile no larger than ``size`` rounded up to ``align``."""
+  return min(block, _round_up(size, align))
+
+
+def _tpu_params(semantics, vmem_limit):
+  return pltpu.CompilerParams(dimension_semantics=semantics,
+                              vmem_limit_bytes=vmem_limit)
+
+
+def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
+  """(f, fwd, bwd, fwd_bwd) with Mosaic kernels."""
+  tiles = {**TPU_TILES, **(tiles or {})}
+
+  def call(rule, name, kernel, grid, in_specs, out_specs, out_shape, scratch,
+           semantics, *args):
+    if count:
+      kernel = _counted(rule, kernel, len(grid))
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, scratch_shapes=scratch, interpret=interpret,
+        compiler_params=None if interpret else _tpu_params(semantics,
+                                                           vmem_limit),
+        name=name)(*args)
+
+  def fwd_tiles(x, w):
+    (m, k), n = x.shape, w.shape[1]
+    bm, bn, bk = tiles["fwd"]
+    return _fit(bm, m, 16), _fit(bn, n, 128), _fit(bk, k, 128)
+
+  def matmul_epilogue(rule, x, w, epilogue, out_dtypes, *extra):
+    """``epilogue(y, *extra_tiles)`` of the ``M x N`` tiles of ``y = x @ w``
+    (``K`` innermost); ``extra`` are ``M x N`` inputs, padded here."""
+    bm, bn, bk = fwd_tiles(x, w)
+    (m, k), n = x.shape, w.shape[1]
+    mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
+    nk = kp // bk
+
+    def kernel(x_ref, w_ref, *refs):
+      extra_refs, out_refs, acc_ref = (refs[:len(extra)], refs[len(extra):-1],
+                                       refs[-1])
+      kk = pl.program_id(2)
+
+      @pl.when(kk == 0)
+      def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+      acc_ref[...] += _tpu_dot(x_ref[...], w_ref[...])
+
+      @pl.when(kk == nk - 1)
+      def _():
+        for ref, value in zip(out_refs,
+                              epilogue(acc_ref[...], *(r[...] for r in extra_refs))):
+          ref[...] = value.astype(ref.dtype)
+
+    tile = pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j))
+    outs = call(rule, KERNEL_NAMES[rule][0], kernel, (mp // bm, np_ // bn, nk),
+                [pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+                 pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))]
+                + [tile] * len(extra),
+                [tile] * len(out_dtypes),
+                [jax.ShapeDtypeStruct((mp, np_), d) for d in out_dtypes],
+                [pltpu.VMEM((bm, bn), jnp.float32)],
+                ("parallel", "parallel", "arbitrary"),
+                _pad(x, mp, kp), _pad(w, kp, np_),
+                *(_pad(e, mp, np_) for e in extra))
+    return [o[:m, :n] for o in outs]
+
+  def res_dtype(x):
+    return residual_dtype or x.dtype
+
+  def f(x, w):
+    [z] = matmul_epilogue("f", x, w, lambda y: [gelu(y)], [x.dtype])
+    return z
+
+  def fwd(x, w):
+    z, y = matmul_epilogue("fwd", x, w, lambda y: [gelu(y), y],
+                           [x.dtype, res_dtype(x)])
+    return z, (x, w, y)
+
+  def dy_of(g, y):
+    return _dy(g, y)
+
+  def dx_dw(rule, x, w, g, y):
+    """``dx = dy @ w.T`` and ``dw = x.T @ dy``; ``dy = g * gelu'(y)`` tile by
+    tile (``bwd``), or ``g`` is ``dy`` itself (``y`` None, the fused rule)."""
+    (m, k), n = x.shape, w.shape[1]
+    from_y = y is not None
+    names = KERNEL_NAMES[rule][-2:]
+
+    def dy_tile(g_ref, y_refs, dtype):
+      dy = _dy(g_ref[...], y_refs[0][...]) if from_y else g_ref[...]
+      return dy.astype(dtype)
+
+    # dx: grid (M / bm, K / bk, N / bn), N contracted innermost
+    bm, bk, bn = tiles["dx"]
+    bm, bk, bn = _fit(bm, m, 16), _fit(bk, k, 128), _fit(bn, n, 128)
+    mp, kp, np_ = _round_up(m, bm), _round_up(k, bk), _round_up(n, bn)
+    nj = np_ // bn
+
+    def dx_kernel(g_ref, *refs):
+      *y_refs, w_ref, dx_ref, acc_ref = refs
+      j = pl.program_id(2)
+
+      @pl.when(j == 0)
+      def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+      acc_ref[...] += _tpu_dot(dy_tile(g_ref, y_refs, w_ref.dtype), w_ref[...],
+                           trans_b=True)
+
+      @pl.when(j == nj - 1)
+      def _():
+        dx_ref[...] = acc_ref[...].astype(dx_ref.dtype)
+
+    mn = pl.BlockSpec((bm, bn), lambda i, kk, j: (i, j))
+    ys = [_pad(y, mp, np_)] if from_y else []
+    dx = call(rule, names[0], dx_kernel, (mp // bm, kp // bk, nj),
+              [mn] * (1 + from_y)
+              + [pl.BlockSpec((bk, bn), lambda i, kk, j: (kk, j))],
+              pl.BlockSpec((bm, bk), lambda i, kk, j: (i, kk)),
+              jax.ShapeDtypeStruct((mp, kp), x.dtype),
+              [pltpu.VMEM((bm, bk), jnp.float32)],
+              ("parallel", "parallel", "arbitrary"),
+              _pad(g, mp, np_), *ys, _pad(w, kp, np_))
+
+    # dw: grid (K / bk, N / bn, M / bm), M contracted innermost
+    bk, bn, bm = tiles["dw"]
+    bk, bn, bm = _fit(bk, k, 128), _fit(bn, n, 128), _fit(bm, m, 16)
+    mp, kp, np_ = _round_up(m, bm), _round_up(k, bk), _round_up(n, bn)
+    ni = mp // bm
+
+    def dw_kernel(x_ref, g_ref, *refs):
+      *y_refs, dw_ref, acc_ref = refs
+      i = pl.program_id(2)
+
+      @pl.when(i == 0)
+      def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+      acc_ref[...] += _tpu_dot(x_ref[...], dy_tile(g_ref, y_refs, x_ref.dtype),
+                           trans_a=True)
+
+      @pl.when(i == ni - 1)
+      def _():
+        dw_ref[...] = acc_ref[...].astype(dw_ref.dtype)
+
+    mn = pl.BlockSpec((bm, bn), lambda kk, j, i: (i, j))
+    ys = [_pad(y, mp, np_)] if from_y else []
+    dw = call(rule, names[1], dw_kernel, (kp // bk, np_ // bn, ni),
+              [pl.BlockSpec((bm, bk), lambda kk, j, i: (i, kk))]
+              + [mn] * (1 + from_y),
+              pl.BlockSpec((bk, bn), lambda kk, j, i: (kk, j)),
+              jax.ShapeDtypeStruct((kp, np_), w.dtype),
+              [pltpu.VMEM((bk, bn), jnp.float32)],
+              ("parallel", "parallel", "arbitrary"),
+              _pad(x, mp, kp), _pad(g, mp, np_), *ys)
+    return dx[:m, :k], dw[:k, :n]
+
+  def bwd(res, g):
+    x, w, y = res
+    return dx_dw("bwd", x, w, g, y)
+
+  def fwd_bwd(x, w, g):
+    # y rounded to the residual dtype first, as fwd stores it: the fused
+    # rule's gradients are then bitwise those of fwd + bwd
+    dt = res_dtype(x)
+    [dy] = matmul_epilogue(
+        "fwd_bwd", x, w, lambda y, g: [_dy(g, y.astype(dt))], [x.dtype], g)
+    return dx_dw("fwd_bwd", x, w, dy, None)
+
+  return f, fwd, bwd, fwd_bwd
+
+
 # -- the smart_custom_vjp -----------------------------------------------------
 
 def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
                      fused=True, count=False, residual_dtype=None,
-                     num_warps=None, num_stages=None):
+                     num_warps=None, num_stages=None, target=None,
+                     tpu_tiles=None, vmem_limit=TPU_VMEM_LIMIT):
   """``gelu_matmul(x, w) -> gelu(x @ w)`` as a ``smart_custom_vjp``.
 
   Args:
-    block_m, block_n, block_k: tiles (powers of two) over the rows of ``x``,
-      the columns of ``w`` and the contracted dimension; ``block_k`` defaults
-      to 64 for 2-byte dtypes and 32 for f32 (the same bytes per tile).
-    interpret: Pallas interpret mode; default: on unless the backend is GPU.
+    block_m, block_n, block_k: the GPU kernels' tiles (powers of two) over
+      the rows of ``x``, the columns of ``w`` and the contracted dimension;
+      ``block_k`` defaults to 64 for 2-byte dtypes and 32 for f32 (the same
+      bytes per tile).
+    interpret: Pallas interpret mode; default: on unless the kernels are for
+      the backend JAX runs on (``target``).
+    target: ``"tpu"`` (Mosaic kernels: a K-innermost grid with an f32 VMEM
+      accumulator, ``TPU_TILES``) or ``"gpu"`` (Triton-shaped kernels that
+      loop over K inside); default: ``"tpu"`` on a TPU, else ``"gpu"``.
+    tpu_tiles: overrides of ``TPU_TILES`` entries (``"fwd"``, ``"dx"``,
+      ``"dw"``), for a tile search.
+    vmem_limit: the TPU kernels' scoped VMEM limit in bytes.
     fused: also define the fused ``fwd_bwd`` rule.
     count: count kernel launches per rule in ``LAUNCHES`` (interpret mode
       only: a GPU kernel cannot call the host; count on a GPU with the
@@ -222,8 +438,18 @@ def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
     dtype. ``bwd`` returns ``(dx, dw)`` in the dtypes of ``x`` and ``w``.
 
   Raises:
-    ValueError: a block that is not a power of two.
+    ValueError: a block that is not a power of two, or an unknown target.
   """
+  target = target or ("tpu" if jax.default_backend() == "tpu" else "gpu")
+  if target not in ("tpu", "gpu"):
+    raise ValueError(f"make_gelu_matmul: target must be 'tpu' or 'gpu', got "
+                     f"{target!r}")
+  if interpret is None:
+    interpret = jax.default_backend() != target
+  if target == "tpu":
+    rules = _tpu_rules(interpret, tpu_tiles, residual_dtype,
+                       count and interpret, vmem_limit)
+    return _assemble(*rules, fused=fused)
   for b in (block_m, block_n, block_k):
     if b is not None and (b < 1 or b & (b - 1)):
       raise ValueError(f"make_gelu_matmul: tiles must be powers of two, got "
@@ -313,6 +539,10 @@ def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
                        _pad(g, mp, np_))
     return dx_dw("fwd_bwd", x, w, ops, dy, None)
 
+  return _assemble(f, fwd, bwd, fwd_bwd, fused=fused)
+
+
+def _assemble(f, fwd, bwd, fwd_bwd, fused):
   gelu_matmul = smart_custom_vjp(f)
   gelu_matmul.defvjp(fwd, bwd, fwd_bwd=fwd_bwd if fused else None)
   return gelu_matmul, dict(f=f, fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd)

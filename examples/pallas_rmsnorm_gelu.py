@@ -30,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 from smartvjp import smart_custom_vjp
@@ -69,12 +70,18 @@ def _fwd_kernel(x_ref, gamma_ref, z_ref, n_ref, r_ref, *, d):
 
 def _grads(n, r, gamma, g, d):
   # padded rows and columns hold zeros in n and g: they add nothing
+  dx, dgamma_rows = _grads_rows(n, r, gamma, g, d)
+  return dx, jnp.sum(dgamma_rows, axis=0, keepdims=True)
+
+
+def _grads_rows(n, r, gamma, g, d):
+  """``dx`` and the per-row terms of ``dgamma`` (``du * n``, summed by the
+  caller)."""
   _, dgelu = _gelu_and_grad(n * gamma)
   du = g * dgelu
-  dgamma = jnp.sum(du * n, axis=0, keepdims=True)
   dn = du * gamma
   dx = r * (dn - n * (jnp.sum(dn * n, axis=-1, keepdims=True) / d))
-  return dx, dgamma
+  return dx, du * n
 
 
 def _row_loop(bm, rows, step, width):
@@ -109,6 +116,158 @@ def _fwd_bwd_kernel(x_ref, gamma_ref, g_ref, dx_ref, dgamma_ref, *, d, bm):
   dgamma_ref[...] = _row_loop(bm, x_ref.shape[0], step, x_ref.shape[1])
 
 
+# -- TPU (Mosaic) kernels -------------------------------------------------------
+# Blocks of whole rows, (bm, D) with bm a multiple of 16 and D padded to a
+# multiple of 128 lanes; r is an (M, 1) column (its last dimension is the
+# whole array's). The gradient kernels walk the rows sequentially ("arbitrary")
+# and reduce dgamma into an (8, D) f32 accumulator in VMEM (adds of whole
+# vregs, no cross-sublane work per step), written once as a (1, D) row on the
+# last step: no per-block partial dgamma goes to memory.
+
+# Bytes of one f32 (bm, D) tile in the TPU kernels: bm = this / (4 D), a power
+# of two between 16 and 1024. Chosen by the measured search in
+# tools/tpu_session.py (benchmarks/results/tpu_tiles.json).
+TPU_TILE_BYTES = 2 * 2**20
+TPU_VMEM_LIMIT = 100 * 2**20
+
+
+def _tpu_rows(m, dp, tile_bytes):
+  bm = max(16, min(1024, tile_bytes // (4 * dp)))
+  bm = 1 << (bm.bit_length() - 1)
+  return min(bm, -(-m // 16) * 16)
+
+
+def _tpu_rules(interpret, tile_bytes, count, vmem_limit):
+  """(f, fwd, bwd, fwd_bwd) with Mosaic kernels."""
+
+  def shapes(x):
+    m, d = x.shape
+    dp = -(-d // 128) * 128
+    bm = _tpu_rows(m, dp, tile_bytes)
+    return m, d, bm, -(-m // bm) * bm, dp
+
+  def pad(a, rows, cols):
+    pr, pc = rows - a.shape[0], cols - a.shape[1]
+    return a if pr == pc == 0 else jnp.pad(a, ((0, pr), (0, pc)))
+
+  def call(rule, kernel, x, arrays, in_specs, out_shapes, out_specs, scratch,
+           semantics):
+    m, d, bm, mp, dp = shapes(x)
+    kernel = functools.partial(kernel, d=d, steps=mp // bm)
+    if count and interpret:
+      inner = kernel
+
+      def kernel(*refs):
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+          jax.debug.callback(lambda: LAUNCHES.update([rule]))
+        inner(*refs)
+    return pl.pallas_call(
+        kernel, grid=(mp // bm,), in_specs=in_specs(bm, dp),
+        out_specs=out_specs(bm, dp), out_shape=out_shapes(mp, dp),
+        scratch_shapes=scratch(dp), interpret=interpret,
+        compiler_params=None if interpret else pltpu.CompilerParams(
+            dimension_semantics=semantics, vmem_limit_bytes=vmem_limit),
+        name=KERNEL_NAMES[rule][0])(*arrays)
+
+  row = lambda bm, dp: pl.BlockSpec((bm, dp), lambda i: (i, 0))
+  col = lambda bm: pl.BlockSpec((bm, 1), lambda i: (i, 0))
+  whole = lambda dp: pl.BlockSpec((1, dp), lambda i: (0, 0))
+
+  def gamma_row(gamma, dp):
+    return jnp.pad(gamma, (0, dp - gamma.shape[0]))[None]
+
+  def f_kernel(x_ref, gamma_ref, z_ref, *, d, steps):
+    del steps
+    n, _ = _norm(x_ref[...].astype(jnp.float32), d)
+    z_ref[...] = _gelu_and_grad(
+        n * gamma_ref[...].astype(jnp.float32))[0].astype(z_ref.dtype)
+
+  def fwd_kernel(x_ref, gamma_ref, z_ref, n_ref, r_ref, *, d, steps):
+    del steps
+    n, r = _norm(x_ref[...].astype(jnp.float32), d)
+    z_ref[...] = _gelu_and_grad(
+        n * gamma_ref[...].astype(jnp.float32))[0].astype(z_ref.dtype)
+    n_ref[...] = n.astype(n_ref.dtype)
+    r_ref[...] = r
+
+  def grads_into(n, r, gamma_ref, g_ref, dx_ref, dgamma_ref, acc_ref, d,
+                 steps):
+    i = pl.program_id(0)
+
+    @pl.when(i == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    dx, dgamma_rows = _grads_rows(n, r, gamma_ref[...].astype(jnp.float32),
+                                  g_ref[...].astype(jnp.float32), d)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    bm, dp = dgamma_rows.shape
+    acc_ref[...] += jnp.sum(dgamma_rows.reshape(bm // 8, 8, dp), axis=0)
+
+    @pl.when(i == steps - 1)
+    def _():
+      dgamma_ref[...] = jnp.sum(acc_ref[...], axis=0, keepdims=True)
+
+  def bwd_kernel(n_ref, r_ref, gamma_ref, g_ref, dx_ref, dgamma_ref, acc_ref,
+                 *, d, steps):
+    grads_into(n_ref[...].astype(jnp.float32), r_ref[...], gamma_ref, g_ref,
+               dx_ref, dgamma_ref, acc_ref, d, steps)
+
+  def fwd_bwd_kernel(x_ref, gamma_ref, g_ref, dx_ref, dgamma_ref, acc_ref, *,
+                     d, steps):
+    n, r = _norm(x_ref[...].astype(jnp.float32), d)
+    # n rounded as fwd stores it: the gradients are bitwise fwd + bwd's
+    n = n.astype(x_ref.dtype).astype(jnp.float32)
+    grads_into(n, r, gamma_ref, g_ref, dx_ref, dgamma_ref, acc_ref, d, steps)
+
+  def f(x, gamma):
+    m, d, _, mp, dp = shapes(x)
+    z = call("f", f_kernel, x, (pad(x, mp, dp), gamma_row(gamma, dp)),
+             lambda bm, dp: [row(bm, dp), whole(dp)],
+             lambda mp, dp: jax.ShapeDtypeStruct((mp, dp), x.dtype),
+             row, lambda dp: [], ("parallel",))
+    return z[:m, :d]
+
+  def fwd(x, gamma):
+    m, d, _, mp, dp = shapes(x)
+    z, n, r = call(
+        "fwd", fwd_kernel, x, (pad(x, mp, dp), gamma_row(gamma, dp)),
+        lambda bm, dp: [row(bm, dp), whole(dp)],
+        lambda mp, dp: [jax.ShapeDtypeStruct((mp, dp), x.dtype),
+                        jax.ShapeDtypeStruct((mp, dp), x.dtype),
+                        jax.ShapeDtypeStruct((mp, 1), jnp.float32)],
+        lambda bm, dp: [row(bm, dp), row(bm, dp), col(bm)],
+        lambda dp: [], ("parallel",))
+    return z[:m, :d], (n[:m, :d], r[:m], gamma)
+
+  def grads(rule, kernel, x, gamma, arrays, specs):
+    m, d, _, mp, dp = shapes(x)
+    dx, dgamma = call(
+        rule, kernel, x, arrays, specs,
+        lambda mp, dp: [jax.ShapeDtypeStruct((mp, dp), x.dtype),
+                        jax.ShapeDtypeStruct((1, dp), jnp.float32)],
+        lambda bm, dp: [row(bm, dp), whole(dp)],
+        lambda dp: [pltpu.VMEM((8, dp), jnp.float32)], ("arbitrary",))
+    return dx[:m, :d], dgamma[0, :d].astype(gamma.dtype)
+
+  def bwd(res, g):
+    n, r, gamma = res
+    m, d, _, mp, dp = shapes(n)
+    return grads("bwd", bwd_kernel, n, gamma,
+                 (pad(n, mp, dp), pad(r, mp, 1), gamma_row(gamma, dp),
+                  pad(g, mp, dp)),
+                 lambda bm, dp: [row(bm, dp), col(bm), whole(dp),
+                                 row(bm, dp)])
+
+  def fwd_bwd(x, gamma, g):
+    m, d, _, mp, dp = shapes(x)
+    return grads("fwd_bwd", fwd_bwd_kernel, x, gamma,
+                 (pad(x, mp, dp), gamma_row(gamma, dp), pad(g, mp, dp)),
+                 lambda bm, dp: [row(bm, dp), whole(dp), row(bm, dp)])
+
+  return f, fwd, bwd, fwd_bwd
+
+
 # Kernel names, per rule, as a GPU profiler shows them (``pallas_call``'s
 # ``name``); each rule is one kernel.
 KERNEL_NAMES = {"f": ("rmsnorm_gelu_f",), "fwd": ("rmsnorm_gelu_fwd",),
@@ -127,7 +286,8 @@ def _pow2_at_least(n):
 
 
 def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
-                      num_warps=None):
+                      num_warps=None, target=None,
+                      tile_bytes=TPU_TILE_BYTES, vmem_limit=TPU_VMEM_LIMIT):
   """``rmsnorm_gelu(x: [M, D], gamma: [D]) -> [M, D]`` as a ``smart_custom_vjp``.
 
   ``z = gelu(x * rsqrt(mean(x**2, -1) + 1e-6) * gamma)``, computed in f32,
@@ -139,12 +299,20 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
       whole rows, since the norm needs them. Default: as many rows as keep
       ``ROW_BLOCK_ELEMENTS`` elements of the padded width (at least 1, at
       most 64).
-    interpret: Pallas interpret mode; default: on unless the backend is GPU.
+    interpret: Pallas interpret mode; default: on unless the kernels are for
+      the backend JAX runs on (``target``).
     fused: also define the fused ``fwd_bwd`` rule.
     count: count kernel launches per rule in ``LAUNCHES`` (interpret mode
-      only; on a GPU count with the profiler and ``KERNEL_NAMES``).
+      only; on an accelerator count in the lowered program with
+      ``KERNEL_NAMES``).
     num_warps: Triton's warps per instance on a GPU (default: 4, or 8 for
       rows of 4096 elements and more).
+    target: ``"tpu"`` (Mosaic kernels: row blocks of ``tile_bytes`` in f32,
+      ``dgamma`` reduced in VMEM across a sequential grid) or ``"gpu"``
+      (the Triton-shaped kernels described below); default: ``"tpu"`` on a
+      TPU, else ``"gpu"``. ``block_m`` applies to the GPU kernels only.
+    tile_bytes, vmem_limit: the TPU kernels' f32 bytes per row block and
+      scoped VMEM limit.
 
   Returns ``(rmsnorm_gelu, rules)``. Rows are zero-padded to a multiple of
   the rows per kernel instance (``block_m``; ``GRAD_ROWS`` or more for the
@@ -154,8 +322,17 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
   instances outside the kernels.
 
   Raises:
-    ValueError: ``block_m`` is not a power of two.
+    ValueError: ``block_m`` is not a power of two, or an unknown target.
   """
+  target = target or ("tpu" if jax.default_backend() == "tpu" else "gpu")
+  if target not in ("tpu", "gpu"):
+    raise ValueError(f"make_rmsnorm_gelu: target must be 'tpu' or 'gpu', "
+                     f"got {target!r}")
+  if target == "tpu":
+    if interpret is None:
+      interpret = jax.default_backend() != "tpu"
+    return _assemble(*_tpu_rules(interpret, tile_bytes, count, vmem_limit),
+                     fused=fused)
   if block_m is not None and (block_m < 1 or block_m & (block_m - 1)):
     raise ValueError(f"make_rmsnorm_gelu: block_m must be a power of two, "
                      f"got {block_m}")
@@ -250,6 +427,10 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
                  (pad(x, x, True), pad_gamma(gamma, x), pad(g, x, True)),
                  lambda bm, dp: [row(bm, dp), whole(dp), row(bm, dp)])
 
+  return _assemble(f, fwd, bwd, fwd_bwd, fused)
+
+
+def _assemble(f, fwd, bwd, fwd_bwd, fused):
   op = smart_custom_vjp(f)
   op.defvjp(fwd, bwd, fwd_bwd=fwd_bwd if fused else None)
   return op, dict(f=f, fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd)

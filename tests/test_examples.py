@@ -85,7 +85,7 @@ def test_counts_benchmark_smartvjp_column():
 
 
 def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
-  gpu = load_from("benchmarks", "gpu_mlp")
+  gpu = load_from("benchmarks", "accel_mlp")
   out = tmp_path / "smoke.json"
   gpu.main(["--smoke", "--out", str(out)])
   doc = json.loads(out.read_text())
@@ -95,12 +95,27 @@ def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
   assert {"device_kind", "platform", "device_count", "host",
           "cpu_count", "cpu_model"} <= set(doc["machine"])
   assert {"jax", "jaxlib", "python", "commit"} <= set(doc["versions"])
-  # a goal per workload, hidden size, smartvjp column and measurement
-  assert len(doc["goals"]) == 3 * 2 * len(gpu.WORKLOADS) * len(
-      doc["config"]["hiddens"])
+  # per hidden size and smartvjp row: memory, largest batch, step time and
+  # the ideal step; against XLA both rows of the matmul and the fused
+  # RMSNorm row: 10 + 9 goals
+  assert len(doc["goals"]) == 19 * len(doc["config"]["hiddens"])
   assert all(set(g) == {"goal", "met"} for g in doc["goals"])
   # memory and largest batch are deterministic: they hold on any machine
-  assert all(g["met"] for g in doc["goals"] if not g["goal"].startswith("step"))
+  assert all(g["met"] for g in doc["goals"]
+             if g["goal"].startswith(("memory", "largest")))
+  # the ideal step of every kernel row, from its rules timed alone
+  times = doc["rule_times"]
+  assert set(times) == {f"{w}/{h}" for w in gpu.WORKLOADS
+                        for h in doc["config"]["hiddens"]}
+  for r in doc["results"]:
+    rules = times[f"{r['workload']}/{r['hidden']}"]
+    if r["impl"] == gpu.XLA:
+      assert "ideal" not in r
+      continue
+    assert r["ideal"]["rules"] == list(gpu.IDEAL_RULES[r["impl"]])
+    assert r["ideal"]["step_s"] == pytest.approx(
+        doc["config"]["layers"] * sum(rules[k]["median_s"]
+                                      for k in r["ideal"]["rules"]))
   assert doc["argv"] == ["--smoke", "--out", str(out)]
   assert not doc["skipped"] and not doc["errors"]
   cfg = doc["config"]
@@ -146,7 +161,7 @@ def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
 
 def test_gpu_benchmark_batch_search_matches_brute_force():
   """The largest-batch search against memory curves that are not lines."""
-  gpu = load_from("benchmarks", "gpu_mlp")
+  gpu = load_from("benchmarks", "accel_mlp")
   budget, granule, top = 200_000, 16, 2 ** 16
   curves = {
       "linear": lambda b: 1000 + 37 * b,

@@ -15,7 +15,7 @@ issue's "done when" needs first, each under its own limit):
     in f32 and bf16 on ragged shapes, launches counted by the profiler), and
     in interpret mode.
 ``bench``
-    ``benchmarks/gpu_mlp.py`` (step time, compiled memory, largest batch),
+    ``benchmarks/accel_mlp.py`` (step time, compiled memory, largest batch),
     its JSON written as it goes.
 ``transformer``
     ``examples/pallas_ops_transformer.py`` as a user runs it: JAX's shipped
@@ -40,7 +40,7 @@ issue's "done when" needs first, each under its own limit):
 Files under ``--out`` (the device tool brings back at most 8): ``session.json``
 (every stage: command, status, seconds, the end of its output, and for test
 stages the counts and failing tests), ``log.txt`` (all output),
-``gpu_mlp.json`` and ``gpu_transformer.json``.
+``accel_mlp.json`` and ``gpu_transformer.json``.
 
 jax-triton is not installed on the GPU machine and it cannot reach a package
 registry: ``tools/gpu_wheels.sh`` downloads the wheel into ``.whl/`` here,
@@ -179,9 +179,9 @@ def junit_summary(path):
 
 
 def bench(session, args, py, env):
-  """``benchmarks/gpu_mlp.py``, told to stop starting work in time."""
-  out_json = os.path.join(args.out, "gpu_mlp.json")
-  argv = [py, "benchmarks/gpu_mlp.py", "--out", out_json]
+  """``benchmarks/accel_mlp.py``, told to stop starting work in time."""
+  out_json = os.path.join(args.out, "accel_mlp.json")
+  argv = [py, "benchmarks/accel_mlp.py", "--out", out_json]
   argv += ["--smoke"] if args.smoke else ["--compile-workers", "8",
                                           "--markdown"]
   argv += args.bench_args.split()
@@ -226,7 +226,7 @@ def main(argv=None):
   p.add_argument("--smoke", action="store_true",
                  help="a CPU dry run: tiny benchmark, a few full-suite files")
   p.add_argument("--bench-args", default="",
-                 help="extra arguments for benchmarks/gpu_mlp.py")
+                 help="extra arguments for benchmarks/accel_mlp.py")
   p.add_argument("--transformer-args", default="",
                  help="extra arguments for benchmarks/gpu_transformer.py")
   args = p.parse_args(argv)

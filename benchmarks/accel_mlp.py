@@ -1,7 +1,8 @@
-"""GPU benchmark: Pallas kernels in a checkpointed stack, four implementations.
+"""Accelerator benchmark (TPU or GPU): Pallas kernels in a checkpointed stack.
 
 Two workloads, each a ``jax.lax.scan`` over ``L`` layers with
-``jax.checkpoint`` per layer, differentiated with ``jax.jit(jax.grad(...))``:
+``jax.checkpoint`` per layer (``nothing_saveable``), differentiated with
+``jax.jit(jax.grad(...))``:
 
 * ``gelu_matmul``: ``x <- gelu(x @ w_l)`` (``examples/pallas_gelu_matmul.py``),
   compute-bound; throughput is TFLOP/s of the useful work (forward ``2MKN`` +
@@ -11,15 +12,25 @@ Two workloads, each a ``jax.lax.scan`` over ``L`` layers with
   the useful traffic (forward reads x, writes z; backward reads x, g, writes
   dx: 5 arrays of ``M x D`` per layer).
 
-Implementations, side by side: ``jax.custom_vjp``, ``jax.custom_vjp`` with
-``optimize_remat=True``, smartvjp, and smartvjp with the fused ``fwd_bwd``.
-For each workload, hidden size and implementation:
+The kernels are the examples' for the backend JAX runs on (Mosaic on a TPU,
+Triton on a GPU). Rows, side by side in one run: ``xla`` (the same math in
+``jax.numpy``, no kernel: what a user picks instead of writing one),
+``jax.custom_vjp``, ``jax.custom_vjp`` with ``optimize_remat=True``,
+smartvjp, and smartvjp with the fused ``fwd_bwd``. For each workload, hidden
+size and row:
 
 * step time: ``--rounds`` interleaved rounds after a warm-up of each; round
-  ``r`` runs every implementation once, in an order rotated by ``r``; each
-  sample is ``inner`` back-to-back steps (chosen so a sample lasts at least
+  ``r`` runs every row once, in an order rotated by ``r``; each sample is
+  ``inner`` back-to-back steps (chosen so a sample lasts at least
   ``--min-sample-ms``). Median, min/max, quartiles, and the ratio to
   ``jax.custom_vjp`` (of the medians, and the median of the per-round ratios);
+* **ideal**: the step predicted from each rule's kernels timed alone at the
+  same shapes (``--rounds`` rounds each): ``L x (fwd + fwd + bwd)`` for
+  ``jax.custom_vjp``, ``L x (f + fwd + bwd)`` for ``optimize_remat`` and
+  smartvjp, ``L x (f + fwd_bwd)`` with the fused rule; printed beside each
+  row as step / ideal;
+* throughput against **this chip's measured peak**: a bf16 ``8192^3`` matmul
+  and a 1 GiB copy timed in the same run (not a vendor figure);
 * memory of the compiled step, from XLA's ``memory_analysis()``: temporaries,
   arguments and outputs (each part, and their sum). It is per program and
   deterministic; the process-wide ``device.memory_stats()`` is recorded once,
@@ -32,21 +43,24 @@ For each workload, hidden size and implementation:
   ``memory = a + b * batch`` through the points nearest the budget predicts
   each next probe (the first from that one point and the batch-independent
   bytes: parameters in, gradients out), then bisection in granules if the
-  line misses. Each search reports its compiles.
+  line misses. Each search reports its compiles;
+* gradients: the largest difference from ``jax.custom_vjp``'s, relative to
+  its largest entry (the kernel rows are meant to be bitwise equal).
 
 Goals, each printed with a verdict (met / not met; in the JSON as
-``goals``), per workload and hidden size, for both smartvjp columns against
-``jax.custom_vjp`` (under remat ``jax.custom_vjp`` runs ``fwd`` twice,
-smartvjp ``f`` forward and ``fwd`` once backward: the same matmuls and fewer
-writes):
+``goals``), per workload and hidden size:
 
-* memory: the compiled step needs no more than ``jax.custom_vjp``'s;
-* largest batch: at least ``jax.custom_vjp``'s;
-* step time: the median at most ``STEP_TOLERANCE`` (1.02x) of
-  ``jax.custom_vjp``'s (the paired per-round ratio is printed beside it).
+* smartvjp (both rows): step time at most ``jax.custom_vjp``'s, compiled
+  memory no more, largest batch at least as large; within
+  ``IDEAL_TOLERANCE`` (5%) of its ideal step;
+* ``rmsnorm_gelu``: smartvjp at most ``RMS_SMART`` (0.92x) of
+  ``jax.custom_vjp``'s step, the fused rule at most ``RMS_FUSED`` (0.70x), and
+  the fused rule faster than ``xla``;
+* ``gelu_matmul``: the kernels' step (smartvjp, each row) at least
+  ``MATMUL_VS_XLA`` (0.95x) of ``xla``'s throughput.
 
 On a CPU (``--smoke``, interpret mode) the step-time goals say nothing about
-a GPU; the script says so.
+an accelerator; the script says so.
 
 Compiles run in a thread pool (``--compile-workers``; XLA compiles without
 the GIL), lowering stays on the main thread; timing runs only once no compile
@@ -56,10 +70,11 @@ finished; ``--deadline`` stops starting new measurements after that many
 seconds and marks the rest as skipped. ``--from-json`` prints the tables (and
 with ``--markdown`` a table for the README) from a saved file.
 
-Run on a GPU:  python benchmarks/gpu_mlp.py [--hidden 4096 8192] [--deadline 300]
-Smoke test:    python benchmarks/gpu_mlp.py --smoke   (tiny shapes, interpret
-               mode, a 1 MiB budget; CPU ok; JSON to a temporary file)
-Tables only:   python benchmarks/gpu_mlp.py --from-json FILE.json --markdown
+Run on a TPU or GPU:  python benchmarks/accel_mlp.py [--hidden 2048 4096]
+Smoke test:    python benchmarks/accel_mlp.py --smoke   (tiny shapes,
+               interpret mode, a 1 MiB budget; CPU ok; JSON to a temporary
+               file)
+Tables only:   python benchmarks/accel_mlp.py --from-json FILE.json --markdown
 """
 
 from __future__ import annotations
@@ -90,16 +105,24 @@ import _report as R  # noqa: E402
 import pallas_gelu_matmul as PG  # noqa: E402
 import pallas_rmsnorm_gelu as RG  # noqa: E402
 
-SCHEMA = "smartvjp/gpu_mlp/3"   # 3: goals, CPU model, commit
-IMPLS = ("jax.custom_vjp", "optimize_remat", "smartvjp", "smartvjp+fused")
-BASE = IMPLS[0]
+SCHEMA = "smartvjp/accel_mlp/4"   # 4: xla and ideal rows, measured peaks
+IMPLS = ("xla", "jax.custom_vjp", "optimize_remat", "smartvjp",
+         "smartvjp+fused")
+BASE = "jax.custom_vjp"
+XLA = "xla"
 SMART = ("smartvjp", "smartvjp+fused")
-STEP_TOLERANCE = 1.02
+STEP_TOLERANCE = 1.00     # smartvjp at or below jax.custom_vjp
+IDEAL_TOLERANCE = 1.05
+RMS_SMART, RMS_FUSED = 0.92, 0.70
+MATMUL_VS_XLA = 0.95
+# rule kernels per step and layer, by row (the ideal step)
+IDEAL_RULES = {"jax.custom_vjp": ("fwd", "fwd", "bwd"),
+               "optimize_remat": ("f", "fwd", "bwd"),
+               "smartvjp": ("f", "fwd", "bwd"),
+               "smartvjp+fused": ("f", "fwd_bwd")}
 WORKLOADS = ("gelu_matmul", "rmsnorm_gelu")
 UNITS = {"gelu_matmul": "TFLOP/s", "rmsnorm_gelu": "GB/s"}
-# H200 SXM vendor figures (dense bf16, HBM3e), for the fraction-of-peak column
-PEAK = {"TFLOP/s": 989.0, "GB/s": 4800.0}
-DEFAULT_OUT = os.path.join(HERE, "results", "gpu_mlp.json")
+DEFAULT_OUT = os.path.join(HERE, "results", "accel_mlp.json")
 MEMORY_PARTS = (("temp_bytes", "temp_size_in_bytes"),
                 ("argument_bytes", "argument_size_in_bytes"),
                 ("output_bytes", "output_size_in_bytes"),
@@ -115,11 +138,13 @@ def _accepts(fn, name):
   return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def kernel_options(workload, interpret, block=None, block_k=None):
+def kernel_options(workload, interpret, block=None, block_k=None, target=None):
   """Keyword arguments for the example's builder: ``block`` is ``block_m`` =
   ``block_n`` for the matmul and ``block_m`` for RMSNorm (None: the builder's
   default); ``block_k`` only where the matmul builder takes it."""
   kw = {"interpret": interpret}
+  if target:
+    kw["target"] = target
   if block:
     kw["block_m"] = block
     if workload == "gelu_matmul":
@@ -130,11 +155,23 @@ def kernel_options(workload, interpret, block=None, block_k=None):
   return kw
 
 
-def build(workload, impl, interpret, block=None, block_k=None):
+def xla_layer(workload):
+  """The workload's math in ``jax.numpy`` (no kernel), in the kernels'
+  precision: f32 accumulation and GELU, the result in the input dtype."""
+  if workload == "gelu_matmul":
+    return lambda x, w: PG.gelu(jax.lax.dot(
+        x, w, preferred_element_type=jnp.float32)).astype(x.dtype)
+  return RG.reference
+
+
+def build(workload, impl, interpret, block=None, block_k=None, target=None):
   """One layer ``op(x, p)`` of ``workload`` under implementation ``impl``."""
+  if impl == XLA:
+    return xla_layer(workload)
   maker = PG.make_gelu_matmul if workload == "gelu_matmul" else RG.make_rmsnorm_gelu
   op, rules = maker(fused=impl == "smartvjp+fused",
-                    **kernel_options(workload, interpret, block, block_k))
+                    **kernel_options(workload, interpret, block, block_k,
+                                     target))
   if impl.startswith("smartvjp"):
     return op
   F = jax.custom_vjp(rules["f"])
@@ -342,8 +379,10 @@ def goals_of(doc):
   whose measurements are missing, skipped or failed is not judged)."""
   goals = R.Goals()
   index = {(r["workload"], r["hidden"], r["impl"]): r for r in doc["results"]}
+  median = lambda r: r["step"]["median_s"] if r and _ok(r.get("step")) else None
   for (workload, hidden, impl), r in index.items():
     base = index.get((workload, hidden, BASE))
+    xla = index.get((workload, hidden, XLA))
     if impl not in SMART or base is None:
       continue
     where = f"{workload}/{hidden} {impl}"
@@ -357,14 +396,31 @@ def goals_of(doc):
     if _ok(big) and _ok(bbig):
       goals.check(f"largest batch: {where} >= jax.custom_vjp ({big['batch']} "
                   f"vs {bbig['batch']})", big["batch"] >= bbig["batch"])
-    step, bstep = r.get("step"), base.get("step")
-    if _ok(step) and _ok(bstep):
-      ratio = step["median_s"] / bstep["median_s"]
-      paired = step.get("paired_ratio_median")
-      goals.check(f"step time: {where} median <= {STEP_TOLERANCE:.2f}x "
-                  f"jax.custom_vjp (ratio {ratio:.3f}"
-                  + (f", paired {paired:.3f}" if paired is not None else "")
-                  + ")", ratio <= STEP_TOLERANCE)
+    mine, theirs = median(r), median(base)
+    if mine is None or theirs is None:
+      continue
+    ratio = mine / theirs
+    paired = r["step"].get("paired_ratio_median")
+    said = (f"ratio {ratio:.3f}" + (f", paired {paired:.3f}" if paired is not
+                                     None else ""))
+    limit = STEP_TOLERANCE
+    if workload == "rmsnorm_gelu":
+      limit = RMS_FUSED if impl == "smartvjp+fused" else RMS_SMART
+    goals.check(f"step time: {where} median <= {limit:.2f}x jax.custom_vjp "
+                f"({said})", ratio <= limit)
+    if r.get("ideal"):
+      goals.check(f"ideal: {where} within {IDEAL_TOLERANCE:.2f}x of its ideal "
+                  f"step ({mine / r['ideal']['step_s']:.3f}x)",
+                  mine <= IDEAL_TOLERANCE * r["ideal"]["step_s"])
+    if median(xla) is not None:
+      if workload == "gelu_matmul":
+        goals.check(f"vs XLA: {where} throughput >= {MATMUL_VS_XLA:.2f}x xla's "
+                    f"({median(xla) / mine:.3f}x)",
+                    median(xla) / mine >= MATMUL_VS_XLA)
+      elif impl == "smartvjp+fused":
+        goals.check(f"vs XLA: {where} faster than xla "
+                    f"({mine / median(xla):.3f}x its step)",
+                    mine < median(xla))
   return goals
 
 
@@ -428,7 +484,10 @@ def row_cells(r, scale):
       step_ratio=_cell(r, "step", ratio),
       rate=_cell(r, "step", lambda s: f"{rate['value']:.2f}"),
       peak=_cell(r, "step",
-                 lambda s: f"{100 * rate['fraction_of_h200_peak']:.1f}%"),
+                 lambda s: "-" if rate.get("fraction_of_peak") is None
+                 else f"{100 * rate['fraction_of_peak']:.1f}%"),
+      ideal=_cell(r, "step", lambda s: "-" if not r.get("ideal") else
+                  f"{s['median_s'] / r['ideal']['step_s']:.3f}x"),
       memory=_cell(r, "memory", lambda s: f"{s['total_bytes'] / scale:.3f}"),
       memory_ratio=_cell(r, "memory", ratio),
       largest=_cell(r, "largest_batch", lambda s: f"{s['batch']}"),
@@ -449,12 +508,23 @@ def tables(doc):
       f"rounds; memory: compiled step temp + args + outputs ({unit_m}); largest "
       f"batch: under {fmt_bytes(cfg['budget_bytes'])} ({cfg['budget_source']}), "
       f"granule {cfg['granule']}" + (" (interpret mode)" if cfg["interpret"] else ""))
+  if doc.get("peaks"):
+    pk = doc["peaks"]
+    lines.append(f"this chip's measured peaks: bf16 matmul "
+                 f"{pk['TFLOP/s']:.1f} TFLOP/s, copy {pk['GB/s']:.1f} GB/s")
   for workload in cfg["workloads"]:
     unit = UNITS[workload]
+    rules = doc.get("rule_times", {})
+    for hidden in cfg["hiddens"]:
+      rt = rules.get(f"{workload}/{hidden}")
+      if rt:
+        lines.append(f"\n{workload}/{hidden} rule kernels alone (ms, median): "
+                     + ", ".join(f"{k} {v['median_s'] * 1e3:.3f}"
+                                 for k, v in rt.items()))
     lines.append(f"\n{workload} ({unit} of the useful work; "
                  "grad diff: max |g - g_custom_vjp| / max |g_custom_vjp|)")
     head = (f"{'hidden':>6s} {'implementation':15s} {'step ms':>9s} "
-            f"{'[min-max]':>19s} {'vs jax':>7s} {unit:>8s} {'%H200':>6s} "
+            f"{'[min-max]':>19s} {'vs jax':>7s} {'vs ideal':>8s} {unit:>8s} {'%peak':>6s} "
             f"{'mem ' + unit_m:>8s} {'vs jax':>7s} {'max batch':>9s} {'vs jax':>7s} "
             f"{'compiles':>8s} {'grad diff':>9s}")
     lines += [head, "-" * len(head)]
@@ -464,8 +534,8 @@ def tables(doc):
       c = row_cells(r, scale)
       lines.append(
           f"{r['hidden']:6d} {r['impl']:15s} {c['step']:>9s} {c['spread']:>19s} "
-          f"{c['step_ratio']:>7s} {c['rate']:>8s} {c['peak']:>6s} "
-          f"{c['memory']:>8s} {c['memory_ratio']:>7s} {c['largest']:>9s} "
+          f"{c['step_ratio']:>7s} {c['ideal']:>8s} {c['rate']:>8s} "
+          f"{c['peak']:>6s} {c['memory']:>8s} {c['memory_ratio']:>7s} {c['largest']:>9s} "
           f"{c['largest_ratio']:>7s} {c['compiles']:>8s} {c['diff']:>9s}")
   if doc.get("skipped"):
     lines.append(f"\nskipped (deadline): {len(doc['skipped'])} measurements")
@@ -475,8 +545,8 @@ def tables(doc):
   if goals.items:
     lines.append("")
     if cfg.get("interpret"):
-      lines.append("(interpret mode: the step-time goals say nothing about a "
-                   "GPU here)")
+      lines.append("(interpret mode: the step-time goals say nothing about an "
+                   "accelerator here)")
     lines.append(goals.render())
   return "\n".join(lines)
 
@@ -571,7 +641,8 @@ class Bench:
     if (workload, impl) not in self.fns:
       block = self.cfg["kernel_block"][workload]
       self.fns[workload, impl] = stack_grad(build(
-          workload, impl, self.cfg["interpret"], block, self.cfg["block_k"]))
+          workload, impl, self.cfg["interpret"], block, self.cfg["block_k"],
+          self.cfg["target"]))
     return self.fns[workload, impl].lower(*arg_shapes(
         workload, self.cfg["layers"], batch, hidden, self.dtype))
 
@@ -633,6 +704,55 @@ class Bench:
                f"{fmt_bytes(parts['output_bytes'])})")
       self.save()
     return compiled
+
+  def phase_rules(self):
+    """Each rule's kernels timed alone at the timing batch, and from them the
+    ideal step of each kernel row (``IDEAL_RULES``)."""
+    cfg = self.cfg
+    self.doc.setdefault("rule_times", {})
+    for workload in cfg["workloads"]:
+      maker = (PG.make_gelu_matmul if workload == "gelu_matmul"
+               else RG.make_rmsnorm_gelu)
+      for hidden in cfg["hiddens"]:
+        if self.out_of_time():
+          return
+        try:
+          _, rules = maker(fused=True, **kernel_options(
+              workload, cfg["interpret"], cfg["kernel_block"][workload],
+              cfg["block_k"], cfg["target"]))
+          params, x = make_inputs(workload, 1, cfg["batch"], hidden, self.dtype)
+          p = params[0]
+          g = (0.5 * jax.random.normal(jax.random.key(9), x.shape)
+               ).astype(x.dtype)
+          _, res = jax.jit(rules["fwd"])(x, p)
+          calls = {"f": (rules["f"], (x, p)),
+                   "fwd": (R.new_outputs(rules["fwd"]), (x, p)),
+                   "bwd": (rules["bwd"], (res, g)),
+                   "fwd_bwd": (rules["fwd_bwd"], (x, p, g))}
+          times = {}
+          for name, (fn, args) in calls.items():
+            fn = jax.jit(fn)
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            once = time.perf_counter() - t
+            inner = max(1, math.ceil(cfg["min_sample_s"] / max(once, 1e-6)))
+            times[name] = R.timed(fn, *args, rounds=cfg["rounds"],
+                                  inner=min(inner, 50))
+          del res
+          self.doc["rule_times"][f"{workload}/{hidden}"] = times
+          for impl, names in IDEAL_RULES.items():
+            rec = self.records.get((workload, hidden, impl))
+            if rec is not None:
+              rec["ideal"] = dict(rules=list(names), step_s=cfg["layers"] * sum(
+                  times[n]["median_s"] for n in names))
+          self.log(f"rule kernels alone {workload}/{hidden}: " + ", ".join(
+              f"{k} {v['median_s'] * 1e3:.3f} ms" for k, v in times.items()))
+        except Exception as e:   # noqa: BLE001 -- recorded, the run goes on
+          self.doc["errors"].append(dict(workload=workload, hidden=hidden,
+                                         what="rule_times",
+                                         error=f"{type(e).__name__}: {e}"[:2000]))
+          self.log(f"rule kernels {workload}/{hidden}: ERROR {e}"[:300])
+        self.save()
 
   def phase_time(self, compiled):
     cfg = self.cfg
@@ -709,7 +829,8 @@ class Bench:
       self.records[k]["step"] = step
       self.records[k]["throughput"] = dict(
           value=rate, unit=unit, useful_work=work,
-          fraction_of_h200_peak=rate / PEAK[unit])
+          fraction_of_peak=(rate / self.doc["peaks"][unit]
+                            if self.doc.get("peaks") else None))
     self.log(f"timed {workload}/{hidden}: {rounds} rounds x {inner} steps")
 
   # phase 2: largest batch
@@ -815,6 +936,9 @@ def parse(argv):
   p.add_argument("--block-k", type=int, default=None,
                  help="matmul block_k, where the builder takes it (default: "
                  "the builder's; smoke 16)")
+  p.add_argument("--target", choices=("tpu", "gpu"), default=None,
+                 help="which kernels (default: the backend's; on a CPU the "
+                 "GPU-shaped ones in interpret mode)")
   p.add_argument("--no-largest-batch", action="store_true")
   p.add_argument("--budget-gib", type=float, default=None,
                  help="memory budget for the largest batch (default: the "
@@ -851,11 +975,12 @@ def main(argv=None):
       print("\n" + markdown(doc))
     return doc
 
-  on_gpu = jax.default_backend() == "gpu"
+  backend = jax.default_backend()
+  on_accel = backend in ("gpu", "tpu")
   smoke = args.smoke
-  if not (smoke or on_gpu):
-    print("gpu_mlp.py: no GPU here; use --smoke for a CPU run of tiny shapes. "
-          "Exiting.")
+  if not (smoke or on_accel):
+    print("accel_mlp.py: no TPU or GPU here; use --smoke for a CPU run of tiny "
+          "shapes. Exiting.")
     return None
   pick = lambda given, full, small: given if given is not None else (
       small if smoke else full)
@@ -867,7 +992,7 @@ def main(argv=None):
   elif machine["bytes_limit"]:
     budget, source = int(machine["bytes_limit"]), "memory_stats()['bytes_limit']"
   elif not args.no_largest_batch:
-    print("gpu_mlp.py: the device has no memory_stats()['bytes_limit']; give "
+    print("accel_mlp.py: the device has no memory_stats()['bytes_limit']; give "
           "--budget-gib or --no-largest-batch.")
     return None
   else:
@@ -875,12 +1000,13 @@ def main(argv=None):
   block = pick(args.block, 128, 16)
   cfg = dict(
       workloads=list(args.workload or WORKLOADS),
-      hiddens=list(pick(args.hidden, [4096, 8192], [32])),
+      hiddens=list(pick(args.hidden, [2048, 4096] if backend == "tpu"
+                        else [4096, 8192], [32])),
       layers=pick(args.layers, 8, 2), batch=pick(args.batch, 8192, 64),
       dtype="bfloat16", impls=list(IMPLS), rounds=pick(args.rounds, 10, 3),
       warmup=max(args.warmup, 1),
       min_sample_s=pick(args.min_sample_ms, 20.0, 0.0) / 1e3,
-      interpret=not on_gpu, smoke=smoke,
+      interpret=not on_accel, smoke=smoke, target=args.target,
       kernel_block={"gelu_matmul": block,
                     "rmsnorm_gelu": block if smoke else None},
       block_k=pick(args.block_k, None, 16),
@@ -891,7 +1017,7 @@ def main(argv=None):
   cfg["kernel_kwargs"] = {
       w: {k: v for k, v in kernel_options(w, cfg["interpret"],
                                           cfg["kernel_block"][w],
-                                          cfg["block_k"]).items()
+                                          cfg["block_k"], cfg["target"]).items()
           if k != "interpret"} for w in cfg["workloads"]}
   cfg["builders"] = {
       "gelu_matmul": dict(signature=str(inspect.signature(PG.make_gelu_matmul)),
@@ -901,21 +1027,26 @@ def main(argv=None):
   if cfg["block_k"] and "block_k" not in cfg["kernel_kwargs"].get("gelu_matmul", {}):
     cfg["block_k_note"] = "this make_gelu_matmul takes no block_k; not passed"
   out = args.out or (os.path.join(tempfile.gettempdir(),
-                                  f"gpu_mlp_smoke_{os.getpid()}.json")
+                                  f"accel_mlp_smoke_{os.getpid()}.json")
                      if smoke else DEFAULT_OUT)
   doc = dict(schema=SCHEMA, status="running", started=now(), updated=None,
              machine=machine, versions=versions, argv=argv, args=vars(args),
              config=cfg, results=[], skipped=[], errors=[], device_memory_stats=None)
   print(f"jax {versions['jax']} on {machine['device_kind']} "
-        f"({'interpret mode' if cfg['interpret'] else 'Triton'}); "
+        f"({'interpret mode' if cfg['interpret'] else 'compiled kernels'}); "
         f"{cfg['layers']} checkpointed layers, batch {cfg['batch']}, hidden "
         f"{cfg['hiddens']}, {cfg['compile_workers']} compile workers; JSON: {out}",
         flush=True)
   bench = Bench(args, cfg, doc, out, t0)
   try:
+    if on_accel and not smoke:
+      doc["peaks"] = R.measured_peaks()
+      bench.log(f"measured peaks: bf16 matmul {doc['peaks']['TFLOP/s']:.1f} "
+                f"TFLOP/s, copy {doc['peaks']['GB/s']:.1f} GB/s")
     compiled = bench.phase_compile()
     bench.phase_time(compiled)
     del compiled
+    bench.phase_rules()
     if cfg["largest_batch"]:
       bench.phase_largest()
     doc["status"] = "deadline" if doc["skipped"] else "complete"

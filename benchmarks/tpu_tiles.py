@@ -1,0 +1,246 @@
+"""TPU: the example kernels' tiles, measured; their accuracy; the chip's peaks.
+
+For ``examples/pallas_gelu_matmul.py`` and ``examples/pallas_rmsnorm_gelu.py``
+with ``target="tpu"`` (Mosaic kernels), on the TPU JAX runs on:
+
+* **peaks of this chip, measured here** (not a vendor figure): a bf16
+  ``8192 x 8192 x 8192`` matmul (TFLOP/s) and a copy of a 1 GiB bf16 array
+  (GB/s: bytes read + written), each the best of ``--rounds`` timed rounds;
+* **accuracy**: each kernel family against plain JAX in f32 and bf16, on a
+  tile-multiple and a ragged shape, value and gradients with and without
+  ``jax.checkpoint``, with and without the fused rule (f32 references at
+  ``Precision.HIGHEST``);
+* **tile search**: at ``M = 8192`` rows and each ``--hidden`` (``K = N = d``),
+  bf16, each candidate tile set is compiled and its rules timed alone
+  (``f``, ``fwd``, ``bwd``, ``fwd_bwd``: median of ``--rounds`` rounds of
+  ``--inner`` calls), beside XLA's time for the same math in ``jax.numpy``.
+  The fastest candidate per rule is printed and recorded; the tables
+  ``TPU_TILES`` / ``TPU_TILE_BYTES`` in the examples are set from it.
+
+Run on a TPU:  python benchmarks/tpu_tiles.py --out FILE.json
+Elsewhere it stops, saying so (the kernels' CPU checks are in tests/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(1, HERE)
+sys.path.insert(2, ROOT)
+import _report as R  # noqa: E402
+import pallas_gelu_matmul as PG  # noqa: E402
+import pallas_rmsnorm_gelu as RG  # noqa: E402
+
+MM_CANDIDATES = {
+    "fwd": [(512, 1024, 512), (512, 512, 1024), (1024, 1024, 512),
+            (256, 512, 2048), (512, 512, 512)],
+    "dx": [(512, 4096, 512), (512, 2048, 512), (256, 4096, 512),
+           (512, 1024, 1024), (1024, 1024, 512)],
+    "dw": [(4096, 512, 512), (2048, 512, 512), (4096, 256, 1024),
+           (1024, 1024, 512), (1024, 1024, 1024)],
+}
+RMS_TILE_BYTES = [2**19, 2**20, 2**21, 2**22]
+
+
+def _rel(a, b):
+  a, b = np.float32(a), np.float32(b)
+  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+def accuracy():
+  """Errors of both kernel families against plain JAX (max relative)."""
+  rows = []
+  loss = lambda F, remat: (lambda a, b: jnp.sum(
+      (jax.checkpoint(F) if remat else F)(a, b).astype(jnp.float32) ** 2))
+  with jax.default_matmul_precision("highest"):
+    for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
+      for shape in ((1024, 1024, 2048), (1000, 700, 900)):
+        m, k, n = shape
+        kx, kw = jax.random.split(jax.random.key(2))
+        x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+        w = (jax.random.normal(kw, (k, n), jnp.float32) / k ** 0.5).astype(dtype)
+        want = jax.grad(loss(PG.reference, False), (0, 1))(x, w)
+        for fused in (False, True):
+          gm, _ = PG.make_gelu_matmul(target="tpu", fused=fused)
+          for remat in (False, True):
+            got = jax.jit(jax.grad(loss(gm, remat), (0, 1)))(x, w)
+            err = dict(value=_rel(gm(x, w), PG.reference(x, w)),
+                       grad=max(_rel(a, b) for a, b in zip(got, want)))
+            rows.append(dict(kernel="gelu_matmul", dtype=jnp.dtype(dtype).name,
+                             shape=shape, fused=fused, remat=remat, tol=tol,
+                             ok=max(err.values()) < tol, **err))
+      for shape in ((2048, 1024), (1000, 700)):
+        x = jax.random.normal(jax.random.key(3), shape, jnp.float32).astype(dtype)
+        gamma = (1 + 0.1 * jax.random.normal(jax.random.key(4), shape[1:])
+                 ).astype(dtype)
+        want = jax.grad(loss(RG.reference, False), (0, 1))(x, gamma)
+        for fused in (False, True):
+          op, _ = RG.make_rmsnorm_gelu(target="tpu", fused=fused)
+          for remat in (False, True):
+            got = jax.jit(jax.grad(loss(op, remat), (0, 1)))(x, gamma)
+            err = dict(value=_rel(op(x, gamma), RG.reference(x, gamma)),
+                       grad=max(_rel(a, b) for a, b in zip(got, want)))
+            rows.append(dict(kernel="rmsnorm_gelu", dtype=jnp.dtype(dtype).name,
+                             shape=shape, fused=fused, remat=remat, tol=tol,
+                             ok=max(err.values()) < tol, **err))
+  return rows
+
+
+def _xla_matmul_rules():
+  """The matmul+GELU math in jax.numpy: what XLA does with no kernel."""
+  gelu = lambda y: jax.nn.gelu(y.astype(jnp.float32))
+  f = lambda x, w: gelu(x @ w).astype(x.dtype)
+
+  def fwd(x, w):
+    y = x @ w
+    return gelu(y).astype(x.dtype), y
+
+  def bwd(x, w, y, g):
+    dy = (g.astype(jnp.float32) * jax.vmap(jax.vmap(jax.grad(jax.nn.gelu)))(
+        y.astype(jnp.float32))).astype(x.dtype)
+    return dy @ w.T, x.T @ dy
+  return dict(f=f, fwd=fwd, bwd=bwd)
+
+
+def search_matmul(d, rounds, inner, m=8192):
+  kx, kw, kg = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(kx, (m, d), jnp.bfloat16)
+  w = (jax.random.normal(kw, (d, d)) / d ** 0.5).astype(jnp.bfloat16)
+  g = jax.random.normal(kg, (m, d), jnp.bfloat16)
+  flop = 2 * m * d * d
+  out = dict(hidden=d, rows=m, flop_per_matmul=flop, candidates=[])
+  xla = _xla_matmul_rules()
+  _, y = jax.jit(xla["fwd"])(x, w)
+  out["xla"] = dict(
+      f=R.timed(jax.jit(xla["f"]), x, w, rounds=rounds, inner=inner),
+      fwd=R.timed(jax.jit(xla["fwd"]), x, w, rounds=rounds, inner=inner),
+      bwd=R.timed(jax.jit(xla["bwd"]), x, w, y, g, rounds=rounds, inner=inner))
+  for kind, cands in MM_CANDIDATES.items():
+    for tiles in cands:
+      rec = dict(kind=kind, tiles=tiles)
+      try:
+        _, rules = PG.make_gelu_matmul(target="tpu", tpu_tiles={kind: tiles})
+        if kind == "fwd":
+          rec["f"] = R.timed(jax.jit(rules["f"]), x, w, rounds=rounds, inner=inner)
+          rec["fwd"] = R.timed(jax.jit(rules["fwd"]), x, w, rounds=rounds,
+                             inner=inner)
+          rec["fwd_bwd"] = R.timed(jax.jit(rules["fwd_bwd"]), x, w, g,
+                                 rounds=rounds, inner=inner)
+        else:
+          _, res = jax.jit(rules["fwd"])(x, w)
+          rec["bwd"] = R.timed(jax.jit(rules["bwd"]), res, g, rounds=rounds,
+                             inner=inner)
+      except Exception as e:  # noqa: BLE001 - a candidate that fails is data
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      out["candidates"].append(rec)
+      print(f"  gelu_matmul d={d} {kind} {tiles}: " + (
+          rec.get("error") or ", ".join(
+              f"{r} {rec[r]['median_s'] * 1e3:.3f} ms" for r in
+              ("f", "fwd", "bwd", "fwd_bwd") if r in rec)), flush=True)
+  return out
+
+
+def search_rmsnorm(d, rounds, inner, m=8192):
+  x = jax.random.normal(jax.random.key(6), (m, d), jnp.bfloat16)
+  gamma = (1 + 0.1 * jax.random.normal(jax.random.key(7), (d,))
+           ).astype(jnp.bfloat16)
+  g = jax.random.normal(jax.random.key(8), (m, d), jnp.bfloat16)
+  out = dict(hidden=d, rows=m, array_bytes=m * d * 2, candidates=[])
+  ref = lambda x, gm: RG.reference(x, gm)
+  _, vjp = jax.vjp(ref, x, gamma)
+  out["xla"] = dict(
+      f=R.timed(jax.jit(ref), x, gamma, rounds=rounds, inner=inner),
+      fwd_bwd=R.timed(jax.jit(lambda x, gm, g: jax.vjp(ref, x, gm)[1](g)),
+                    x, gamma, g, rounds=rounds, inner=inner))
+  for tb in RMS_TILE_BYTES:
+    rec = dict(tile_bytes=tb)
+    try:
+      _, rules = RG.make_rmsnorm_gelu(target="tpu", tile_bytes=tb)
+      _, res = jax.jit(rules["fwd"])(x, gamma)
+      rec["f"] = R.timed(jax.jit(rules["f"]), x, gamma, rounds=rounds, inner=inner)
+      rec["fwd"] = R.timed(jax.jit(rules["fwd"]), x, gamma, rounds=rounds,
+                         inner=inner)
+      rec["bwd"] = R.timed(jax.jit(rules["bwd"]), res, g, rounds=rounds,
+                         inner=inner)
+      rec["fwd_bwd"] = R.timed(jax.jit(rules["fwd_bwd"]), x, gamma, g,
+                             rounds=rounds, inner=inner)
+    except Exception as e:  # noqa: BLE001
+      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    out["candidates"].append(rec)
+    print(f"  rmsnorm_gelu d={d} tile {tb}: " + (rec.get("error") or ", ".join(
+        f"{r} {rec[r]['median_s'] * 1e6:.1f} us" for r in
+        ("f", "fwd", "bwd", "fwd_bwd"))), flush=True)
+  return out
+
+
+def best(search, rule):
+  ok = [c for c in search["candidates"] if rule in c]
+  return min(ok, key=lambda c: c[rule]["median_s"]) if ok else None
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--inner", type=int, default=5)
+  p.add_argument("--out")
+  args = p.parse_args(argv)
+  if jax.default_backend() != "tpu":
+    print("tpu_tiles: no TPU here; nothing measured (the kernels' CPU checks "
+          "are in tests/test_pallas_*.py)")
+    return None
+  t0 = time.perf_counter()
+  print(R.header())
+  doc = dict(machine=R.machine(), versions=R.versions(), args=vars(args))
+
+  def save():
+    if args.out:
+      with open(args.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+  doc["peaks"] = R.measured_peaks(args.rounds)
+  print(f"peaks: bf16 matmul {doc['peaks']['TFLOP/s']:.1f} TFLOP/s, "
+        f"copy {doc['peaks']['GB/s']:.1f} GB/s", flush=True)
+  save()
+  doc["accuracy"] = accuracy()
+  bad = [r for r in doc["accuracy"] if not r["ok"]]
+  print(f"accuracy: {len(doc['accuracy']) - len(bad)} of "
+        f"{len(doc['accuracy'])} within tolerance; worst "
+        + ", ".join(f"{r['kernel']} {r['dtype']} {r['shape']} fused={r['fused']} "
+                    f"remat={r['remat']}: {r['value']:.1e}/{r['grad']:.1e}"
+                    for r in bad[:6]), flush=True)
+  save()
+  doc["gelu_matmul"], doc["rmsnorm_gelu"] = [], []
+  for d in args.hidden:
+    doc["gelu_matmul"].append(search_matmul(d, args.rounds, args.inner))
+    save()
+    doc["rmsnorm_gelu"].append(search_rmsnorm(d, args.rounds, args.inner))
+    save()
+  for s in doc["gelu_matmul"]:
+    for rule in ("f", "fwd", "bwd", "fwd_bwd"):
+      b = best(s, rule)
+      if b:
+        print(f"best gelu_matmul d={s['hidden']} {rule}: {b['kind']} "
+              f"{b['tiles']} {b[rule]['median_s'] * 1e3:.3f} ms")
+  for s in doc["rmsnorm_gelu"]:
+    for rule in ("f", "fwd", "bwd", "fwd_bwd"):
+      b = best(s, rule)
+      if b:
+        print(f"best rmsnorm_gelu d={s['hidden']} {rule}: tile "
+              f"{b['tile_bytes']} {b[rule]['median_s'] * 1e6:.1f} us")
+  print(f"Finished in {time.perf_counter() - t0:.1f} s.")
+  return doc
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,88 @@
+"""Runs the project's TPU measurements in one command, part by part.
+
+Each part is a script of ``benchmarks/`` run in a process of its own (one
+process at a time holds the chip), with its JSON written to ``--out`` (the
+device tool's ``$OUT``) as soon as it ends and its output appended to
+``--out``/session.log, so a run cut short keeps every part it finished.
+
+Parts (``--parts``, in this order by default):
+
+* ``tiles``: ``benchmarks/tpu_tiles.py``: the chip's measured peaks, the
+  example kernels' accuracy against plain JAX in f32 and bf16, and the tile
+  search (``benchmarks/results/tpu_tiles.json``);
+* ``mlp``: ``benchmarks/accel_mlp.py``: the two kernels in a checkpointed
+  scan, XLA only / ``jax.custom_vjp`` / ``optimize_remat`` / smartvjp /
+  smartvjp with the fused rule, with the ideal step from the kernels' own
+  times (``benchmarks/results/accel_mlp_tpu.json``);
+* ``lm``: ``benchmarks/tpu_lm.py``: a decoder-only LM trained on the TPU
+  with JAX's Pallas flash attention and the two kernels
+  (``benchmarks/results/tpu_lm.json``);
+* ``attention``: ``benchmarks/tpu_attention.py`` (shipped vs swapped flash
+  attention).
+
+Run (through the device tool, from the repository root):
+    SMARTVJP_COMMIT=<commit> python3 tools/tpu_session.py --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = {
+    "tiles": ("benchmarks/tpu_tiles.py", "tpu_tiles.json"),
+    "mlp": ("benchmarks/accel_mlp.py", "accel_mlp_tpu.json"),
+    "lm": ("benchmarks/tpu_lm.py", "tpu_lm.json"),
+    "attention": ("benchmarks/tpu_attention.py", "tpu_attention.json"),
+}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True, help="folder for the JSON and log")
+  p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+  p.add_argument("--timeout", type=float, default=540,
+                 help="seconds for all parts together")
+  p.add_argument("--extra", action="append", default=[],
+                 help="PART=ARGS: more arguments for a part's script")
+  args = p.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  extra = {}
+  for item in args.extra:
+    part, _, rest = item.partition("=")
+    extra[part] = rest.split()
+  log = os.path.join(args.out, "session.log")
+  t_end = time.monotonic() + args.timeout
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  status = 0
+  for part in args.parts:
+    script, out = PARTS[part]
+    left = t_end - time.monotonic()
+    if left < 20:
+      print(f"== {part}: skipped (time)", flush=True)
+      continue
+    cmd = [sys.executable, os.path.join(ROOT, script), "--out",
+           os.path.join(args.out, out), *extra.get(part, [])]
+    print(f"== {part}: {' '.join(cmd[1:])} (at most {left:.0f} s)", flush=True)
+    t0 = time.monotonic()
+    with open(log, "a") as fh:
+      fh.write(f"\n== {part}: {' '.join(cmd[1:])}\n")
+      fh.flush()
+      try:
+        done = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                              env=env, cwd=ROOT, timeout=left)
+        rc = done.returncode
+      except subprocess.TimeoutExpired:
+        rc = "timeout"
+    print(f"== {part}: exit {rc} after {time.monotonic() - t0:.0f} s",
+          flush=True)
+    status = status or (rc != 0)
+  return status
+
+
+if __name__ == "__main__":
+  sys.exit(main())
