@@ -51,15 +51,19 @@ def usable_cores() -> int | None:
 
 def commit() -> str | None:
   """``git rev-parse --short HEAD`` of this checkout, with ``+changes`` when
-  tracked files differ from it; outside a git checkout (a copy sent to an
-  accelerator) ``$SMARTVJP_COMMIT``, else None."""
+  tracked files differ from it; None outside a git checkout. Where
+  ``$SMARTVJP_COMMIT`` is set (a copy of the tree sent to an accelerator,
+  whose ``.git`` may be stale) that instead."""
+  if os.environ.get("SMARTVJP_COMMIT"):   # a copy sent to an accelerator
+    return os.environ["SMARTVJP_COMMIT"]
+
   def git(*args):
     return subprocess.run(["git", "-C", ROOT, *args], capture_output=True,
                           text=True, timeout=10)
   try:
     head = git("rev-parse", "--short", "HEAD")
-    if head.returncode != 0:   # a copy without .git: what the caller says
-      return os.environ.get("SMARTVJP_COMMIT")
+    if head.returncode != 0:
+      return None
     dirty = git("status", "--porcelain", "--untracked-files=no")
   except (OSError, subprocess.SubprocessError):
     return None

@@ -732,6 +732,7 @@ class Bench:
           times = {}
           for name, (fn, args) in calls.items():
             fn = jax.jit(fn)
+            jax.block_until_ready(fn(*args))        # compiles
             t = time.perf_counter()
             jax.block_until_ready(fn(*args))
             once = time.perf_counter() - t

@@ -362,9 +362,9 @@ def main(argv=None):
     steps_by = {}
     for column in args.columns:
       rec = res["columns"][column] = {}
+      state = jax.block_until_ready(init_state(cfg))
       t0 = time.perf_counter()
       step = make_train_step(cfg, column, policy, smoke)
-      state = init_state(cfg)
       traced = step.trace(state, tokens0)
       t1 = time.perf_counter()
       lowered = traced.lower()

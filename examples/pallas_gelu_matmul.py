@@ -205,19 +205,25 @@ def _pad(a, rows, cols):
 # (16, 128) (bf16 packs 16 rows per vreg sublane group), so operands are
 # zero-padded outside the kernels to whole tiles.
 
-# Tiles for a TPU, chosen by the measured search in tools/tpu_session.py
-# (TPU v5e, bf16, M = 8192, K = N in 2048 / 4096; the JSON is in
-# benchmarks/results/tpu_tiles.json). Forward kernels (f, fwd, the fused dy):
-# (bm, bn, bk) over (M, N, K). dx = dy @ w.T: (bm, bk_out, bn_in) over
-# (M, K, N), N contracted. dw = x.T @ dy: (bk_out, bn, bm_in) over (K, N, M),
-# M contracted. A backward tile that spans the whole of K computes dy once per
-# element; a narrower one recomputes it K / bk times.
+# Tiles for a TPU. Forward kernels (f, fwd, the fused dy): (bm, bn, bk) over
+# (M, N, K). dx = dy @ w.T: (bm, bk_out, bn_in) over (M, K, N), N contracted.
+# dw = x.T @ dy: (bk_out, bn, bm_in) over (K, N, M), M contracted. A backward
+# tile that spans the whole of K computes dy once per element; a narrower one
+# recomputes it K / bk times. From the measured search of benchmarks/
+# tpu_tiles.py on a TPU v5e (benchmarks/results/tpu_tiles.json; M = 8192,
+# K = N in 2048 / 4096, bf16): the largest forward tiles were fastest, and
+# the backward tiles below were within 5% of the whole-K ones, which asked
+# for more VMEM than a checkpointed scan's fusions leave.
 TPU_TILES = {
-    "fwd": (512, 1024, 512),
-    "dx": (512, 4096, 512),
-    "dw": (4096, 512, 512),
+    "fwd": (1024, 1024, 1024),
+    "dx": (512, 2048, 512),
+    "dw": (2048, 512, 512),
 }
-TPU_VMEM_LIMIT = 100 * 2**20   # of the v5e's 128 MiB; the kernels need less
+# The scoped VMEM a kernel asks for: twice what its double-buffered blocks,
+# scratch and f32 temporaries take, within these bounds. Asking for far more
+# than a kernel needs leaves too little for the XLA fusions around it (a
+# checkpointed scan on a v5e failed to compile with 100 MiB asked for).
+TPU_VMEM_BOUNDS = (16 * 2**20, 96 * 2**20)
 
 
 def _tpu_dot(a, b, trans_a=False, trans_b=False):
@@ -242,6 +248,17 @@ def _tpu_params(semantics, vmem_limit):
                               vmem_limit_bytes=vmem_limit)
 
 
+def _vmem_need(in_specs, args, out_specs, out_shape, scratch):
+  """Bytes of VMEM a kernel holds: each block twice (double buffering), the
+  scratch, and three f32 temporaries the size of the largest output tile."""
+  size = lambda shape, dtype: math.prod(shape) * jnp.dtype(dtype).itemsize
+  blocks = sum(2 * size(s.block_shape, a.dtype) for s, a in zip(in_specs, args))
+  blocks += sum(2 * size(s.block_shape, o.dtype)
+                for s, o in zip(out_specs, out_shape))
+  blocks += sum(size(v.shape, v.dtype) for v in scratch)
+  return blocks + 3 * max(size(s.block_shape, jnp.float32) for s in out_specs)
+
+
 def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
   """(f, fwd, bwd, fwd_bwd) with Mosaic kernels."""
   tiles = {**TPU_TILES, **(tiles or {})}
@@ -250,11 +267,15 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
            semantics, *args):
     if count:
       kernel = _counted(rule, kernel, len(grid))
+    outs = out_specs if isinstance(out_specs, list) else [out_specs]
+    shapes = out_shape if isinstance(out_shape, list) else [out_shape]
+    limit = vmem_limit or min(max(
+        2 * _vmem_need(in_specs, args, outs, shapes, scratch),
+        TPU_VMEM_BOUNDS[0]), TPU_VMEM_BOUNDS[1])
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, scratch_shapes=scratch, interpret=interpret,
-        compiler_params=None if interpret else _tpu_params(semantics,
-                                                           vmem_limit),
+        compiler_params=None if interpret else _tpu_params(semantics, limit),
         name=name)(*args)
 
   def fwd_tiles(x, w):
@@ -270,9 +291,16 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
     mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
     nk = kp // bk
 
+    def finish(out_refs, extra_refs, y):
+      for ref, value in zip(out_refs, epilogue(y, *(r[...] for r in extra_refs))):
+        ref[...] = value.astype(ref.dtype)
+
     def kernel(x_ref, w_ref, *refs):
-      extra_refs, out_refs, acc_ref = (refs[:len(extra)], refs[len(extra):-1],
-                                       refs[-1])
+      extra_refs = refs[:len(extra)]
+      if nk == 1:                 # K in one block: no accumulator
+        finish(refs[len(extra):], extra_refs, _tpu_dot(x_ref[...], w_ref[...]))
+        return
+      out_refs, acc_ref = refs[len(extra):-1], refs[-1]
       kk = pl.program_id(2)
 
       @pl.when(kk == 0)
@@ -282,9 +310,7 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
 
       @pl.when(kk == nk - 1)
       def _():
-        for ref, value in zip(out_refs,
-                              epilogue(acc_ref[...], *(r[...] for r in extra_refs))):
-          ref[...] = value.astype(ref.dtype)
+        finish(out_refs, extra_refs, acc_ref[...])
 
     tile = pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j))
     outs = call(rule, KERNEL_NAMES[rule][0], kernel, (mp // bm, np_ // bn, nk),
@@ -293,7 +319,7 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
                 + [tile] * len(extra),
                 [tile] * len(out_dtypes),
                 [jax.ShapeDtypeStruct((mp, np_), d) for d in out_dtypes],
-                [pltpu.VMEM((bm, bn), jnp.float32)],
+                [pltpu.VMEM((bm, bn), jnp.float32)] if nk > 1 else [],
                 ("parallel", "parallel", "arbitrary"),
                 _pad(x, mp, kp), _pad(w, kp, np_),
                 *(_pad(e, mp, np_) for e in extra))
@@ -408,7 +434,7 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
 def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
                      fused=True, count=False, residual_dtype=None,
                      num_warps=None, num_stages=None, target=None,
-                     tpu_tiles=None, vmem_limit=TPU_VMEM_LIMIT):
+                     tpu_tiles=None, vmem_limit=None):
   """``gelu_matmul(x, w) -> gelu(x @ w)`` as a ``smart_custom_vjp``.
 
   Args:
@@ -423,7 +449,8 @@ def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
       loop over K inside); default: ``"tpu"`` on a TPU, else ``"gpu"``.
     tpu_tiles: overrides of ``TPU_TILES`` entries (``"fwd"``, ``"dx"``,
       ``"dw"``), for a tile search.
-    vmem_limit: the TPU kernels' scoped VMEM limit in bytes.
+    vmem_limit: the TPU kernels' scoped VMEM limit in bytes (default: twice
+      each kernel's estimated need, within ``TPU_VMEM_BOUNDS``).
     fused: also define the fused ``fwd_bwd`` rule.
     count: count kernel launches per rule in ``LAUNCHES`` (interpret mode
       only: a GPU kernel cannot call the host; count on a GPU with the

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kernels as K
+import shipped_kernels as SK
 
 PATH = os.path.join(os.path.dirname(__file__), os.pardir, "examples",
                     "pallas_gelu_matmul.py")
@@ -127,3 +128,116 @@ def test_gpu_kernel_launches_in_a_scan():
                               kernel_names=PG.KERNEL_NAMES)
   assert smart == {"f": 4, "fwd": 4, "bwd": 8}
   assert plain == {"fwd": 8, "bwd": 8}
+
+
+# -- the TPU kernels (Mosaic): interpret mode here, lowered for a TPU ---------
+
+EX = SK.load_example()      # kernel_launches: Mosaic calls in a lowered module
+
+# tiles small enough that every grid has several steps on each axis
+SMALL_TPU_TILES = {"fwd": (16, 128, 128), "dx": (16, 128, 128),
+                   "dw": (128, 128, 16)}
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("shape,remat,fused", [
+    ((48, 256, 384), False, False), ((48, 256, 384), True, True),
+    ((37, 200, 150), True, False)],
+    ids=["multiple-plain", "multiple-remat-fwd_bwd", "ragged-remat"])
+def test_tpu_kernels_values_and_gradients(dtype, tol, shape, remat, fused):
+  gm, _ = PG.make_gelu_matmul(target="tpu", interpret=True, fused=fused,
+                              tpu_tiles=SMALL_TPU_TILES)
+  x, w = data(*shape, dtype)
+  np.testing.assert_allclose(np.float32(gm(x, w)), np.float32(PG.reference(x, w)),
+                             rtol=tol, atol=tol)
+  got = jax.jit(jax.grad(loss(gm, remat), (0, 1)))(x, w)
+  want = jax.grad(loss(PG.reference, False), (0, 1))(x, w)
+  for a, b in zip(got, want):
+    assert a.dtype == dtype and a.shape == b.shape
+    scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+    np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
+                               atol=tol * scale)
+
+
+def test_tpu_fused_rule_is_bitwise_fwd_then_bwd():
+  """The fused rule rounds ``y`` to the residual dtype before GELU', so its
+  gradients are those of ``fwd`` + ``bwd`` bit for bit (the LM benchmark's
+  loss curves rely on it)."""
+  x, w = data(64, 256, 256, jnp.bfloat16)
+  grads = []
+  for fused in (False, True):
+    gm, _ = PG.make_gelu_matmul(target="tpu", interpret=True, fused=fused,
+                                tpu_tiles=SMALL_TPU_TILES)
+    grads.append(jax.jit(jax.grad(loss(gm, True), (0, 1)))(x, w))
+  for a, b in zip(*grads):
+    assert np.array_equal(np.asarray(a).view(np.uint16),
+                          np.asarray(b).view(np.uint16))
+
+
+@pytest.mark.parametrize("impl,expected", [
+    ("jax", {"fwd": 2, "bwd": 2}),
+    ("smart", {"f": 1, "fwd": 1, "bwd": 2}),
+    ("fused", {"f": 1, "fwd_bwd": 3}),
+])
+def test_tpu_kernel_launches_interpreted(impl, expected):
+  gm, rules = PG.make_gelu_matmul(target="tpu", interpret=True, count=True,
+                                  fused=impl == "fused",
+                                  tpu_tiles=SMALL_TPU_TILES)
+  F = PG.custom_vjp_version(rules) if impl == "jax" else gm
+  x, w = data(32, 128, 128, jnp.float32)
+  PG.LAUNCHES.clear()
+  jax.block_until_ready(jax.jit(jax.grad(loss(F, True), (0, 1)))(x, w))
+  jax.effects_barrier()
+  assert dict(PG.LAUNCHES) == expected
+
+
+@pytest.mark.parametrize("impl,expected", [
+    ("jax", {"gelu_matmul_fwd": 2, "gelu_matmul_bwd_dx": 1,
+             "gelu_matmul_bwd_dw": 1}),
+    ("smart", {"gelu_matmul_f": 1, "gelu_matmul_fwd": 1,
+               "gelu_matmul_bwd_dx": 1, "gelu_matmul_bwd_dw": 1}),
+    ("fused", {"gelu_matmul_f": 1, "gelu_matmul_fused_dy": 1,
+               "gelu_matmul_fused_dx": 1, "gelu_matmul_fused_dw": 1}),
+])
+@pytest.mark.parametrize("shape", [(8192, 4096, 4096), (1000, 700, 900)],
+                         ids=["benchmark", "ragged"])
+def test_tpu_kernels_lower_for_a_tpu(impl, expected, shape):
+  """Mosaic accepts every block at the table's tiles (checked where Pallas
+  lowers for a TPU, no TPU needed); launches per checkpointed step."""
+  gm, rules = PG.make_gelu_matmul(target="tpu", interpret=False,
+                                  fused=impl == "fused")
+  F = PG.custom_vjp_version(rules) if impl == "jax" else gm
+  m, k, n = shape
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+  lowered = jax.jit(jax.grad(loss(F, True), (0, 1))).trace(x, w).lower(
+      lowering_platforms=("tpu",))
+  launches = EX.kernel_launches(lowered.compiler_ir())
+  assert {k.name: n for k, n in launches.items()} == expected
+
+
+def test_target_is_checked():
+  with pytest.raises(ValueError, match="target must be 'tpu' or 'gpu'"):
+    PG.make_gelu_matmul(target="cuda")
+
+
+needs_tpu = pytest.mark.skipif(jax.default_backend() != "tpu",
+                               reason="needs a TPU")
+
+
+@needs_tpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("remat,fused", [(False, False), (True, True)])
+def test_tpu_compiled_values_and_gradients(dtype, tol, remat, fused):
+  gm, _ = PG.make_gelu_matmul(fused=fused)        # Mosaic, the table's tiles
+  x, w = data(1000, 700, 900, dtype)
+  with jax.default_matmul_precision("highest"):
+    want = jax.grad(loss(PG.reference, False), (0, 1))(x, w)
+    ref = PG.reference(x, w)
+  np.testing.assert_allclose(np.float32(gm(x, w)), np.float32(ref), rtol=tol,
+                             atol=tol)
+  got = jax.jit(jax.grad(loss(gm, remat), (0, 1)))(x, w)
+  for a, b in zip(got, want):
+    scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+    np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
+                               atol=tol * scale)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kernels as K
+import shipped_kernels as SK
 
 PATH = os.path.join(os.path.dirname(__file__), os.pardir, "examples",
                     "pallas_rmsnorm_gelu.py")
@@ -95,3 +96,85 @@ def test_gpu_kernel_launches(impl, remat, expected):
   step = jax.jit(jax.value_and_grad(loss(op, remat), (0, 1)))
   assert K.gpu_rule_launches(step, x, gamma,
                              kernel_names=RG.KERNEL_NAMES) == expected
+
+
+# -- the TPU kernels (Mosaic): interpret mode here, lowered for a TPU ---------
+
+EX = SK.load_example()      # kernel_launches: Mosaic calls in a lowered module
+
+SMALL_TILE = 16 * 256 * 4      # 16-row blocks at width 256: several steps
+
+
+def _data(m, d, dtype):
+  x = jax.random.normal(jax.random.key(0), (m, d), dtype)
+  gamma = (1.0 + 0.1 * jax.random.normal(jax.random.key(1), (d,))).astype(dtype)
+  return x, gamma
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
+@pytest.mark.parametrize("shape,remat,fused,expected", [
+    ((64, 256), False, True, {"fwd": 1, "bwd": 1}),
+    ((45, 200), True, False, {"f": 1, "fwd": 1, "bwd": 1}),
+    ((45, 200), True, True, {"f": 1, "fwd_bwd": 1}),
+], ids=["multiple-plain", "ragged-remat", "ragged-remat-fwd_bwd"])
+def test_tpu_kernels_values_gradients_counts(dtype, tol, shape, remat, fused,
+                                             expected):
+  op, _ = RG.make_rmsnorm_gelu(target="tpu", interpret=True, fused=fused,
+                               count=True, tile_bytes=SMALL_TILE)
+  x, gamma = _data(*shape, dtype)
+  np.testing.assert_allclose(np.float32(op(x, gamma)),
+                             np.float32(RG.reference(x, gamma)), rtol=tol,
+                             atol=tol)
+  RG.LAUNCHES.clear()
+  got = jax.jit(jax.grad(loss(op, remat), (0, 1)))(x, gamma)
+  jax.effects_barrier()
+  assert dict(RG.LAUNCHES) == expected
+  want = jax.grad(loss(RG.reference, False), (0, 1))(x, gamma)
+  for a, b in zip(got, want):
+    assert a.dtype == dtype and a.shape == b.shape
+    scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+    np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
+                               atol=tol * scale)
+
+
+def test_tpu_fused_rule_is_bitwise_fwd_then_bwd():
+  x, gamma = _data(64, 256, jnp.bfloat16)
+  grads = []
+  for fused in (False, True):
+    op, _ = RG.make_rmsnorm_gelu(target="tpu", interpret=True, fused=fused,
+                                 tile_bytes=SMALL_TILE)
+    grads.append(jax.jit(jax.grad(loss(op, True), (0, 1)))(x, gamma))
+  for a, b in zip(*grads):
+    assert np.array_equal(np.asarray(a).view(np.uint16),
+                          np.asarray(b).view(np.uint16))
+
+
+@pytest.mark.parametrize("fused,expected", [
+    (False, {"rmsnorm_gelu_f": 1, "rmsnorm_gelu_fwd": 1, "rmsnorm_gelu_bwd": 1}),
+    (True, {"rmsnorm_gelu_f": 1, "rmsnorm_gelu_fwd_bwd": 1}),
+])
+@pytest.mark.parametrize("shape", [(8192, 4096), (1000, 700), (16384, 1024)],
+                         ids=["benchmark", "ragged", "lm"])
+def test_tpu_kernels_lower_for_a_tpu(fused, expected, shape):
+  """Mosaic accepts the blocks (whole rows, (M, 1) for r, (1, D) for dgamma:
+  no one-row block per step); launches per checkpointed step."""
+  op, _ = RG.make_rmsnorm_gelu(target="tpu", interpret=False, fused=fused)
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  gamma = jax.ShapeDtypeStruct(shape[1:], jnp.bfloat16)
+  lowered = jax.jit(jax.grad(loss(op, True), (0, 1))).trace(x, gamma).lower(
+      lowering_platforms=("tpu",))
+  launches = EX.kernel_launches(lowered.compiler_ir())
+  assert {k.name: n for k, n in launches.items()} == expected
+
+
+@pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 5e-2)])
+def test_tpu_compiled_values_and_gradients(dtype, tol):
+  op, _ = RG.make_rmsnorm_gelu(fused=True)        # Mosaic, the table's tile
+  x, gamma = _data(1000, 700, dtype)
+  got = jax.jit(jax.grad(loss(op, True), (0, 1)))(x, gamma)
+  want = jax.grad(loss(RG.reference, False), (0, 1))(x, gamma)
+  for a, b in zip(got, want):
+    scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+    np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
+                               atol=tol * scale)
