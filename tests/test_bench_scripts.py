@@ -8,6 +8,7 @@ import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
@@ -157,3 +158,72 @@ def test_tpu_attention_counts_off_a_tpu(capsys):
                 "_flash_attention_dq_kernel (1 output)"):
       assert shipped["by_kernel"][bwd] == swapped["by_kernel"][bwd] == layers
     assert 2 * swapped["residual_bytes"] == shipped["residual_bytes"] > 0
+
+
+def test_tpu_tiles_says_it_needs_a_tpu(capsys):
+  bench = load("tpu_tiles")
+  if jax.default_backend() == "tpu":
+    pytest.skip("on a TPU the script runs the search: run it by hand")
+  assert bench.main([]) is None
+  assert "no TPU here" in capsys.readouterr().out
+
+
+def test_tpu_lm_kernel_launches_off_a_tpu():
+  """The LM's columns lowered for a TPU (the example kernels and JAX's flash
+  attention as Mosaic calls): per step, under nothing_saveable, the
+  kernel columns run the same backward kernels and smartvjp writes the
+  residuals of each kernel once where jax.custom_vjp writes them twice."""
+  lm = load("tpu_lm")
+  EX = lm.EX
+  cfg = lm.Config(layers=2, width=256, heads=2, seq=256, vocab=512, mlp=512,
+                  batch=1)
+  policy = lm.POLICIES["nothing_saveable"]
+  tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
+  counts = {}
+  for column in lm.KERNEL_COLUMNS:
+    step = lm.make_train_step(cfg, column, policy, smoke=False)
+    lowered = step.trace(lm.state_shapes(cfg), tokens).lower(
+        lowering_platforms=("tpu",))
+    counts[column] = {(k.name, len(k.outputs)): n for k, n in
+                      EX.kernel_launches(lowered.compiler_ir()).items()}
+  L = cfg.layers
+  shipped, smart, fused = (counts["jax.custom_vjp"], counts["smartvjp"],
+                           counts["smartvjp+fused"])
+  assert shipped[("_flash_attention_kernel", 3)] == 2 * L
+  assert smart[("_flash_attention_kernel", 3)] == L
+  assert smart[("_flash_attention_kernel", 1)] == L
+  assert shipped[("gelu_matmul_fwd", 2)] == 2 * L
+  assert smart[("gelu_matmul_fwd", 2)] == smart[("gelu_matmul_f", 1)] == L
+  assert shipped[("rmsnorm_gelu_fwd", 3)] == 4 * L
+  assert smart[("rmsnorm_gelu_fwd", 3)] == smart[("rmsnorm_gelu_f", 1)] == 2 * L
+  opt = counts["optimize_remat"]     # the kernels' f forward; flash shipped
+  assert opt[("gelu_matmul_f", 1)] == opt[("gelu_matmul_fwd", 2)] == L
+  assert opt[("_flash_attention_kernel", 3)] == 2 * L
+  # the fused rules: the backward region still needs each kernel's output
+  # (the next matmul's gradient reads it), so f runs there too
+  assert fused[("gelu_matmul_f", 1)] == 2 * L
+  assert fused[("rmsnorm_gelu_f", 1)] == 4 * L
+  assert fused[("rmsnorm_gelu_fwd_bwd", 2)] == 2 * L
+  for column in lm.KERNEL_COLUMNS:
+    c = counts[column]
+    assert c[("_flash_attention_dkv_kernel", 2)] == L
+    assert c[("_flash_attention_dq_kernel", 1)] == L
+
+
+def test_tpu_lm_smoke(capsys):
+  """The LM loop on the CPU at a tiny size (attention in jnp): losses fall,
+  the kernel columns' curves are equal bit for bit to jax.custom_vjp's."""
+  lm = load("tpu_lm")
+  if jax.default_backend() == "tpu":
+    pytest.skip("on a TPU the script trains the real model: run it by hand")
+  doc, goals = lm.main(["--smoke", "--policies", "nothing_saveable",
+                        "--columns", "xla", "jax.custom_vjp", "smartvjp",
+                        "--steps", "3", "--rounds", "2"])
+  res = doc["policies"]["nothing_saveable"]["columns"]
+  assert res["smartvjp"]["loss"] == res["jax.custom_vjp"]["loss"]
+  assert res["smartvjp"]["loss"][-1] < res["smartvjp"]["loss"][0]
+  assert res["smartvjp"]["loss_bitwise_equal_custom_vjp"]
+  for rec in res.values():
+    assert rec["first_step_s"]["total"] > 0 and rec["memory_bytes"] > 0
+    assert rec["step_s"]["median"] > 0 and rec["tokens_per_s"] > 0
+  assert "verdict" in capsys.readouterr().out
