@@ -369,7 +369,13 @@ def main(argv=None):
       t1 = time.perf_counter()
       lowered = traced.lower()
       t2 = time.perf_counter()
-      compiled = lowered.compile()
+      try:
+        compiled = lowered.compile()
+      except Exception as e:   # noqa: BLE001 -- e.g. out of memory: recorded
+        rec["error"] = f"{type(e).__name__}: {e}"[:500]
+        print(f"[{pname}] {column}: {rec['error'][:200]}", flush=True)
+        save()
+        continue
       t3 = time.perf_counter()
       state, loss = compiled(state, tokens0)
       jax.block_until_ready(loss)
@@ -436,7 +442,7 @@ def main(argv=None):
       with concurrent.futures.ThreadPoolExecutor(len(args.columns)) as pool:
         futs = {c: pool.submit(largest_batch, cfg, c, policy, smoke,
                                res["columns"][c]["memory_bytes"], budget)
-                for c in args.columns}
+                for c in args.columns if "memory_bytes" in res["columns"][c]}
         for c, fut in futs.items():
           rec = res["columns"][c]
           try:
@@ -449,8 +455,9 @@ def main(argv=None):
             rec["largest_batch"] = dict(error=f"{type(e).__name__}: {e}"[:500])
       save()
     cols = res["columns"]
-    fused, base, xla = (cols.get("smartvjp+fused"), cols.get("jax.custom_vjp"),
-                        cols.get("xla"))
+    ok = lambda c: c if c and "step_s" in c else None
+    fused, base, xla = (ok(cols.get("smartvjp+fused")),
+                        ok(cols.get("jax.custom_vjp")), ok(cols.get("xla")))
     med = lambda r: r["step_s"]["median"]
     if fused and base:
       goals.check(f"{pname}: smartvjp+fused step faster than jax.custom_vjp's "
