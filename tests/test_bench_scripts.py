@@ -157,3 +157,20 @@ def test_tpu_attention_counts_off_a_tpu(capsys):
                 "_flash_attention_dq_kernel (1 output)"):
       assert shipped["by_kernel"][bwd] == swapped["by_kernel"][bwd] == layers
     assert 2 * swapped["residual_bytes"] == shipped["residual_bytes"] > 0
+
+
+def test_counts_debug_row_prints_nothing(capfd):
+  """The "debug print in fwd" row of benchmarks/counts.py has a debug
+  effect in fwd but writes nothing, so that no line comes before the
+  report's header."""
+  counts = load("counts")
+  rules = counts.debug_fwd_rules()
+  F = jax.custom_vjp(rules["f"])
+  F.defvjp(rules["fwd"], rules["bwd"])
+  x = jax.numpy.ones(3)
+  program = jax.make_jaxpr(jax.grad(counts.remat_loss(F)))(x)
+  assert "debug_callback" in str(program)
+  jax.block_until_ready(jax.jit(jax.grad(counts.remat_loss(F)))(x))
+  jax.effects_barrier()
+  out, err = capfd.readouterr()
+  assert out == "" and "fwd ran" not in err, (out, err)
