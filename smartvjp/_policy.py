@@ -84,7 +84,8 @@ def split_fwd(saveable, call, fwd) -> Split | None:
            for e in jaxpr.eqns}
   known_spec = dataclasses.replace(
       fwd, jaxpr=jx.ClosedJaxpr(known, ()),
-      new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=())
+      new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=(),
+      saved_part=True)
   staged_spec = fwd.reading_saved(jx.ClosedJaxpr(staged, ()), len(saved))
   return Split(known_spec, staged_spec, saved_outputs)
 
