@@ -21,6 +21,7 @@ The docstring examples that the API reference shows run in
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import glob
 import importlib.util
@@ -405,17 +406,38 @@ def test_the_public_address_is_one_setting():
     assert address in install and "not public yet" not in install
 
 
+def module_all(module: str) -> list[str]:
+  """``smartvjp.<module>.__all__``, read from the source (``tesseract``
+  imports tesseract_core, which the ``test`` extra does not install)."""
+  path = os.path.join(ROOT, "smartvjp", f"{module}.py")
+  tree = ast.parse(open(path, encoding="utf-8").read())
+  for node in tree.body:
+    if (isinstance(node, ast.Assign) and
+        [getattr(t, "id", None) for t in node.targets] == ["__all__"]):
+      return list(ast.literal_eval(node.value))
+  raise AssertionError(f"{path} has no __all__")
+
+
 def test_api_reference_covers_every_public_name():
   import smartvjp
+  import smartvjp.testing
   text = open(os.path.join(DOCS, "api.md"), encoding="utf-8").read()
   shown = re.findall(r"^::: smartvjp\.(\w+)$", text, re.M)
   public = [n for n in smartvjp.__all__ if n != "__version__"]
-  assert sorted(shown) == sorted(public)
+  assert sorted(set(shown) - {"tesseract"}) == sorted(public)
   for name, members in re.findall(
       r"^::: smartvjp\.(\w+)\n    options:\n      members:\n((?:        - \w+\n)+)",
       text, re.M):
     for member in re.findall(r"- (\w+)", members):
       assert callable(getattr(getattr(smartvjp, name), member)), (name, member)
+  # the public submodules: smartvjp.testing's names one by one, and
+  # smartvjp.tesseract's as members of the module's entry
+  assert re.findall(r"^::: smartvjp\.testing\.(\w+)$", text, re.M) == \
+      smartvjp.testing.__all__
+  entry = re.search(r"^::: smartvjp\.tesseract\n((?:    .*\n)+)", text, re.M)
+  assert entry, "docs/api.md has no entry for smartvjp.tesseract"
+  assert re.findall(r"^        - (\w+)$", entry.group(1), re.M) == \
+      module_all("tesseract")
 
 
 # -- mkdocs build --strict -----------------------------------------------------------
@@ -449,12 +471,22 @@ def _api_docstring_blocks():
   import inspect
   import smartvjp
   text = open(os.path.join(DOCS, "api.md"), encoding="utf-8").read()
+  import smartvjp.testing
   count = 0
-  for name, rest in re.findall(r"^::: smartvjp\.(\w+)\n((?:    .*\n)*)", text,
-                               re.M):
-    obj = getattr(smartvjp, name)
-    docs = [inspect.getdoc(obj)] + [
-        inspect.getdoc(getattr(obj, m)) for m in re.findall(r"- (\w+)", rest)]
+  for name, rest in re.findall(r"^::: smartvjp\.([\w.]+)\n((?:    .*\n)*)",
+                               text, re.M):
+    members = re.findall(r"- (\w+)", rest)
+    if name == "tesseract":   # read from the source: needs tesseract_core
+      tree = ast.parse(open(os.path.join(ROOT, "smartvjp", "tesseract.py"),
+                            encoding="utf-8").read())
+      docs = [ast.get_docstring(n) for n in tree.body
+              if getattr(n, "name", None) in members]
+    else:
+      obj = smartvjp
+      for part in name.split("."):
+        obj = getattr(obj, part)
+      docs = [inspect.getdoc(obj)] + [
+          inspect.getdoc(getattr(obj, m)) for m in members]
     count += sum(len(re.findall(r"^```", d or "", re.M)) // 2 for d in docs)
   return count
 
