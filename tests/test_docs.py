@@ -387,6 +387,53 @@ def test_code_naming_a_repository_file_links_to_it_once_there_is_an_address():
   ).replace("`benchmarks/`;", f"[`benchmarks/`]({site}/benchmarks);")
 
 
+def _user_facing_files():
+  """The files a user reads or runs: pages, examples, benchmarks, tools,
+  the package (its docstrings and messages), not the tests."""
+  for folder in ("docs", "design", "examples", "benchmarks", "tools",
+                 "smartvjp"):
+    for path in glob.glob(os.path.join(ROOT, folder, "**", "*"),
+                          recursive=True):
+      if path.endswith((".md", ".py", ".sh", ".toml", ".txt")) and \
+          os.path.isfile(path):
+        yield path
+  for name in ("README.md", "CHANGELOG.md", "pyproject.toml"):
+    yield os.path.join(ROOT, name)
+
+
+INSTALL = re.compile(r"pip install (?:-e )?[\"']?(?P<target>[^\s\"'`]+)")
+
+
+def test_install_lines_have_the_readme_s_form():
+  """Every ``pip install`` of this project that a page, example or message
+  gives has the README's form, from the clone (``pip install -e
+  ".[extra]"``), since smartvjp is not on PyPI (``pip install
+  "smartvjp[extra]"`` cannot work); each extra it names exists; and where
+  it installs the ``tesseract`` extra it says that needs Python 3.12 or
+  newer (tesseract-jax 0.5's floor)."""
+  name, extras = _extras()
+  readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  assert 'pip install -e ".[examples]"' in readme and "not on PyPI" in \
+      readme.replace("Not on PyPI", "not on PyPI")
+  wrong = []
+  for path in _user_facing_files():
+    text = open(path, encoding="utf-8").read()
+    for m in INSTALL.finditer(text):
+      target, where = m.group("target"), (
+          f"{os.path.relpath(path, ROOT)}:{text.count(chr(10), 0, m.start()) + 1}")
+      if target.startswith(f"{name}["):
+        wrong.append(f"{where}: {m.group(0)} (not on PyPI: use "
+                     f"pip install -e \".[...]\" in the clone)")
+      elif re.fullmatch(r"\.\[[\w,]+\]", target):
+        missing = set(target[2:-1].split(",")) - extras
+        if missing:
+          wrong.append(f"{where}: no extra {sorted(missing)}")
+        nearby = text[max(0, m.start() - 300):m.end() + 300]
+        if "tesseract" in target and "3.12" not in nearby:
+          wrong.append(f"{where}: the tesseract extra without 'Python 3.12'")
+  assert not wrong, "\n".join(wrong)
+
+
 def test_the_public_address_is_one_setting():
   """``Source`` in pyproject.toml's [project.urls] is the only place the
   repository's address is written (a release fills it in): the docs site
