@@ -576,3 +576,27 @@ def test_wide_blocks_scroll_and_table_code_does_not_break():
   assert "overflow-x: auto" in rules[".md-typeset pre > code"]
   assert "overflow-x: auto" in rules[".md-typeset__table,\n.md-typeset__scrollwrap"]
   assert "white-space: nowrap" in rules[".md-typeset table:not([class]) code"]
+
+
+def test_performance_cost_table_is_the_output_below_it():
+  """The performance page's cost table (a markdown table, which the site
+  fits to the page) holds the figures of the script output printed under
+  it, row by row."""
+  text = open(os.path.join(DOCS, "performance.md"), encoding="utf-8").read()
+  section = text.split("## Work per policy")[1].split("\n## ")[0]
+  table = [l for l in section.splitlines() if l.startswith("| ")][1:]
+  output = next(b for b in blocks_of("performance.md") if b.lang == "text")
+  rows, policy = [], None
+  for line in output.code.splitlines():
+    m = re.match(r"^(\S.*?\S)\s{2,}(saveable|mixed|kernel|named)\s+(.*)$", line)
+    if m:
+      cells = re.findall(r"(n/a|[\d.]+)/([\d.]+)/([\d.]+)/(\d+) \(([^)]*)\)",
+                         m.group(3))
+      rows.append((m.group(1), m.group(2),
+                   [f"{a} / {b} / {c} / {d} ({e})" for a, b, c, d, e in cells]))
+  shown = []
+  for line in table:
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    policy = cells[0].strip("`") or policy
+    shown.append((policy, cells[1], cells[2:]))
+  assert len(rows) == 48 and shown == rows
