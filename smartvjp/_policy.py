@@ -85,8 +85,10 @@ def split_fwd(saveable, call, fwd) -> Split | None:
   known_spec = dataclasses.replace(
       fwd, jaxpr=jx.ClosedJaxpr(known, ()),
       new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=(),
-      saved_part=True)
-  staged_spec = fwd.reading_saved(jx.ClosedJaxpr(staged, ()), len(saved))
+      split_part="saved")
+  staged_spec = dataclasses.replace(
+      fwd.reading_saved(jx.ClosedJaxpr(staged, ()), len(saved)),
+      split_part="rest")
   return Split(known_spec, staged_spec, saved_outputs)
 
 

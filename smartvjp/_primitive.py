@@ -232,9 +232,9 @@ def pp_rule(eqn, context, settings):
     shown["fwd_bwd"] = rules.rule_name("fwd_bwd")
   if prim is rule_p and which in ("bwd", "fwd_bwd"):
     shown[which] = rules.rule_name(which)
-  if prim is rule_p and which == "fwd" and fwd is not None and (
-      fwd.saved_part or fwd.reads_saved):   # one side of a split fwd
-    shown["part"] = "saved" if fwd.saved_part else "rest"
+  if prim is rule_p and which == "fwd" and fwd is not None and \
+      fwd.split_part is not None:
+    shown["part"] = fwd.split_part
   params.pop("jaxpr", None)
   if fwd is not None and fwd.num_new_res and prim is not rem_p:
     shown["num_res"] = fwd.num_new_res

@@ -103,10 +103,10 @@ class FwdSpec:
   # of a split, or of remat3): the part producing the primal outputs costs
   # no more than ``f``
   reads_saved: bool = False
-  # the forward side of a split: fwd's primal outputs and only the values
-  # the policy saves (printed as part=saved; the backward side, reads_saved,
-  # as part=rest)
-  saved_part: bool = False
+  # one side of a fwd that a remat policy split (_policy.split_fwd), as
+  # jaxprs print it: "saved", the forward side (fwd's primal outputs and
+  # the values the policy saves), or "rest", the backward side
+  split_part: str | None = None
 
   @property
   def num_new_res(self) -> int:
