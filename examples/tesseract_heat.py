@@ -10,8 +10,9 @@ gradient runs apply-with-residuals and the VJP from them (no forward
 re-run); under ``jax.checkpoint`` the plain apply and VJP; forward mode the
 JVP endpoint; ``jax.jacfwd`` one ``jacobian`` call.
 
-Needs the ``tesseract`` extra: pip install "smartvjp[tesseract]" (without
-it, the example says so in one line and stops).
+Needs the ``tesseract`` extra, from the clone: pip install -e ".[tesseract]"
+(Python 3.12 or newer: tesseract-jax 0.5 needs it; without the extra, the
+example says so in one line and stops).
 Run:  python examples/tesseract_heat.py
 """
 
@@ -81,7 +82,8 @@ def main():
         "per program, smartvjp.tesseract beside tesseract-jax.")
   if MISSING:
     print(f"It needs {', '.join(MISSING)} "
-          f'(pip install "smartvjp[tesseract]"); not run.')
+          '(pip install -e ".[tesseract]" in the clone, on Python 3.12 '
+          'or newer); not run.')
     print(f"\nFinished in {time.perf_counter() - start:.1f} s.")
     return None
   import jax

@@ -289,7 +289,11 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
         f"of smart_custom_vjp function {call.name} needs a {which} rule "
         f"({call.rules.rule_name(which)}) that JAX can transpose in its "
         f"cotangent argument (JAX code, linear in g); transposing it failed "
-        f"with: {type(e).__name__}: {e}") from e
+        f"(JAX said: {type(e).__name__}: {str(e).rstrip('. ')}). For an "
+        f"opaque {which} (a kernel, a callback), give a forward rule "
+        f"instead: {call.name}.defvjp(..., jvp=rule), with rule(primals, "
+        f"tangents) -> (primal_out, tangent_out) as for jax.custom_jvp; "
+        f"forward mode then runs it and never transposes {which}.") from e
 
 
 @functools.cache

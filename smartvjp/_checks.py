@@ -115,7 +115,17 @@ def check_jax_leaves(tree, rules, which: str, what: str) -> None:
           TypeError, rules, which,
           f"returned {what} containing a value of type {type(leaf).__name__} "
           f"at {what}{tree_util.keystr(path)}, which is not a valid JAX type "
-          "(arrays, scalars and pytrees of them are).") from None
+          f"(arrays, scalars and pytrees of them are).{_FIX.get(what, '')}"
+      ) from None
+
+
+_FIX = {
+    "residuals": (
+        " To hand bwd a value that is not an array (a string, a flag, a "
+        "function), make it an argument listed in nondiff_argnums (bwd then "
+        "receives it first: bwd(*nondiff_args, residuals, g)), or close over "
+        "it in both fwd and bwd."),
+}
 
 
 def expect_used_up(it, what: str) -> None:

@@ -7,8 +7,9 @@ always uses symbolic zeros, JAX's ``optimize_remat`` cannot help equinox users
 at all; here the remat behaviour of ``smart_custom_vjp`` applies, and an
 optional fused rule can be given with :meth:`filter_custom_vjp.def_fwd_bwd`.
 
-Requires ``equinox`` (``pip install smartvjp[examples]`` or ``pip install
-equinox``); it is imported when this class is first used.
+Requires ``equinox`` (the ``examples`` extra, ``pip install -e ".[examples]"``
+in the clone, or ``pip install equinox``); it is imported when this class is
+first used.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 from typing import Callable
 
 from jax import tree_util
@@ -59,6 +60,23 @@ _HAS = {
 
 
 
+# The oldest Python that jax 0.11 and newer install on (pip picks jax 0.10.2
+# on Python 3.11).
+NEWER_JAX_NEEDS_PYTHON = (3, 12)
+
+
+def upgrade_advice(release: str, python=None) -> str:
+  """How to get jax ``release`` on this Python (``python``: a version tuple,
+  ``sys.version_info`` by default)."""
+  python = tuple((python or sys.version_info)[:2])
+  if python < NEWER_JAX_NEEDS_PYTHON:
+    need = ".".join(map(str, NEWER_JAX_NEEDS_PYTHON))
+    return (f"jax {release} needs Python {need} or newer and this is Python "
+            f"{python[0]}.{python[1]}: upgrade JAX in a Python {need}+ "
+            "environment")
+  return f"Upgrade JAX to {release} or newer"
+
+
 def require_method(fun, method: str) -> None:
   """Raises ``NotImplementedError`` unless the installed ``jax.custom_vjp``
   has ``method``."""
@@ -68,7 +86,7 @@ def require_method(fun, method: str) -> None:
         f"smart_custom_vjp function {function_name(fun)}: {method} mirrors "
         f"jax.custom_vjp.{method}, which JAX added in jax "
         f"{INTRODUCED[method]}; the installed jax {jax.__version__} does not "
-        f"have it. Upgrade JAX, or use defvjp.")
+        f"have it. {upgrade_advice(INTRODUCED[method])}, or use defvjp.")
 
 
 def check_generic_batching(fun, method: str, value) -> None:
@@ -87,7 +105,9 @@ def check_generic_batching(fun, method: str, value) -> None:
         f"smart_custom_vjp function {function_name(fun)}: {method}'s "
         "generic_batching parameter mirrors jax.custom_vjp's, which JAX added "
         f"in jax {INTRODUCED['generic_batching']}; the installed jax "
-        f"{jax.__version__} does not have it.")
+        f"{jax.__version__} does not have it. "
+        f"{upgrade_advice(INTRODUCED['generic_batching'])}, or leave "
+        "generic_batching out.")
 
 
 # -- logs ----------------------------------------------------------------------

@@ -84,8 +84,11 @@ def split_fwd(saveable, call, fwd) -> Split | None:
            for e in jaxpr.eqns}
   known_spec = dataclasses.replace(
       fwd, jaxpr=jx.ClosedJaxpr(known, ()),
-      new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=())
-  staged_spec = fwd.reading_saved(jx.ClosedJaxpr(staged, ()), len(saved))
+      new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=(),
+      split_part="saved")
+  staged_spec = dataclasses.replace(
+      fwd.reading_saved(jx.ClosedJaxpr(staged, ()), len(saved)),
+      split_part="rest")
   return Split(known_spec, staged_spec, saved_outputs)
 
 

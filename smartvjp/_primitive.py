@@ -209,7 +209,9 @@ def checked_rule(ctx, error, enabled, fn, args, call, role):
 def pp_rule(eqn, context, settings):
   """Prints an equation with the names of the user's rules it runs in place
   of the spec objects (``smartvjp_rule`` under the role of its rule:
-  ``smartvjp_primal`` for ``f``, ``smartvjp_fwd``, ``smartvjp_bwd``)."""
+  ``smartvjp_primal`` for ``f``, ``smartvjp_fwd``, ``smartvjp_bwd``), and
+  for a ``fwd`` that a remat policy split, which side it runs (``part=saved``
+  in the forward pass, ``part=rest`` in the backward region)."""
   params = dict(eqn.params)
   call = params.pop("call")
   rules = call.rules
@@ -230,6 +232,9 @@ def pp_rule(eqn, context, settings):
     shown["fwd_bwd"] = rules.rule_name("fwd_bwd")
   if prim is rule_p and which in ("bwd", "fwd_bwd"):
     shown[which] = rules.rule_name(which)
+  if prim is rule_p and which == "fwd" and fwd is not None and \
+      fwd.split_part is not None:
+    shown["part"] = fwd.split_part
   params.pop("jaxpr", None)
   if fwd is not None and fwd.num_new_res and prim is not rem_p:
     shown["num_res"] = fwd.num_new_res

@@ -103,6 +103,10 @@ class FwdSpec:
   # of a split, or of remat3): the part producing the primal outputs costs
   # no more than ``f``
   reads_saved: bool = False
+  # one side of a fwd that a remat policy split (_policy.split_fwd), as
+  # jaxprs print it: "saved", the forward side (fwd's primal outputs and
+  # the values the policy saves), or "rest", the backward side
+  split_part: str | None = None
 
   @property
   def num_new_res(self) -> int:

@@ -38,8 +38,9 @@ served Tesseract should be made with a ``timeout``
 answering ends the program with a :class:`TesseractEndpointError` instead of
 a wait without end.
 
-This module imports ``tesseract_core`` (``pip install smartvjp[tesseract]``);
-``import smartvjp`` does not import it.
+This module imports ``tesseract_core`` (the ``tesseract`` extra: ``pip install
+-e ".[tesseract]"`` in the clone, on Python 3.12 or newer, which tesseract-jax
+0.5 needs); ``import smartvjp`` does not import it.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ where it does not (a ``NotImplementedError`` naming the JAX release).
 
 import contextlib
 import inspect
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -99,9 +100,21 @@ def test_missing_method_raises(method):
   if method.startswith("defremat"):
     rules.insert(1, lambda r, x: (x, None))
   with pytest.raises(NotImplementedError,
-                     match=rf"{method}.*jax {METHODS[method]}"):
+                     match=rf"{method}.*jax {METHODS[method]}") as e:
     getattr(F, method)(*rules)
   assert not hasattr(jax.custom_vjp, method)  # as JAX: no such method
+  if sys.version_info < (3, 12):   # no newer JAX installs here
+    assert "needs Python 3.12 or newer" in str(e.value), e.value
+
+
+@pytest.mark.parametrize("python,says", [
+    ((3, 11), "jax 0.12.0 needs Python 3.12 or newer and this is Python 3.11"),
+    ((3, 12), "Upgrade JAX to 0.12.0 or newer"),
+    ((3, 13), "Upgrade JAX to 0.12.0 or newer"),
+])
+def test_upgrade_advice_says_which_python_newer_jax_needs(python, says):
+  from smartvjp import _jax_api
+  assert _jax_api.upgrade_advice("0.12.0", python).startswith(says)
 
 
 @pytest.mark.skipif(HAS_GB, reason="jax.custom_vjp.defvjp has generic_batching")

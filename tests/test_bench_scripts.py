@@ -227,3 +227,20 @@ def test_tpu_lm_smoke(capsys):
     assert rec["first_step_s"]["total"] > 0 and rec["memory_bytes"] > 0
     assert rec["step_s"]["median"] > 0 and rec["tokens_per_s"] > 0
   assert "verdict" in capsys.readouterr().out
+
+
+def test_counts_debug_row_prints_nothing(capfd):
+  """The "debug print in fwd" row of benchmarks/counts.py has a debug
+  effect in fwd but writes nothing, so that no line comes before the
+  report's header."""
+  counts = load("counts")
+  rules = counts.debug_fwd_rules()
+  F = jax.custom_vjp(rules["f"])
+  F.defvjp(rules["fwd"], rules["bwd"])
+  x = jax.numpy.ones(3)
+  program = jax.make_jaxpr(jax.grad(counts.remat_loss(F)))(x)
+  assert "debug_callback" in str(program)
+  jax.block_until_ready(jax.jit(jax.grad(counts.remat_loss(F)))(x))
+  jax.effects_barrier()
+  out, err = capfd.readouterr()
+  assert out == "" and "fwd ran" not in err, (out, err)

@@ -21,6 +21,7 @@ The docstring examples that the API reference shows run in
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import glob
 import importlib.util
@@ -386,6 +387,53 @@ def test_code_naming_a_repository_file_links_to_it_once_there_is_an_address():
   ).replace("`benchmarks/`;", f"[`benchmarks/`]({site}/benchmarks);")
 
 
+def _user_facing_files():
+  """The files a user reads or runs: pages, examples, benchmarks, tools,
+  the package (its docstrings and messages), not the tests."""
+  for folder in ("docs", "design", "examples", "benchmarks", "tools",
+                 "smartvjp"):
+    for path in glob.glob(os.path.join(ROOT, folder, "**", "*"),
+                          recursive=True):
+      if path.endswith((".md", ".py", ".sh", ".toml", ".txt")) and \
+          os.path.isfile(path):
+        yield path
+  for name in ("README.md", "CHANGELOG.md", "pyproject.toml"):
+    yield os.path.join(ROOT, name)
+
+
+INSTALL = re.compile(r"pip install (?:-e )?[\"']?(?P<target>[^\s\"'`]+)")
+
+
+def test_install_lines_have_the_readme_s_form():
+  """Every ``pip install`` of this project that a page, example or message
+  gives has the README's form, from the clone (``pip install -e
+  ".[extra]"``), since smartvjp is not on PyPI (``pip install
+  "smartvjp[extra]"`` cannot work); each extra it names exists; and where
+  it installs the ``tesseract`` extra it says that needs Python 3.12 or
+  newer (tesseract-jax 0.5's floor)."""
+  name, extras = _extras()
+  readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  assert 'pip install -e ".[examples]"' in readme and "not on PyPI" in \
+      readme.replace("Not on PyPI", "not on PyPI")
+  wrong = []
+  for path in _user_facing_files():
+    text = open(path, encoding="utf-8").read()
+    for m in INSTALL.finditer(text):
+      target, where = m.group("target"), (
+          f"{os.path.relpath(path, ROOT)}:{text.count(chr(10), 0, m.start()) + 1}")
+      if target.startswith(f"{name}["):
+        wrong.append(f"{where}: {m.group(0)} (not on PyPI: use "
+                     f"pip install -e \".[...]\" in the clone)")
+      elif re.fullmatch(r"\.\[[\w,]+\]", target):
+        missing = set(target[2:-1].split(",")) - extras
+        if missing:
+          wrong.append(f"{where}: no extra {sorted(missing)}")
+        nearby = text[max(0, m.start() - 300):m.end() + 300]
+        if "tesseract" in target and "3.12" not in nearby:
+          wrong.append(f"{where}: the tesseract extra without 'Python 3.12'")
+  assert not wrong, "\n".join(wrong)
+
+
 def test_the_public_address_is_one_setting():
   """``Source`` in pyproject.toml's [project.urls] is the only place the
   repository's address is written (a release fills it in): the docs site
@@ -405,17 +453,38 @@ def test_the_public_address_is_one_setting():
     assert address in install and "not public yet" not in install
 
 
+def module_all(module: str) -> list[str]:
+  """``smartvjp.<module>.__all__``, read from the source (``tesseract``
+  imports tesseract_core, which the ``test`` extra does not install)."""
+  path = os.path.join(ROOT, "smartvjp", f"{module}.py")
+  tree = ast.parse(open(path, encoding="utf-8").read())
+  for node in tree.body:
+    if (isinstance(node, ast.Assign) and
+        [getattr(t, "id", None) for t in node.targets] == ["__all__"]):
+      return list(ast.literal_eval(node.value))
+  raise AssertionError(f"{path} has no __all__")
+
+
 def test_api_reference_covers_every_public_name():
   import smartvjp
+  import smartvjp.testing
   text = open(os.path.join(DOCS, "api.md"), encoding="utf-8").read()
   shown = re.findall(r"^::: smartvjp\.(\w+)$", text, re.M)
   public = [n for n in smartvjp.__all__ if n != "__version__"]
-  assert sorted(shown) == sorted(public)
+  assert sorted(set(shown) - {"tesseract"}) == sorted(public)
   for name, members in re.findall(
       r"^::: smartvjp\.(\w+)\n    options:\n      members:\n((?:        - \w+\n)+)",
       text, re.M):
     for member in re.findall(r"- (\w+)", members):
       assert callable(getattr(getattr(smartvjp, name), member)), (name, member)
+  # the public submodules: smartvjp.testing's names one by one, and
+  # smartvjp.tesseract's as members of the module's entry
+  assert re.findall(r"^::: smartvjp\.testing\.(\w+)$", text, re.M) == \
+      smartvjp.testing.__all__
+  entry = re.search(r"^::: smartvjp\.tesseract\n((?:    .*\n)+)", text, re.M)
+  assert entry, "docs/api.md has no entry for smartvjp.tesseract"
+  assert re.findall(r"^        - (\w+)$", entry.group(1), re.M) == \
+      module_all("tesseract")
 
 
 # -- mkdocs build --strict -----------------------------------------------------------
@@ -449,12 +518,22 @@ def _api_docstring_blocks():
   import inspect
   import smartvjp
   text = open(os.path.join(DOCS, "api.md"), encoding="utf-8").read()
+  import smartvjp.testing
   count = 0
-  for name, rest in re.findall(r"^::: smartvjp\.(\w+)\n((?:    .*\n)*)", text,
-                               re.M):
-    obj = getattr(smartvjp, name)
-    docs = [inspect.getdoc(obj)] + [
-        inspect.getdoc(getattr(obj, m)) for m in re.findall(r"- (\w+)", rest)]
+  for name, rest in re.findall(r"^::: smartvjp\.([\w.]+)\n((?:    .*\n)*)",
+                               text, re.M):
+    members = re.findall(r"- (\w+)", rest)
+    if name == "tesseract":   # read from the source: needs tesseract_core
+      tree = ast.parse(open(os.path.join(ROOT, "smartvjp", "tesseract.py"),
+                            encoding="utf-8").read())
+      docs = [ast.get_docstring(n) for n in tree.body
+              if getattr(n, "name", None) in members]
+    else:
+      obj = smartvjp
+      for part in name.split("."):
+        obj = getattr(obj, part)
+      docs = [inspect.getdoc(obj)] + [
+          inspect.getdoc(getattr(obj, m)) for m in members]
     count += sum(len(re.findall(r"^```", d or "", re.M)) // 2 for d in docs)
   return count
 
@@ -497,3 +576,27 @@ def test_wide_blocks_scroll_and_table_code_does_not_break():
   assert "overflow-x: auto" in rules[".md-typeset pre > code"]
   assert "overflow-x: auto" in rules[".md-typeset__table,\n.md-typeset__scrollwrap"]
   assert "white-space: nowrap" in rules[".md-typeset table:not([class]) code"]
+
+
+def test_performance_cost_table_is_the_output_below_it():
+  """The performance page's cost table (a markdown table, which the site
+  fits to the page) holds the figures of the script output printed under
+  it, row by row."""
+  text = open(os.path.join(DOCS, "performance.md"), encoding="utf-8").read()
+  section = text.split("## Work per policy")[1].split("\n## ")[0]
+  table = [l for l in section.splitlines() if l.startswith("| ")][1:]
+  output = next(b for b in blocks_of("performance.md") if b.lang == "text")
+  rows, policy = [], None
+  for line in output.code.splitlines():
+    m = re.match(r"^(\S.*?\S)\s{2,}(saveable|mixed|kernel|named)\s+(.*)$", line)
+    if m:
+      cells = re.findall(r"(n/a|[\d.]+)/([\d.]+)/([\d.]+)/(\d+) \(([^)]*)\)",
+                         m.group(3))
+      rows.append((m.group(1), m.group(2),
+                   [f"{a} / {b} / {c} / {d} ({e})" for a, b, c, d, e in cells]))
+  shown = []
+  for line in table:
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    policy = cells[0].strip("`") or policy
+    shown.append((policy, cells[1], cells[2:]))
+  assert len(rows) == 48 and shown == rows

@@ -77,7 +77,8 @@ def test_residuals_not_jax_types():
   def my_fwd(x, y):
     return {"out": x * y, "aux": (x,)}, (x, "not an array")
   with pytest.raises(TypeError, match=r"my_fwd.*type str at residuals\[1\].*not a "
-                     r"valid JAX type"):
+                     r"valid JAX type.*make it an argument listed in "
+                     r"nondiff_argnums.*or close over it in both fwd and bwd"):
     grad_of(make(fwd=my_fwd))(X, X)
 
 

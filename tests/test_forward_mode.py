@@ -3,6 +3,8 @@
 The JVP at x is the transpose of g -> bwd(res(x), g); checked against JAX's
 own forward mode of the plain function."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,8 +84,18 @@ def test_opaque_bwd_forward_mode_error():
   F = smart_custom_vjp(f)
   F.defvjp(fwd, bwd)
   with pytest.raises(TypeError, match="forward-mode.*needs a bwd rule \\(bwd\\) "
-                     "that JAX can transpose"):
+                     "that JAX can transpose") as e:
     jax.jvp(F, (X,), (X,))
+  # the message ends with the documented fix, not with the cause's advice
+  tail = str(e.value).split("JAX said:")[1].split(")", 1)[1]
+  assert re.search(r"give a forward rule instead: f\.defvjp\(\.\.\., "
+                   r"jvp=rule\)", tail), e.value
+  assert "jax.custom_vjp" not in tail, e.value
+  # the fix it names works
+  G = smart_custom_vjp(f)
+  G.defvjp(fwd, bwd, jvp=lambda p, t: (jnp.sin(p[0]), jnp.cos(p[0]) * t[0]))
+  np.testing.assert_allclose(jax.jvp(G, (X,), (X,))[1], jnp.cos(X) * X,
+                             rtol=1e-6)
 
 
 def test_untransposable_rule_error_is_also_jax_custom_vjp_s_type():

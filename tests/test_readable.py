@@ -71,3 +71,67 @@ def test_named_scopes_in_hlo():
   # JAX applied to the equation wraps the scope, as in "jvp(smartvjp/my_f/f)"
   for rule in ("f", "fwd", "bwd"):
     assert re.search(rf"smartvjp/my_f/{rule}\)*/(sin|cos|mul)", hlo), rule
+
+
+def _split_program():
+  """A fwd that dots_saveable splits: its dot output is saved, the sin of
+  it is the rest, recomputed in the backward region."""
+  def my_f(x, w):
+    return jnp.tanh(x @ w)
+
+  def my_fwd(x, w):
+    y = x @ w
+    return jnp.tanh(y), (x, w, jnp.sin(y))
+
+  def my_bwd(res, g):
+    x, w, s = res
+    return (g * s) @ w.T, x.T @ (g * s)
+
+  F = smart_custom_vjp(my_f)
+  F.defvjp(my_fwd, my_bwd)
+  policy = jax.checkpoint_policies.dots_saveable
+  loss = lambda x, w: jnp.sum(jax.checkpoint(F, policy=policy)(x, w) ** 2)
+  x, w = jnp.ones((8, 16)), jnp.ones((16, 4))
+  return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+
+
+def _fwd_equations(jaxpr, depth=0):
+  """``[(depth, printed equation)]`` of the fwd equations in program
+  order, nested ones too."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "smartvjp_rule" and eqn.params["which"] == "fwd":
+      out.append((depth, " ".join(str(eqn).split())))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else [value]:
+        sub = getattr(sub, "jaxpr", sub)        # a ClosedJaxpr's jaxpr
+        if hasattr(sub, "eqns") and eqn.primitive.name != "smartvjp_rule":
+          out.extend(_fwd_equations(sub, depth + 1))
+  return out
+
+
+def test_a_split_fwd_prints_which_part_it_runs(ad_mode):
+  """Both sides of a split fwd print as smartvjp_fwd; part=saved is the
+  side in the forward pass (what the policy saves), part=rest the side in
+  the backward region. Under the remat3 flags the rest, whose primal
+  outputs nobody reads, is pruned to fwd's traced code and prints as
+  smartvjp_fwd[f=... fwd=...] without num_res or part (getting-started
+  says so)."""
+  # in program order: the forward pass's, then the backward region's (a
+  # nested jaxpr, or inlined after it under remat3 on jax 0.10)
+  eqns = _fwd_equations(_split_program().jaxpr)
+  assert len(eqns) == 2, eqns
+  (_, forward), (_, backward) = eqns
+  assert "smartvjp_fwd[f=my_f fwd=my_fwd num_res=1 part=saved]" in forward
+  if ad_mode == "default":
+    assert re.search(r"smartvjp_fwd\[ ?f=my_f fwd=my_fwd num_res=1 part=rest ?\]",
+                     backward), backward
+  else:
+    assert "smartvjp_fwd[f=my_f fwd=my_fwd]" in backward, backward
+
+
+def test_a_whole_fwd_prints_no_part():
+  F = make()
+  text = str(jax.make_jaxpr(jax.grad(
+      lambda x, y: jnp.sum(jax.checkpoint(F)(x, y) ** 2)))(X, X))
+  assert "smartvjp_fwd[" in text and "part=" not in text

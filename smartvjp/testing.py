@@ -1,0 +1,138 @@
+"""Counting how often each rule runs, without changing what runs.
+
+:class:`RunCounter` puts a counting step into your rules. The step is opaque
+and is never removed: it passes its arrays through a host callback that
+counts, so the computation feeding it runs whole, as a kernel (Pallas,
+Triton, an FFI call) would, and it has no effect that JAX keeps alive
+(``jax.debug.callback`` and ``jax.debug.print`` have one, and under
+``jax.checkpoint`` JAX then keeps equations it would otherwise remove, so
+they change the counts they report). These are the counts that
+``tests/test_contract.py`` checks and the README's contract table lists.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+
+from smartvjp import _facade as jx
+
+__all__ = ["RunCounter"]
+
+
+class RunCounter:
+  """Counts the runs of the rules that call :meth:`count`.
+
+  Each call of ``counter.count(name, *arrays)`` inside a rule adds one to
+  ``counter.counts[name]`` every time the program runs that step: once per
+  execution of a compiled program (``jax.jit``), once per iteration of a
+  ``lax.scan``/``while_loop`` body, once per eager evaluation, and once per
+  run of a batched rule under ``jax.vmap`` (not once per example). Tracing
+  counts nothing.
+
+  ```python
+  import jax, jax.numpy as jnp
+  from smartvjp import smart_custom_vjp
+  from smartvjp.testing import RunCounter
+
+  runs = RunCounter()
+
+  @smart_custom_vjp
+  def f(x):
+    return runs.count("f", jnp.sin(x))
+
+  def f_fwd(x):
+    y, c = runs.count("fwd", jnp.sin(x), jnp.cos(x))
+    return y, c
+
+  def f_bwd(c, g):
+    return (runs.count("bwd", c * g),)
+
+  f.defvjp(f_fwd, f_bwd)
+  loss = lambda x: jnp.sum(jax.checkpoint(f)(x) ** 2)
+  jax.block_until_ready(jax.jit(jax.grad(loss))(jnp.ones(3)))
+  assert runs.counts == {"f": 1, "fwd": 1, "bwd": 1}
+  ```
+
+  The count never goes away, even where nothing reads its outputs: a
+  program that relies on JAX or XLA removing a kernel whose outputs are
+  unused shows that kernel's run here.
+
+  Attributes:
+    counts: a ``collections.Counter`` ``{name: runs}``; only names that ran
+      are keys.
+  """
+
+  def __init__(self):
+    self.counts: collections.Counter = collections.Counter()
+
+  def count(self, name: str,
+            *arrays: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+    """Counts one run of ``name`` and returns ``arrays`` unchanged.
+
+    Put it on what the rule returns (all of it, so that nothing of the
+    rule's work can be removed apart from the rest, as with a kernel).
+
+    Args:
+      name: the key in :attr:`counts`, e.g. the rule's name.
+      *arrays: one or more JAX arrays (any shape, numeric or bool dtype).
+
+    Returns:
+      The one array, or a tuple of them for two or more, with the same
+      shapes, dtypes and values.
+
+    Raises:
+      TypeError: when no array is given, or ``name`` is not a string.
+    """
+    if not isinstance(name, str):
+      raise TypeError(f"RunCounter.count: name must be a string, got "
+                      f"{type(name).__name__}")
+    if not arrays:
+      raise TypeError(f"RunCounter.count({name!r}): give at least one "
+                      "array to pass through (the rule's outputs)")
+    outs = count_p.bind(*arrays, name=name, counter=self)
+    return outs[0] if len(arrays) == 1 else tuple(outs)
+
+  def reset(self) -> None:
+    """Sets every count back to zero."""
+    self.counts.clear()
+
+  def __repr__(self):
+    return f"RunCounter({dict(self.counts)})"
+
+
+def _run(name, counter, *arrays):
+  counter.counts[name] += 1
+  return tuple(np.asarray(a) for a in arrays)
+
+
+count_p = jx.Primitive("smartvjp_count")
+count_p.multiple_results = True
+
+jx.register_impl(count_p, lambda *arrays, name, counter: list(
+    _run(name, counter, *arrays)))
+jx.register_abstract_eval(
+    count_p, lambda *avals, name, counter: (list(avals), set()))
+
+
+def _lower(*arrays, name, counter):
+  shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+  return io_callback(functools.partial(_run, name, counter), shapes, *arrays,
+                     ordered=False)
+
+
+# not cached per equation (inline answers None: lower by tracing _lower), as
+# JAX's own host callbacks are not: one cached lowering shared by two
+# equations would send both over one host channel
+jx.register_lowering(count_p, _lower, inline=lambda **_: None)
+# kept even when nothing reads its outputs, as a kernel that writes memory
+jx.register_dce(count_p, lambda used, eqn: ([True] * len(eqn.invars), eqn))
+# the identity: tangents pass through, the count stays on the primal values
+jx.register_jvp(count_p, lambda primals, tangents, **params: (
+    count_p.bind(*primals, **params), list(tangents)))
+jx.register_batching(count_p, lambda axis_data, args, dims, **params: (
+    count_p.bind(*args, **params), list(dims)))
