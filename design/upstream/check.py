@@ -12,20 +12,27 @@ Per target, with the target's ``jax/`` copied into a scratch folder on
 ``PYTHONPATH``:
 
 1. unpatched: JAX's ``custom_api_test.py`` (``--peer``'s file for that
-   commit, run where it lies) and the new test files, which are expected to
+   commit, run where it lies) and the new test file, which is expected to
    fail there in part;
-2. ``git apply`` PR 1: its tests must pass; JAX's file must fail no test that
-   passed unpatched; PR 1's tests run once more with
+2. ``git apply`` PR 1: its test class must pass; JAX's file must fail no test
+   that passed unpatched; PR 1's class runs once more with
    ``CustomVJPTraced.remat`` deleted and must then fail where the policy
    saves fwd's residual (the objection that deleting that method would turn
    'policy' into True silently);
-3. ``git apply`` follow-up 1 on top: every new test must pass, and JAX's file
-   must again fail no test that passed unpatched.
+3. ``git apply`` PR 2 on top: every new test must pass, and JAX's file must
+   again fail no test that passed unpatched.
+
+At each step ``launches.py`` counts the launches of the ``False`` and
+``True`` rules (and ``'policy'`` once patched): the ``False`` and ``True``
+cells must be those of the unpatched step, and with the patches a fwd with an
+array constant under ``dots_saveable`` must run f 1, fwd 1, bwd 1. With
+``--jax-git``, ``tests-BUILD.patch`` (the test file's BUILD entry) must apply
+to ``tests/BUILD`` of each target commit.
 
 It prints what failed where, pass counts and the time taken (wall and CPU
 seconds of its child processes), writes them with ``--json``, and exits 0
 only when every check holds. ``--launches`` also prints the launch tables of
-``launches.py`` at each step; ``--force-policy`` runs JAX's file once more
+``launches.py`` at each step (they are always compared); ``--force-policy`` runs JAX's file once more
 with ``optimize_remat='policy'`` forced on every custom_vjp.
 
 Usage, from the repository root:
@@ -50,13 +57,19 @@ import time
 import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PATCHES = ('pr1-optimize_remat_policy.patch', 'followup1-saved-residuals.patch')
-TESTS = ('custom_vjp_policy_test.py', 'custom_vjp_policy_saved_test.py')
+PATCHES = ('pr1-optimize_remat_policy.patch', 'pr2-saved-residuals.patch')
+BUILD_PATCH = 'tests-BUILD.patch'
+TEST_FILE = 'custom_vjp_policy_test.py'
+# The test class that comes with each patch, in TEST_FILE.
+CLASSES = ('CustomVJPOptimizeRematPolicyTest',
+           'CustomVJPPolicySavedResidualsTest')
 PYTHON = '3.12'
 JAXLIB = '0.11.0'
 # PR 1's tests that must fail once CustomVJPTraced.remat is deleted.
 NEEDS_REMAT_RULE = ('test_launches_everything_saveable',
                     'test_launches_residual_name_saved',
+                    'test_launches_residual_saved_jnp_scalar_in_fwd',
+                    'test_launches_residual_saved_mask_in_fwd',
                     'test_launches_scan_residual_saved')
 
 
@@ -258,20 +271,51 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
   def suite():
     return pytest(py, peer_dir, 'custom_api_test.py', args.jobs, path, work)
 
-  def new_tests(plugin=None, pp=None):
-    out = {}
-    for test in TESTS:
-      out.update(pytest(py, HERE, test, args.jobs, pp or path, work,
-                        plugin=plugin))
-    return out
+  def new_tests():
+    return pytest(py, HERE, TEST_FILE, args.jobs, path, work)
 
   def launches(label):
+    out = os.path.join(work, f'launches-{target.name}-{label}.json')
+    proc = run([py, os.path.join(HERE, 'launches.py'), '--modes',
+                'False,True' + (',policy' if label != 'unpatched' else ''),
+                '--programs', args.launch_programs, '--json', out],
+               env=base_env(path), check=False)
+    if proc.returncode != 0 or not os.path.exists(out):
+      problems.append(f'{target.name}/{label}: launches.py failed: '
+                      f'{proc.stderr[-2000:]}')
+      return
+    with open(out) as f:
+      cells = json.load(f)
     if args.launches:
-      proc = run([py, os.path.join(HERE, 'launches.py'), '--modes',
-                  'False,True' + (',policy' if label != 'unpatched' else ''),
-                  '--programs', args.launch_programs],
-                 env=base_env(path), check=False)
-      rec['steps'][label]['launches'] = proc.stdout + proc.stderr[-2000:]
+      rec['steps'][label]['launches'] = proc.stdout
+    key = lambda c: (c['program'], c['kernel'], c['policy'], c['jit'], c['mode'])
+    got = {key(c): c['launches'] for c in cells}
+    if label == 'unpatched':
+      baseline.update(got)
+      return
+    changed = sorted(k for k, v in baseline.items() if got.get(k) != v)
+    rec['steps'][label]['false_true_cells'] = (
+        f'{len(baseline)} compared, {len(changed)} changed')
+    if changed:
+      problems.append(f'{target.name}/{label}: False/True launch cells changed: '
+                      + '; '.join(f'{k}: {baseline[k]} -> {got.get(k)}'
+                                  for k in changed))
+    for k, v in got.items():
+      if (k[0], k[2], k[4]) == ('const_in_fwd', 'dots', 'policy') and (
+          v != 'f 1, fwd 1, bwd 1'):
+        problems.append(f"{target.name}/{label}: an array constant in fwd under "
+                        f"dots_saveable, 'policy' runs {v} ({k[1]}, {k[3]})")
+
+  baseline = {}
+  if args.jax_git:
+    build = os.path.join(work, f'build-{target.name}')
+    archive = subprocess.run(['git', '-C', args.jax_git, 'archive',
+                              target.commit, 'tests/BUILD'],
+                             capture_output=True, check=True).stdout
+    os.makedirs(build)
+    subprocess.run(['tar', '-x', '-C', build], input=archive, check=True)
+    git_apply(build, BUILD_PATCH)
+    rec['build_patch'] = 'applies'
 
   before = step('custom_api_test.py, unpatched', suite)
   rec['steps']['unpatched'] = dict(custom_api_test=tally(before),
@@ -295,15 +339,14 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
     if regressions or missing:
       problems.append(f'{target.name}/{label}: custom_api_test.py fails '
                       f'{regressions} and does not run {missing}')
-    for test in TESTS[:i + 1]:
-      cls = _class_of(test)
-      bad = [k for k in failed(new) if k.startswith(cls)]
+    for cls in CLASSES[:i + 1]:
+      bad = [k for k in failed(new) if k.startswith(cls + '::')]
       if bad:
         problems.append(f'{target.name}/{label}: {bad} fail')
     if i == 0:
       dropped = step('PR 1 tests, CustomVJPTraced.remat deleted',
-                     lambda: pytest(py, HERE, TESTS[0], args.jobs,
-                                    [*path, plugins], work,
+                     lambda: pytest(py, HERE, f'{TEST_FILE}::{CLASSES[0]}',
+                                    args.jobs, [*path, plugins], work,
                                     plugin='drop_custom_vjp_remat'))
       fails = sorted(k.split('::')[1] for k in failed(dropped))
       rec['steps'][label]['failing_without_remat_rule'] = fails
@@ -326,14 +369,6 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
   return rec
 
 
-def _class_of(test_file):
-  with open(os.path.join(HERE, test_file)) as f:
-    for line in f:
-      if line.startswith('class '):
-        return line.split()[1].split('(')[0]
-  raise CheckError(f'no test class in {test_file}')
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   ap.add_argument('--peer', required=True,
@@ -348,7 +383,7 @@ def main(argv=None):
   ap.add_argument('--python', help=f'the Python {PYTHON} interpreter')
   ap.add_argument('--launches', action='store_true',
                   help="also print launches.py's tables at each step")
-  ap.add_argument('--launch-programs', default='plain',
+  ap.add_argument('--launch-programs', default='plain,uses_output,const_in_fwd',
                   help='programs for --launches (comma-separated)')
   ap.add_argument('--force-policy', action='store_true',
                   help="also run custom_api_test.py with optimize_remat='policy' "
@@ -417,6 +452,8 @@ def main(argv=None):
         log(f'  failing only patched: {s["failing_only_patched"]}')
       if s.get('new_tests_failing'):
         log(f'  new tests failing: {", ".join(s["new_tests_failing"])}')
+      if 'false_true_cells' in s:
+        log(f'  launches.py False/True cells: {s["false_true_cells"]}')
       if 'failing_without_remat_rule' in s:
         log('  PR 1 tests failing with CustomVJPTraced.remat deleted: '
             + ', '.join(s['failing_without_remat_rule']))

@@ -12,16 +12,23 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Tests of ``custom_vjp.defvjp(..., optimize_remat='policy')`` (PR 1).
+"""Tests of ``custom_vjp.defvjp(..., optimize_remat='policy')``.
 
-The rules of the custom_vjp function under test are opaque kernels: host
-callbacks, which dead-code elimination removes when their outputs are unused,
-as it removes a ``pallas_call``. Each runs under a name scope naming its rule,
-so the compiled HLO says which rule each launch belongs to. Counts are static
-(a kernel inside a loop body counts once).
+The rules of the custom_vjp function under test are opaque kernels, of two
+kinds: a host callback, which dead-code elimination removes when its outputs
+are unused (as it removes a ``pallas_call``), and a primitive that nothing
+removes (lowered to a callback with side effects). Each kernel runs under a
+name scope naming its rule, so the compiled HLO says which rule each launch
+belongs to; launch counts are read from the HLO compiled for the CPU, and are
+static (a kernel inside a loop body counts once).
+
+``CustomVJPOptimizeRematPolicyTest`` comes with the first change (the
+decision); ``CustomVJPPolicySavedResidualsTest`` with the second (the
+backward pass reads the saved residuals instead of replaying ``fwd``).
 """
 
 import collections
+from functools import partial
 import re
 
 from absl.testing import absltest
@@ -32,12 +39,17 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import io_callback
 from jax._src import config
+from jax._src import core
+from jax._src import dispatch
 from jax._src import test_util as jtu
+from jax._src.interpreters import mlir
+from jax._src.interpreters import partial_eval as pe
 
 config.parse_flags_with_absl()
 
-_launched = collections.Counter()  # host runs per rule, for the eager test
+_launched = collections.Counter()  # host runs per rule, for the eager tests
 
 _RULES = dict(
     f=lambda x: (np.sin(x),),
@@ -45,28 +57,63 @@ _RULES = dict(
     bwd=lambda cos_x, g: (cos_x * g,))
 
 
-def _kernel(rule, *args):
+def _host(rule):
   def host(*xs):
     _launched[rule] += 1
     return tuple(np.asarray(o, xs[0].dtype) for o in _RULES[rule](*xs))
-  out = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
-  n_out = 2 if rule == 'fwd' else 1
+  return host
+
+
+def _shapes(rule, x):
+  return (jax.ShapeDtypeStruct(x.shape, x.dtype),) * (2 if rule == 'fwd' else 1)
+
+
+# A kernel that nothing removes: its DCE rule keeps it, and it lowers to a
+# callback with side effects.
+_kept_p = core.Primitive('kept_kernel')
+_kept_p.multiple_results = True
+_kept_p.def_abstract_eval(
+    lambda x, *_, rule: [core.ShapedArray(x.shape, x.dtype)] * len(_shapes(rule, x)))
+_kept_p.def_impl(partial(dispatch.apply_primitive, _kept_p))
+mlir.register_lowering(_kept_p, mlir.lower_fun(
+    lambda *xs, rule: io_callback(_host(rule), _shapes(rule, xs[0]), *xs,
+                                  ordered=False),
+    multiple_results=True))
+pe.dce_rules[_kept_p] = lambda _, eqn: ([True] * len(eqn.invars), eqn)
+
+
+def _kernel(rule, *args, kind='callback'):
   with jax.named_scope(f'kernel_{rule}'):
-    return jax.pure_callback(host, (out,) * n_out, *args,
+    if kind == 'kept':
+      return tuple(_kept_p.bind(*args, rule=rule))
+    return jax.pure_callback(_host(rule), _shapes(rule, args[0]), *args,
                              vmap_method='broadcast_all')
 
 
-def _sin(optimize_remat, nondiff=False):
+# What fwd does to x before its kernel: array constants of each kind, or a
+# JAX dot, all of which leave x as it is.
+_ONES = jnp.ones(8, np.float32)
+_PRE = dict(
+    none=lambda x: x,
+    jnp_scalar=lambda x: x * jnp.float32(1.),
+    closed_over=lambda x: x * _ONES,
+    numpy_array=lambda x: x * np.ones(x.shape, x.dtype),
+    mask=lambda x: x * (np.arange(x.shape[-1]) >= 0).astype(x.dtype),
+    dot=lambda x: jnp.dot(x, jnp.eye(x.shape[-1], dtype=x.dtype),
+                          precision=lax.Precision.HIGHEST))
+
+
+def _sin(optimize_remat, nondiff=False, kind='callback', pre='none'):
   """``sin`` as a custom_vjp whose f, fwd and bwd are one kernel each; fwd
   names its residual ``'cos'``. With ``nondiff``, a first argument is static."""
   def f(*args):
-    return _kernel('f', args[-1])[0]
+    return _kernel('f', args[-1], kind=kind)[0]
   def f_fwd(*args):
-    y, cos_x = _kernel('fwd', args[-1])
+    y, cos_x = _kernel('fwd', _PRE[pre](args[-1]), kind=kind)
     return y, checkpoint_name(cos_x, 'cos')
   def f_bwd(*args):
     cos_x, g = args[-2:]
-    return _kernel('bwd', cos_x, g)
+    return _kernel('bwd', cos_x, g, kind=kind)
   sin = jax.custom_vjp(f, nondiff_argnums=(0,) if nondiff else ())
   sin.defvjp(f_fwd, f_bwd, optimize_remat=optimize_remat)
   return (lambda x: sin('static', x)) if nondiff else sin
@@ -94,6 +141,8 @@ def _step(program, sin, policy):
       return lax.scan(lambda c, _: (ckpt(sin)(c), None), x, None,
                       length=4)[0].sum()
     return jax.value_and_grad(loss)
+  if program == 'uses_output':  # the backward pass needs sin's output
+    return jax.value_and_grad(ckpt(lambda x: (sin(x) * jnp.cos(x)).sum()))
   step = jax.value_and_grad(ckpt(lambda x: sin(x).sum()))
   return jax.vmap(step) if program == 'vmap' else step
 
@@ -102,46 +151,78 @@ def _expected(program, x):
   if program == 'scan':
     return jax.value_and_grad(
         lambda x: lax.fori_loop(0, 4, lambda _, c: jnp.sin(c), x).sum())(x)
+  if program == 'uses_output':
+    return jax.value_and_grad(lambda x: (jnp.sin(x) * jnp.cos(x)).sum())(x)
   if program == 'vmap':
     return jnp.sin(x).sum(1), jnp.cos(x)
   return jnp.sin(x).sum(), jnp.cos(x)
+
+
+def _input(program):
+  x = jnp.linspace(0.1, 0.9, 8, dtype=np.float32)
+  return x.reshape(2, 4) if program == 'vmap' else x
+
+
+_NOT_SAVED = dict(f=1, fwd=1, bwd=1)  # f forward; fwd, bwd backward
+_SAVED = dict(f=0, fwd=1, bwd=1)      # fwd forward; bwd on the saved residual
+
+
+def _case(name, program, policy, expected, kind='callback', pre='none'):
+  return dict(testcase_name=name, program=program, policy=policy,
+              expected=expected, kind=kind, pre=pre)
 
 
 @jtu.with_config(jax_remat3=True, jax_custom_vjp3=True)
 class CustomVJPOptimizeRematPolicyTest(jtu.JaxTestCase):
 
   @parameterized.named_parameters(
-      # The policy saves nothing that fwd computes: the forward pass runs f,
-      # the backward pass fwd then bwd.
-      ('no_policy', 'plain', 'nothing', dict(f=1, fwd=1, bwd=1)),
-      ('dots_saveable', 'plain', 'dots', dict(f=1, fwd=1, bwd=1)),
-      ('other_name_saved', 'plain', 'other_names', dict(f=1, fwd=1, bwd=1)),
-      ('nondiff_arg', 'nondiff', 'nothing', dict(f=1, fwd=1, bwd=1)),
-      ('vmap', 'vmap', 'nothing', dict(f=1, fwd=1, bwd=1)),
-      ('scan', 'scan', 'nothing', dict(f=1, fwd=1, bwd=1)),
+      # The policy saves no residual of fwd's: the forward pass runs f, the
+      # backward pass fwd then bwd.
+      _case('no_policy', 'plain', 'nothing', _NOT_SAVED),
+      _case('dots_saveable', 'plain', 'dots', _NOT_SAVED),
+      _case('other_name_saved', 'plain', 'other_names', _NOT_SAVED),
+      _case('nondiff_arg', 'nondiff', 'nothing', _NOT_SAVED),
+      _case('vmap', 'vmap', 'nothing', _NOT_SAVED),
+      _case('scan', 'scan', 'nothing', _NOT_SAVED),
+      _case('output_used', 'uses_output', 'dots', _NOT_SAVED),
+      _case('kept_kernel', 'plain', 'dots', _NOT_SAVED, kind='kept'),
+      # Array constants in fwd are not values the policy saves.
+      _case('jnp_scalar_in_fwd', 'plain', 'dots', _NOT_SAVED, pre='jnp_scalar'),
+      _case('closed_over_array_in_fwd', 'plain', 'dots', _NOT_SAVED,
+            pre='closed_over'),
+      _case('numpy_array_in_fwd', 'plain', 'dots', _NOT_SAVED,
+            pre='numpy_array'),
+      _case('mask_in_fwd', 'plain', 'dots', _NOT_SAVED, pre='mask'),
+      # dots_saveable saves the dot before the kernel, not the residual.
+      _case('dot_then_kernel', 'plain', 'dots', _NOT_SAVED, pre='dot'),
+      _case('dot_then_kernel_kept', 'plain', 'dots', _NOT_SAVED, kind='kept',
+            pre='dot'),
       # The policy saves fwd's residual: the forward pass runs fwd, and the
       # backward pass bwd on the saved value. (Were the decision lost, say
       # with CustomVJPTraced.remat gone, these would run f as well.)
-      ('everything_saveable', 'plain', 'everything', dict(f=0, fwd=1, bwd=1)),
-      ('residual_name_saved', 'plain', 'names', dict(f=0, fwd=1, bwd=1)),
-      ('scan_residual_saved', 'scan', 'names', dict(f=0, fwd=1, bwd=1)),
+      _case('everything_saveable', 'plain', 'everything', _SAVED),
+      _case('residual_name_saved', 'plain', 'names', _SAVED),
+      _case('scan_residual_saved', 'scan', 'names', _SAVED),
+      _case('residual_saved_jnp_scalar_in_fwd', 'plain', 'names', _SAVED,
+            pre='jnp_scalar'),
+      _case('residual_saved_mask_in_fwd', 'plain', 'names', _SAVED,
+            pre='mask'),
   )
-  def test_launches(self, program, policy, expected):
-    sin = _sin('policy', nondiff=program == 'nondiff')
+  @jtu.run_on_devices('cpu')
+  def test_launches(self, program, policy, expected, kind, pre):
+    sin = _sin('policy', nondiff=program == 'nondiff', kind=kind, pre=pre)
     step = _step(program, sin, policy)
-    x = jnp.linspace(0.1, 0.9, 8, dtype=np.float32)
-    if program == 'vmap':
-      x = x.reshape(2, 4)
+    x = _input(program)
     self.assertEqual(_launches(step, x), expected)
     self.assertAllClose(jax.jit(step)(x), _expected(program, x))
 
-  def test_eager_launches(self):
-    sin = _sin('policy')
-    step = _step('plain', sin, 'nothing')
-    x = jnp.linspace(0.1, 0.9, 8, dtype=np.float32)
+  @parameterized.parameters('callback', 'kept')
+  def test_eager_launches(self, kind):
+    step = _step('plain', _sin('policy', kind=kind), 'nothing')
+    x = _input('plain')
     _launched.clear()
     out = jax.block_until_ready(step(x))
-    self.assertEqual(dict(_launched), dict(f=1, fwd=1, bwd=1))
+    self.assertEqual(dict(_launched), _NOT_SAVED)
     self.assertAllClose(out, _expected('plain', x))
 
   @parameterized.parameters('nothing', 'names')
@@ -155,14 +236,15 @@ class CustomVJPOptimizeRematPolicyTest(jtu.JaxTestCase):
     sin.defvjp(sin_fwd, lambda cos_x, g: (cos_x * g,), optimize_remat='policy')
     g = jax.grad(jax.checkpoint(lambda x: sin(x).sum(),
                                 policy=_POLICIES[policy]))
-    x = jnp.linspace(0.1, 0.9, 8, dtype=np.float32)
+    x = _input('plain')
     self.assertAllClose(jax.jit(jax.grad(lambda x: g(x).sum()))(x),
                         -jnp.sin(x))
     self.assertAllClose(jax.grad(lambda x: g(x).sum())(x), -jnp.sin(x))
 
   @parameterized.parameters((False, False), (True, False), (False, True))
+  @jtu.run_on_devices('cpu')
   def test_acts_as_false_without_both_flags(self, remat3, custom_vjp3):
-    x = jnp.linspace(0.1, 0.9, 8, dtype=np.float32)
+    x = _input('plain')
     with config.remat3(remat3), config.custom_vjp3(custom_vjp3):
       for policy in ('nothing', 'names'):
         steps = [_step('plain', _sin(opt), policy) for opt in (False, 'policy')]
@@ -184,6 +266,80 @@ class CustomVJPOptimizeRematPolicyTest(jtu.JaxTestCase):
       with self.assertRaisesRegex(ValueError, "'policy'"):
         f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g,),
                  optimize_remat='always')
+
+
+@jtu.with_config(jax_remat3=True, jax_custom_vjp3=True)
+class CustomVJPPolicySavedResidualsTest(jtu.JaxTestCase):
+  """Where the policy saves fwd's residuals, the backward pass reads them and
+  fwd is not replayed, even where nothing would remove the replay."""
+
+  @parameterized.named_parameters(
+      _case('kept_kernel', 'plain', 'names', _SAVED, kind='kept'),
+      _case('kept_kernel_everything_saveable', 'plain', 'everything', _SAVED,
+            kind='kept'),
+      _case('kept_kernel_scan', 'scan', 'names', _SAVED, kind='kept'),
+      _case('kept_kernel_numpy_array_in_fwd', 'plain', 'names', _SAVED,
+            kind='kept', pre='numpy_array'),
+      # f recomputes the output the backward pass needs; fwd is not replayed.
+      _case('output_used', 'uses_output', 'names', _NOT_SAVED),
+      _case('output_used_kept_kernel', 'uses_output', 'names', _NOT_SAVED,
+            kind='kept'),
+      _case('vmap', 'vmap', 'names', _SAVED),
+  )
+  @jtu.run_on_devices('cpu')
+  def test_launches(self, program, policy, expected, kind, pre):
+    sin = _sin('policy', kind=kind, pre=pre)
+    step = _step(program, sin, policy)
+    x = _input(program)
+    self.assertEqual(_launches(step, x), expected)
+    self.assertAllClose(jax.jit(step)(x), _expected(program, x))
+
+  @parameterized.named_parameters(
+      ('residual_name_saved', 'plain', 'names'),
+      ('everything_saveable', 'plain', 'everything'),
+      ('nondiff_arg', 'nondiff', 'names'),
+      ('vmap', 'vmap', 'names'),
+  )
+  def test_eager_launches(self, program, policy):
+    step = _step(program, _sin('policy', nondiff=program == 'nondiff'), policy)
+    x = _input(program)
+    _launched.clear()
+    out = jax.block_until_ready(step(x))
+    self.assertEqual(dict(_launched), dict(fwd=1, bwd=1))
+    self.assertAllClose(out, _expected(program, x))
+
+  def test_input_as_residual(self):
+    # fwd returns an input as a residual beside the saved one; it is read
+    # from the backward pass's arguments, not saved.
+    @jax.custom_vjp
+    def sin(x):
+      return jnp.sin(x)
+    def sin_fwd(x):
+      return jnp.sin(x), (x, checkpoint_name(jnp.cos(x), 'cos'))
+    def sin_bwd(res, g):
+      x, cos_x = res
+      return (cos_x * g + 0. * x,)
+    sin.defvjp(sin_fwd, sin_bwd, optimize_remat='policy')
+    step = jax.value_and_grad(jax.checkpoint(lambda x: sin(x).sum(),
+                                             policy=_POLICIES['names']))
+    x = _input('plain')
+    self.assertAllClose(step(x), _expected('plain', x))
+    self.assertAllClose(jax.jit(step)(x), _expected('plain', x))
+
+  def test_second_order(self):
+    @jax.custom_vjp
+    def sin(x):
+      return jnp.sin(x)
+    def sin_fwd(x):
+      return jnp.sin(x), checkpoint_name(jnp.cos(x), 'cos')
+    sin.defvjp(sin_fwd, lambda cos_x, g: (cos_x * g,), optimize_remat='policy')
+    g = jax.grad(jax.checkpoint(lambda x: sin(x).sum(),
+                                policy=_POLICIES['names']))
+    x = _input('plain')
+    # Through the saved residual, bwd's output depends on x via jnp.cos.
+    self.assertAllClose(jax.grad(lambda x: g(x).sum())(x), -jnp.sin(x))
+    self.assertAllClose(jax.jit(jax.grad(lambda x: g(x).sum()))(x),
+                        -jnp.sin(x))
 
 
 if __name__ == '__main__':

@@ -103,10 +103,10 @@ POLICIES = dict(
     dots=jax.checkpoint_policies.dots_saveable,
     names=jax.checkpoint_policies.save_only_these_names('c'))
 PROGRAMS = ('plain', 'scan4', 'static', 'vmap_outside', 'vmap_inside',
-            'uses_output', 'cond')
+            'uses_output', 'cond', 'const_in_fwd')
 
 
-def make_sin(kernel, mode, static=False):
+def make_sin(kernel, mode, static=False, const=False):
   K = KERNELS[kernel]
   if mode == 'custom_remat':  # f forward, fwd_bwd backward, by hand
     f = lambda x: K('f', x)[0]
@@ -115,8 +115,9 @@ def make_sin(kernel, mode, static=False):
                             lambda x, g: (K('fwd_bwd', x, g)[0],))
   def f(*args):
     return K('f', args[-1])[0]
-  def fwd(*args):
-    y, c = K('fwd', args[-1])
+  def fwd(*args):  # with const, an array constant multiplies x first
+    x = args[-1] * np.ones(args[-1].shape, np.float32) if const else args[-1]
+    y, c = K('fwd', x)
     return y, checkpoint_name(c, 'c')
   def bwd(*args):
     return (K('bwd', *args[-2:])[0],)
@@ -127,7 +128,7 @@ def make_sin(kernel, mode, static=False):
 
 def make_step(program, sin, policy):
   ckpt = lambda g: jax.checkpoint(g, policy=POLICIES[policy])
-  if program in ('plain', 'static'):
+  if program in ('plain', 'static', 'const_in_fwd'):
     return jax.value_and_grad(ckpt(lambda x: sin(x).sum()))
   if program == 'uses_output':
     return jax.value_and_grad(ckpt(lambda x: (sin(x) * jnp.cos(x)).sum()))
@@ -156,7 +157,8 @@ def expected_grad(program, x):
 
 
 def measure(program, mode, policy, kernel, jit):
-  sin = make_sin(kernel, mode, static=program == 'static')
+  sin = make_sin(kernel, mode, static=program == 'static',
+                 const=program == 'const_in_fwd')
   step = make_step(program, sin, policy)
   x = jnp.linspace(0.1, 0.9, 8, dtype=jnp.float32)
   if program.startswith('vmap'):
