@@ -73,7 +73,7 @@ def commit() -> str | None:
 def machine() -> dict:
   """The host and the first JAX device. The keys ``device_kind``,
   ``platform``, ``device_count``, ``host``, ``cpu_count`` and
-  ``bytes_limit`` are those of the JSON files of ``gpu_mlp.py`` and
+  ``bytes_limit`` are those of the JSON files of ``accel_mlp.py`` and
   ``gpu_transformer.py``."""
   import jax
   devices = jax.devices()

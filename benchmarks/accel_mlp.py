@@ -364,7 +364,7 @@ def save(doc, path):
   doc["updated"] = now()
   folder = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".gpu_mlp.", suffix=".tmp", dir=folder)
+  fd, tmp = tempfile.mkstemp(prefix=".accel_mlp.", suffix=".tmp", dir=folder)
   with os.fdopen(fd, "w") as fh:
     json.dump(doc, fh, indent=1)
   os.replace(tmp, path)

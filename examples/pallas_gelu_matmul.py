@@ -49,8 +49,11 @@ kernels (``gelu(0) = 0`` and zero rows or columns add nothing to ``dx`` or
 lowering does not mask block edges. Tiles are powers of two, at least 16
 (Triton's dot needs both).
 
-On a GPU the kernels lower through Pallas' Triton backend; elsewhere they run
-in interpret mode (``interpret=True``), which is how the CPU tests run them.
+Two kernel sets, chosen by ``target`` (default: the backend's): the GPU
+kernels above lower through Pallas' Triton backend; on a TPU the Mosaic
+kernels (``_tpu_rules``) use a grid with ``K`` innermost and an f32
+accumulator in VMEM, tiles from ``TPU_TILES``. Elsewhere either set runs in
+interpret mode (``interpret=True``), which is how the CPU tests run them.
 
 Run:  python examples/pallas_gelu_matmul.py
 """
@@ -212,18 +215,21 @@ def _pad(a, rows, cols):
 # recomputes it K / bk times. From the measured search of benchmarks/
 # tpu_tiles.py on a TPU v5e (benchmarks/results/tpu_tiles.json; M = 8192,
 # K = N in 2048 / 4096, bf16): the largest forward tiles were fastest, and
-# the backward tiles below were within 5% of the whole-K ones, which asked
-# for more VMEM than a checkpointed scan's fusions leave.
+# backward tiles of 1024-2048 rows of K within 3% of the whole-K ones. In a
+# checkpointed scan XLA fuses dw's kernel with the update of the stacked
+# gradient, and that fusion ran out of VMEM with dw tiles of (4096, 512) and
+# (2048, 512) (benchmarks/results/accel_mlp_tpu.json at K = 4096, and at
+# K = 2048 for batches past 8192); hence (1024, 512), not yet run on a TPU.
 TPU_TILES = {
     "fwd": (1024, 1024, 1024),
     "dx": (512, 2048, 512),
-    "dw": (2048, 512, 512),
+    "dw": (1024, 512, 512),
 }
 # The scoped VMEM a kernel asks for: twice what its double-buffered blocks,
 # scratch and f32 temporaries take, within these bounds. Asking for far more
 # than a kernel needs leaves too little for the XLA fusions around it (a
 # checkpointed scan on a v5e failed to compile with 100 MiB asked for).
-TPU_VMEM_BOUNDS = (16 * 2**20, 96 * 2**20)
+TPU_VMEM_BOUNDS = (16 * 2**20, 64 * 2**20)
 
 
 def _tpu_dot(a, b, trans_a=False, trans_b=False):
@@ -688,8 +694,8 @@ def main():
         "gains most where the step is bound")
   print("by memory rather than by the matmuls (small K). The kernels here run "
         f"in {mode}, so this machine's")
-  print("times say nothing about it; benchmarks/gpu_mlp.py measures it on a "
-        "GPU.")
+  print("times say nothing about it; benchmarks/accel_mlp.py measures it on a "
+        "TPU or GPU.")
   print("\nWhat to conclude: the smartvjp kernels match jax.nn.gelu(x @ w) "
         "within the tolerances above; under remat")
   base = moved_by[True, "jax.custom_vjp"]

@@ -18,6 +18,10 @@ Under ``jax.checkpoint``, ``jax.custom_vjp`` runs ``fwd`` + ``fwd`` + ``bwd``
 (9 arrays); smartvjp ``f`` + ``fwd`` + ``bwd`` (8) or, with the fused rule,
 ``f`` + ``fwd_bwd`` (5).
 
+Two kernel sets, chosen by ``target`` (default: the backend's): Triton-shaped
+kernels for a GPU, and Mosaic kernels for a TPU (``_tpu_rules``: whole-row
+blocks, ``dgamma`` reduced in VMEM). Elsewhere either runs in interpret mode.
+
 Run:  python examples/pallas_rmsnorm_gelu.py
 """
 

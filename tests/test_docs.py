@@ -356,6 +356,10 @@ def test_relative_links_resolve():
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
       if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
         continue
+      if target.lower().endswith((".png", ".svg", ".jpg")):   # a picture
+        assert os.path.exists(os.path.join(ROOT, os.path.dirname(source),
+                                           target)), f"{page}: {target}"
+        continue
       path = os.path.normpath(os.path.join(os.path.dirname(page),
                                            target.split("#")[0]))
       assert path in PAGES, f"{page}: link to {target} (no page {path})"
