@@ -149,10 +149,11 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
   check_aliased_refs(call, primals)
   eager = jx.is_eval_trace() and not any(
       isinstance(p, jx.Tracer) for p in primals_in)
-  plan = _plan.plan(_policy.facts(call, None), None)
+  plan = _plan.plan(_policy.facts_of(call, None), None)
   if plan.schedule.runs_fwd_bwd:   # fwd_bwd alone: f now
     outs = (eager_f(call, primals) if eager else
-            ex.primal(ex.Bind(), call, None, f_consts, [], primals))
+            ex.primal(ex.Bind(), call, None, f_consts, [], primals,
+                      plan.schedule.primal_by))
     return _linearized(call, in_nz, outs, primals,
                        ex.lin_params(call, None, in_nz))
   if call.fwd_only is not None:   # fwd traced where the call was made
@@ -347,7 +348,9 @@ define_evaluation(lin_p, lin_forward, forward_role, jvp=_lin_jvp)
 def jvp_forward(*args, call, fwd, in_nz, schedule):
   """Forward mode: the forward rule where there is one; else ``fwd`` (or
   ``f``, with ``fwd_bwd`` alone) for the primal outputs, then the linear
-  map's forward mode."""
+  map's forward mode. The schedule is not read: it says where the reverse
+  passes run each rule, and forward mode has no reverse pass; it runs the
+  equation whole, ``fwd``'s residuals feeding the tangents."""
   del schedule
   f_consts, fwd_consts, primals, nz_t = call.split_jvp_args(args, fwd)
   if call.rules.jvp is not None:   # the forward rule, instead of f and fwd

@@ -31,11 +31,18 @@ def test_lines_add_up(metrics):
   assert all(0 < e["code"] < e["lines"] for e in got.values())
 
 
-def test_walk_counts_what_it_traces(metrics):
-  w = metrics.walk(seed=False)
-  assert w["facts_calls"] >= 1
+@pytest.mark.parametrize("seed", [False, True])
+def test_walk_counts_what_it_traces(metrics, seed):
+  w = metrics.walk(seed=seed)
   assert 0 < w["facade_frames"] < w["frames"]
   assert w["module_switches_outside_facade"] <= w["module_switches"] < w["frames"]
+
+
+@pytest.mark.parametrize("seed", [False, True])
+def test_facts_are_computed_once_per_differentiated_call(metrics, seed):
+  """Issue 47: the facts of the call are gathered once, kept on its traced
+  ``fwd``, and read by every later rule."""
+  assert metrics.walk(seed=seed)["facts_calls"] == 1
 
 
 def test_prints_json(metrics, capsys):
