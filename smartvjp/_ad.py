@@ -231,15 +231,11 @@ def _nz_inputs(cts_in, in_nz):
   return [ct for ct, nz in zip(cts_in, in_nz) if nz]
 
 
-def _num_nonlinear(call, fwd) -> int:
-  return len(fwd.res_avals) if fwd is not None else call.num_primals
-
-
 def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   """``bwd`` on the residuals (or ``fwd_bwd`` on the primal inputs). ``bwd``
   runs even when every output cotangent is zero, as with ``jax.custom_vjp``:
   its result need not depend on them (flax's fp8 scales)."""
-  n = _num_nonlinear(call, fwd)
+  n = ex.num_nonlinear(call, fwd)
   cts_out = call.expand_tangents(cts)
   if fwd is None:
     if any(type(ct) is not jx.Zero for ct in cts):
@@ -312,7 +308,7 @@ def _not_transposable_error(cause: type) -> type:
 def lin_forward(*args, call, fwd, in_nz, reload):
   """Forward mode: the tangents, from the forward rule (on the primals the
   residuals carry for it) or else the transpose of the cotangent map."""
-  n = _num_nonlinear(call, fwd)
+  n = ex.num_nonlinear(call, fwd)
   nonlinear, nz_t = args[:n], args[n:]
   if call.rules.jvp is not None:
     primals = nonlinear[n - call.num_primals:]
@@ -333,7 +329,7 @@ def lin_forward(*args, call, fwd, in_nz, reload):
 def _lin_jvp(primals, tangents, **params):
   """When only the tangent inputs move, the JVP of a linear map is itself;
   otherwise (higher order) the rule's code is differentiated."""
-  n = _num_nonlinear(params["call"], params["fwd"])
+  n = ex.num_nonlinear(params["call"], params["fwd"])
   if all(type(t) is jx.Zero for t in tangents[:n]):
     lin_tangents = [jx.instantiate_zeros(t) for t in tangents[n:]]
     return (lin_p.bind(*primals, **params),

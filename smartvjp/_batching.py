@@ -95,15 +95,11 @@ register(rule_p, "batching", _rule_batching)
 
 # -- smartvjp_lin ----------------------------------------------------------------------
 
-def _num_nonlinear(call, fwd) -> int:
-  return len(fwd.res_avals) if fwd is not None else call.num_primals
-
-
 def _lin_batching(axis_data, args, dims, *, call, fwd, in_nz, reload):
   if all(d is None for d in dims):
     return (lin_p.bind(*args, **ex.lin_params(call, fwd, in_nz, reload)),
             [None] * sum(call.out_nz))
-  n = _num_nonlinear(call, fwd)
+  n = ex.num_nonlinear(call, fwd)
   if call.rules.jvp is not None and all(d is None for d in dims[:n]):
     # only tangents mapped (jax.jacfwd): the forward rule with its primals
     # unmapped, evaluated here

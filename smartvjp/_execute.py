@@ -13,9 +13,6 @@ this module carries the decision out, once, for every place JAX asks:
   evaluation of ``jax.checkpoint``, which returns equations);
 * :func:`linear`: the linear map's inputs and params, where the residuals
   are kept (or ``fwd_bwd`` runs on the primal inputs);
-* :func:`rebuilt`: what the backward region rebuilds, where the plan
-  recomputes (the user's ``fwd``) or splits (the rest of ``fwd``, from the
-  saved values);
 * :func:`run_bwd`, :func:`run_fwd_bwd`: the backward rules, traced once per
   signature and bound as ``smartvjp_rule`` where the transpose runs.
 """
@@ -135,6 +132,12 @@ def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
 
 # -- the linear map ------------------------------------------------------------------
 
+def num_nonlinear(call, fwd) -> int:
+  """How many of ``smartvjp_lin``'s inputs are residuals (or, for the
+  fused form, primal inputs) before its tangents."""
+  return len(fwd.res_avals) if fwd is not None else call.num_primals
+
+
 def lin_params(call, fwd, in_nz, reload=None) -> dict:
   """``smartvjp_lin``'s params; ``fwd=None`` for the fused form."""
   return dict(call=call, fwd=fwd, in_nz=tuple(in_nz), reload=reload)
@@ -145,7 +148,7 @@ def linear(call, fwd, plan, in_nz, fwd_inputs, primals, kept):
   ``plan`` (``kept``: what :func:`forward` returned): the residuals (those
   a policy offloaded reloaded by the map), or the primal inputs where
   ``fwd_bwd`` runs."""
-  if plan.schedule.runs_fwd_bwd or fwd is None:
+  if plan.schedule.runs_fwd_bwd:
     return list(primals), lin_params(call, None, in_nz)
   reload = None
   if plan.offloads:
@@ -171,17 +174,6 @@ def backward_region(call, fwd, schedule, in_nz, f_consts, fwd_consts,
     maybe_check(call, lambda: call_p.bind(*f_consts, *primals, call=call),
                 outs)
   return outs, residuals, lin_params(call, fwd, in_nz)
-
-
-# -- what the backward region rebuilds -------------------------------------------------
-
-def rebuilt(plan, fwd):
-  """For a plan that recomputes or splits: ``(fwd, schedule)`` of the staged
-  side, whose ``fwd`` rebuilds the residuals (the user's; or the rest of a
-  split ``fwd``, the saved values as its leading inputs)."""
-  if plan.kind is _plan.Kind.SPLIT:
-    return plan.split.staged, plan.schedule
-  return fwd, plan.schedule
 
 
 # -- deciding --------------------------------------------------------------------------

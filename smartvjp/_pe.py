@@ -108,10 +108,9 @@ def _split(eqn, inst_in, plan, known, extra, f_consts, fwd_consts, primals,
   saved = [next(it) if o is None else eqn.outvars[o]
            for o in split.saved_outputs]
   kept_outs = {o for o in split.saved_outputs if o is not None}
-  staged_fwd, schedule = ex.rebuilt(plan, eqn.params["fwd"])
   emit = ex.Eqns(eqn)
   emit(jvp_p, [*f_consts, *saved, *fwd_consts, *primals, *tangents],
-       dict(eqn.params, fwd=staged_fwd, schedule=schedule),
+       dict(eqn.params, fwd=split.staged, schedule=plan.schedule),
        first=[jx.Var(v.aval) if i in kept_outs else v
               for i, v in enumerate(eqn.outvars)])
   staged = emit.eqn

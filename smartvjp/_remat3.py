@@ -103,7 +103,7 @@ def _rebuilding(plan):
   values (its leading inputs); a primal output that is saved is read, not
   rebuilt."""
   split = plan.split
-  staged, _ = ex.rebuilt(plan, None)
+  staged = split.staged
   jaxpr = staged.jaxpr.jaxpr
   outvars = list(jaxpr.outvars)
   for i, o in enumerate(split.saved_outputs):
