@@ -107,9 +107,8 @@ class Answers:
 
 
 class Kind(enum.Enum):
-  FWD = "fwd forward, bwd backward"
-  F_FOR_FWD = "f forward (fwd computes nothing more), bwd backward"
-  RECOMPUTE = "f forward, fwd + bwd (or fwd_bwd) in the backward region"
+  FWD = "fwd's residuals kept (the schedule says whether f runs for it)"
+  RECOMPUTE = "the call again in the backward region (its rules: the schedule)"
   SPLIT = "part of fwd forward, the rest of it rebuilt backward"
   REMAT_RULES = "the defremat rules instead"
 
@@ -201,7 +200,7 @@ def _recompute(facts: Facts) -> Plan:
         Backward.FWD_THEN_BWD if facts.rebuilds else Backward.BWD))
   if not facts.has_fwd or facts.has_fwd_bwd:
     return Plan(Kind.RECOMPUTE, Schedule(Forward.F, Backward.FWD_BWD))
-  if fwd_or_f(facts).kind is Kind.F_FOR_FWD:
+  if fwd_or_f(facts).schedule.forward is Forward.F:
     # fwd computes nothing f does not: the backward region runs bwd alone
     # on the inputs (f, standing in for fwd, for the primal outputs)
     return Plan(Kind.RECOMPUTE, Schedule(Forward.F, Backward.BWD))
@@ -214,7 +213,7 @@ def fwd_or_f(facts: Facts, spaces: tuple = ()) -> Plan:
   ``fwd`` computes nothing ``f`` does not and neither has effects."""
   if (facts.num_computed == 0 and not facts.keeps_effects
       and facts.f_matches_fwd):
-    return Plan(Kind.F_FOR_FWD, Schedule(Forward.F, Backward.BWD))
+    return Plan(Kind.FWD, Schedule(Forward.F, Backward.BWD))
   return Plan(Kind.FWD, Schedule(Forward.FWD, Backward.BWD), spaces)
 
 
@@ -229,28 +228,24 @@ class Pruned:
 
 def prune(facts: Facts, schedule: Schedule | None, outputs_used: bool,
           tangents_used: bool, carries_f: bool = True) -> Pruned:
-  """What runs of a call whose equation has unused outputs: a
-  ``smartvjp_jvp`` (``schedule`` its own; ``carries_f``: it carries ``f``'s
-  code and what it closes over), or, with ``tangents_used`` false, a
-  ``smartvjp_fwd`` none of whose residuals is read (``carries_f`` false: it
-  carries ``fwd``'s inputs only).
+  """What is left of a ``smartvjp_jvp`` (``schedule`` its own) with unused
+  outputs, or of a ``smartvjp_fwd`` none of whose residuals is read
+  (``tangents_used`` false, ``carries_f`` false: it lacks what ``f`` closes
+  over).
 
   * Tangents read, primal outputs not: the linear map alone where nothing
     computes its inputs (``fwd_bwd`` reads the primal inputs, or ``fwd``'s
-    residuals are inputs or saved values) and no rule has effects or
-    references that would then be skipped; this matters eagerly, where
-    nothing else removes the outputs nobody reads (the backward region of
-    ``jax.checkpoint``, evaluated equation by equation). Else all of it.
-  * No tangent read: no residual is needed. ``fwd`` where it has effects
-    ``jax.custom_vjp`` would run; nothing where no primal output is read
-    either (unless ``f``, given only ``fwd_bwd``, has effects); the part of
-    ``fwd`` producing the primal outputs where ``fwd`` reads saved values
-    (cheaper than ``f``, and what JAX runs of the inlined ``fwd``); else
-    ``f``, as ``optimize_remat=True`` does under ``jit``, where it can
-    stand in: the equation carries what it closes over (``f`` is never
-    traced for this alone: a call linearized where it is made keeps
-    ``fwd``, as with ``jax.custom_vjp``), no references, the same output
-    types.
+    residuals are inputs or saved values) and no effect or reference would
+    be skipped (eagerly, as in ``jax.checkpoint``'s backward region, nothing
+    else removes what nobody reads). Else all of it.
+  * No tangent read: ``fwd`` where it has effects ``jax.custom_vjp`` would
+    run; nothing where no primal output is read either (unless ``f``, given
+    only ``fwd_bwd``, has effects); the part of ``fwd`` producing the
+    primal outputs where ``fwd`` reads saved values (what JAX runs of the
+    inlined ``fwd``); else ``f``, as ``optimize_remat=True`` does under
+    ``jit``, where it can stand in: traced (a call linearized where it is
+    made keeps ``fwd``, as with ``jax.custom_vjp``), carried, no
+    references, the same output types.
   """
   if tangents_used:
     alone = (not outputs_used and not facts.keeps_effects

@@ -36,7 +36,7 @@ ROWS = [
      Kind.FWD, "fwd forward, bwd backward"),
     ("jax.jvp's equation, fwd computes nothing: f stands in where it is "
      "partially evaluated", INPUTS_ONLY, None,
-     Kind.F_FOR_FWD, "f forward, bwd backward"),
+     Kind.FWD, "f forward, bwd backward"),
     ("jax.jvp's equation, fwd computes nothing but prints", dataclasses.replace(
         INPUTS_ONLY, keeps_effects=True), None,
      Kind.FWD, "fwd forward, bwd backward"),
@@ -58,7 +58,7 @@ ROWS = [
      dataclasses.replace(INPUTS_ONLY, keeps_effects=True),
      Answers(RECOMPUTE, ()), Kind.RECOMPUTE, "f forward, fwd+bwd backward"),
     ("everything_saveable, the seed's fwd", INPUTS_ONLY,
-     Answers(SAVE, ()), Kind.F_FOR_FWD, "f forward, bwd backward"),
+     Answers(SAVE, ()), Kind.FWD, "f forward, bwd backward"),
     ("everything_saveable", FWD_BWD, Answers(SAVE, (SAVE,), _split(None)),
      Kind.FWD, "fwd forward, bwd backward"),
     ("everything_saveable, opaque fwd", OPAQUE, Answers(SAVE, (SAVE, SAVE)),
@@ -96,7 +96,7 @@ ROWS = [
      Answers(RECOMPUTE, (RECOMPUTE,)), Kind.FWD, "fwd forward, bwd backward"),
     ("defremat rules alone, fwd computes nothing",
      Facts(has_fwd=True, has_fwd_bwd=False, always_save=True, num_computed=0),
-     Answers(RECOMPUTE, ()), Kind.F_FOR_FWD, "f forward, bwd backward"),
+     Answers(RECOMPUTE, ()), Kind.FWD, "f forward, bwd backward"),
     ("defvjp + defremat, recomputed: the defremat rules",
      Facts(has_fwd=True, has_fwd_bwd=False, remat_rules=True),
      Answers(RECOMPUTE, (RECOMPUTE,), _split("split")),
