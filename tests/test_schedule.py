@@ -55,3 +55,28 @@ def test_printed_schedule_is_what_runs(residual_is_input, printed, backward):
   forward_rules, region_rules = _passes(F)
   assert forward_rules == ["f"]
   assert region_rules == backward
+
+
+def test_only_the_plan_decides():
+  """Outside ``_plan.py`` no module builds a schedule, a plan or what prune
+  leaves, or asks ``fwd_or_f`` (the choice between ``f`` and ``fwd``) again;
+  ``Facts`` are built by ``_policy`` alone, once per traced ``fwd``. The
+  rules ask ``_plan.plan``/``_plan.prune`` and read what they return."""
+  import ast
+  import os
+  pkg = os.path.join(os.path.dirname(__file__), os.pardir, "smartvjp")
+  decided = {"Schedule", "Plan", "Pruned", "fwd_or_f", "Facts"}
+  found = []
+  for name in sorted(os.listdir(pkg)):
+    if not name.endswith(".py") or name == "_plan.py":
+      continue
+    with open(os.path.join(pkg, name), encoding="utf-8") as fh:
+      tree = ast.parse(fh.read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Call):
+        f = node.func
+        called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+        if called in decided and not (called == "Facts"
+                                      and name == "_policy.py"):
+          found.append(f"{name}:{node.lineno} {called}")
+  assert not found, found
