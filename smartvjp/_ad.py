@@ -149,10 +149,11 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
   check_aliased_refs(call, primals)
   eager = jx.is_eval_trace() and not any(
       isinstance(p, jx.Tracer) for p in primals_in)
-  plan = _plan.plan(_policy.facts(call, None), None)
+  plan = _plan.plan(_policy.facts_of(call, None), None)
   if plan.schedule.runs_fwd_bwd:   # fwd_bwd alone: f now
     outs = (eager_f(call, primals) if eager else
-            ex.primal(ex.Bind(), call, None, f_consts, [], primals))
+            ex.primal(ex.Bind(), call, None, f_consts, [], primals,
+                      plan.schedule.primal_by))
     return _linearized(call, in_nz, outs, primals,
                        ex.lin_params(call, None, in_nz))
   if call.fwd_only is not None:   # fwd traced where the call was made
@@ -230,15 +231,11 @@ def _nz_inputs(cts_in, in_nz):
   return [ct for ct, nz in zip(cts_in, in_nz) if nz]
 
 
-def _num_nonlinear(call, fwd) -> int:
-  return len(fwd.res_avals) if fwd is not None else call.num_primals
-
-
 def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   """``bwd`` on the residuals (or ``fwd_bwd`` on the primal inputs). ``bwd``
   runs even when every output cotangent is zero, as with ``jax.custom_vjp``:
   its result need not depend on them (flax's fp8 scales)."""
-  n = _num_nonlinear(call, fwd)
+  n = ex.num_nonlinear(call, fwd)
   cts_out = call.expand_tangents(cts)
   if fwd is None:
     if any(type(ct) is not jx.Zero for ct in cts):
@@ -315,7 +312,7 @@ def _not_transposable_error(cause: type) -> type:
 def lin_forward(*args, call, fwd, in_nz, reload):
   """Forward mode: the tangents, from the forward rule (on the primals the
   residuals carry for it) or else the transpose of the cotangent map."""
-  n = _num_nonlinear(call, fwd)
+  n = ex.num_nonlinear(call, fwd)
   nonlinear, nz_t = args[:n], args[n:]
   if call.rules.jvp is not None:
     primals = nonlinear[n - call.num_primals:]
@@ -336,7 +333,7 @@ def lin_forward(*args, call, fwd, in_nz, reload):
 def _lin_jvp(primals, tangents, **params):
   """When only the tangent inputs move, the JVP of a linear map is itself;
   otherwise (higher order) the rule's code is differentiated."""
-  n = _num_nonlinear(params["call"], params["fwd"])
+  n = ex.num_nonlinear(params["call"], params["fwd"])
   if all(type(t) is jx.Zero for t in tangents[:n]):
     lin_tangents = [jx.instantiate_zeros(t) for t in tangents[n:]]
     return (lin_p.bind(*primals, **params),
@@ -351,7 +348,9 @@ define_evaluation(lin_p, lin_forward, forward_role, jvp=_lin_jvp)
 def jvp_forward(*args, call, fwd, in_nz, schedule):
   """Forward mode: the forward rule where there is one; else ``fwd`` (or
   ``f``, with ``fwd_bwd`` alone) for the primal outputs, then the linear
-  map's forward mode."""
+  map's forward mode. The schedule is not read: it says where the reverse
+  passes run each rule, and forward mode has no reverse pass; it runs the
+  equation whole, ``fwd``'s residuals feeding the tangents."""
   del schedule
   f_consts, fwd_consts, primals, nz_t = call.split_jvp_args(args, fwd)
   if call.rules.jvp is not None:   # the forward rule, instead of f and fwd

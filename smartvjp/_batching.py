@@ -95,15 +95,11 @@ register(rule_p, "batching", _rule_batching)
 
 # -- smartvjp_lin ----------------------------------------------------------------------
 
-def _num_nonlinear(call, fwd) -> int:
-  return len(fwd.res_avals) if fwd is not None else call.num_primals
-
-
 def _lin_batching(axis_data, args, dims, *, call, fwd, in_nz, reload):
   if all(d is None for d in dims):
     return (lin_p.bind(*args, **ex.lin_params(call, fwd, in_nz, reload)),
             [None] * sum(call.out_nz))
-  n = _num_nonlinear(call, fwd)
+  n = ex.num_nonlinear(call, fwd)
   if call.rules.jvp is not None and all(d is None for d in dims[:n]):
     # only tangents mapped (jax.jacfwd): the forward rule with its primals
     # unmapped, evaluated here
@@ -148,8 +144,8 @@ def _jvp_batching(axis_data, args, dims, *, call, fwd, in_nz, schedule):
   f_consts, fwd_consts, primals, tangents = call.split_jvp_args(args, fwd)
   cdims, wdims, pdims, tdims = call.split_jvp_args(dims, fwd)
   if all(d is None for d in (*cdims, *wdims, *pdims)):
-    return _tangents_only(axis_data, call, fwd, in_nz, f_consts, fwd_consts,
-                          primals, tangents, tdims)
+    return _tangents_only(axis_data, call, fwd, in_nz, schedule, f_consts,
+                          fwd_consts, primals, tangents, tdims)
   # tangents are mapped at 0 (broadcast if need be), so a primal with a
   # tangent is mapped too: the batched rules see one batch, and bwd's
   # cotangent for it is per example, like its tangent
@@ -167,21 +163,24 @@ def _jvp_batching(axis_data, args, dims, *, call, fwd, in_nz, schedule):
 register(jvp_p, "batching", _jvp_batching)
 
 
-def _tangents_only(axis_data, call, fwd, in_nz, f_consts, fwd_consts,
-                   primals, tangents, tdims):
+def _tangents_only(axis_data, call, fwd, in_nz, schedule, f_consts,
+                   fwd_consts, primals, tangents, tdims):
   """Only tangents mapped (``jacfwd``): the primal side once, the linear map
   batched (with a forward rule: ``f`` once and the rule's tangent part)."""
   if call.rules.jvp is not None:
-    outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals)
+    outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals,
+                     schedule.primal_by)
     tangents = [_vmap.front(axis_data, t, d) for t, d in zip(tangents, tdims)]
     fwd_rule = _vmap.jvp_rule_over_tangents(call, len(tangents), axis_data)
     touts = tangents_only(call, primals, in_nz, tangents, fwd_rule)
     return [*outs, *touts], [None] * len(outs) + [0] * len(touts)
   if fwd is None:
-    outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals)
+    outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals,
+                     schedule.primal_by)
     lin_inputs = primals
   else:
-    outs, lin_inputs = ex.fwd_side(call, fwd, f_consts, fwd_consts, primals)
+    outs, lin_inputs = ex.fwd_side(call, fwd, schedule, f_consts, fwd_consts,
+                                   primals)
   touts, _ = _lin_batching(
       axis_data, [*lin_inputs, *tangents],
       [None] * len(lin_inputs) + list(tdims), **ex.lin_params(call, fwd, in_nz))

@@ -13,9 +13,6 @@ this module carries the decision out, once, for every place JAX asks:
   evaluation of ``jax.checkpoint``, which returns equations);
 * :func:`linear`: the linear map's inputs and params, where the residuals
   are kept (or ``fwd_bwd`` runs on the primal inputs);
-* :func:`rebuilt`: what the backward region rebuilds, where the plan
-  recomputes (the user's ``fwd``) or splits (the rest of ``fwd``, from the
-  saved values);
 * :func:`run_bwd`, :func:`run_fwd_bwd`: the backward rules, traced once per
   signature and bound as ``smartvjp_rule`` where the transpose runs.
 """
@@ -82,15 +79,11 @@ def fwd_params(call, fwd, offload=None) -> dict:
   return dict(call=call, which="fwd", fwd=fwd, offload=offload)
 
 
-def primal(emit, call, fwd, f_consts, fwd_consts, primals, first=None,
-           by=None):
+def primal(emit, call, fwd, f_consts, fwd_consts, primals, by, first=None):
   """``f``'s outputs for a differentiated call, computed ``by`` ``f`` or by
-  the part of ``fwd`` producing them (``_plan.Forward``; by default as
-  ``_plan.primal_outputs_by`` says). Where references are involved a plain
-  ``smartvjp_call`` stands in (its rules handle them, and nothing
-  differentiates it here)."""
-  if by is None:
-    by = _plan.primal_outputs_by(_policy.facts(call, fwd))
+  the part of ``fwd`` producing them (``_plan.Forward``). Where references
+  are involved a plain ``smartvjp_call`` stands in for ``f`` (its rules
+  handle them, and nothing differentiates it here)."""
   if by is _plan.Forward.PART_OF_FWD:
     part = fwd.computing_only([False] * fwd.num_new_res)
     return emit(rule_p, [*fwd_consts, *primals], fwd_params(call, part),
@@ -113,25 +106,37 @@ def forward(emit, call, fwd, plan, f_consts, fwd_consts, primals,
                 fwd_params(call, plan.split.known), first)
     return outs[:n], outs[n:]
   if plan.schedule.forward is not _plan.Forward.FWD:
-    return primal(emit, call, fwd, f_consts, fwd_consts, primals, first,
-                  plan.schedule.forward), []
+    return primal(emit, call, fwd, f_consts, fwd_consts, primals,
+                  plan.schedule.forward, first), []
   offload = plan.spaces if plan.offloads else None
   outs = emit(rule_p, [*fwd_consts, *primals], fwd_params(call, fwd, offload),
               first)
   return outs[:n], outs[n:]
 
 
-def fwd_side(call, fwd, f_consts, fwd_consts, primals):
-  """Binds what ``fwd`` stands for where its residuals are kept: ``fwd``,
-  or ``f`` in its place when ``fwd`` computes nothing more
-  (``_plan.fwd_or_f``). Returns ``(primal_outs, residuals)``."""
-  plan = _plan.fwd_or_f(_policy.facts(call, fwd))
-  outs, new_res = forward(Bind(), call, fwd, plan, f_consts, fwd_consts,
-                          primals)
-  return outs, fwd.assemble_residuals([*fwd_consts, *primals], new_res)
+def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
+  """Binds what computes the residuals on ``schedule``'s backward side:
+  ``fwd``, or ``f`` (for the primal outputs) where the schedule runs ``f``
+  and ``bwd`` alone, ``fwd`` computing nothing more. Returns
+  ``(primal_outs, residuals)``."""
+  fwd_inputs = [*fwd_consts, *primals]
+  if (schedule.forward is _plan.Forward.F
+      and schedule.backward is _plan.Backward.BWD):
+    outs = primal(Bind(), call, fwd, f_consts, fwd_consts, primals,
+                  _plan.Forward.F)
+    return outs, fwd.assemble_residuals(fwd_inputs, [])
+  outs = rule_p.bind(*fwd_inputs, **fwd_params(call, fwd))
+  n = call.num_outs
+  return outs[:n], fwd.assemble_residuals(fwd_inputs, outs[n:])
 
 
 # -- the linear map ------------------------------------------------------------------
+
+def num_nonlinear(call, fwd) -> int:
+  """How many of ``smartvjp_lin``'s inputs are residuals (or, for the
+  fused form, primal inputs) before its tangents."""
+  return len(fwd.res_avals) if fwd is not None else call.num_primals
+
 
 def lin_params(call, fwd, in_nz, reload=None) -> dict:
   """``smartvjp_lin``'s params; ``fwd=None`` for the fused form."""
@@ -143,7 +148,7 @@ def linear(call, fwd, plan, in_nz, fwd_inputs, primals, kept):
   ``plan`` (``kept``: what :func:`forward` returned): the residuals (those
   a policy offloaded reloaded by the map), or the primal inputs where
   ``fwd_bwd`` runs."""
-  if plan.schedule.runs_fwd_bwd or fwd is None:
+  if plan.schedule.runs_fwd_bwd:
     return list(primals), lin_params(call, None, in_nz)
   reload = None
   if plan.offloads:
@@ -159,48 +164,43 @@ def backward_region(call, fwd, schedule, in_nz, f_consts, fwd_consts,
   known: binds what ``schedule``'s backward side starts with (the ``fwd``
   side, or ``f`` where ``fwd_bwd`` runs) and returns ``(primal_outs,
   linear inputs, linear params)``."""
-  if schedule.runs_fwd_bwd or fwd is None:
-    outs = primal(Bind(), call, fwd, f_consts, fwd_consts, primals)
+  if schedule.runs_fwd_bwd:
+    outs = primal(Bind(), call, fwd, f_consts, fwd_consts, primals,
+                  schedule.primal_by)
     return outs, list(primals), lin_params(call, None, in_nz)
-  outs, residuals = fwd_side(call, fwd, f_consts, fwd_consts, primals)
+  outs, residuals = fwd_side(call, fwd, schedule, f_consts, fwd_consts,
+                             primals)
   if schedule.recomputes and fwd.num_new_res:   # f ran forward, fwd here
     maybe_check(call, lambda: call_p.bind(*f_consts, *primals, call=call),
                 outs)
   return outs, residuals, lin_params(call, fwd, in_nz)
 
 
-# -- what the backward region rebuilds -------------------------------------------------
-
-def rebuilt(plan, fwd):
-  """For a plan that recomputes or splits: ``(fwd, schedule)`` of the staged
-  side, whose ``fwd`` rebuilds the residuals (the user's; or the rest of a
-  split ``fwd``, the saved values as its leading inputs)."""
-  if plan.kind is _plan.Kind.SPLIT:
-    return plan.split.staged, plan.schedule
-  return fwd, plan.schedule
-
-
 # -- deciding --------------------------------------------------------------------------
 
-def decide(call, fwd, in_nz, answers):
-  """The plan for a call under a remat policy (``answers``). Where the plan
-  turns to the ``defremat`` rules, they are swapped in here: returns
-  ``(call, fwd, plan, swapped)``, the call and ``fwd`` to carry out
-  (``swapped``: the ``defremat`` ones, whose ``fwd`` closes over nothing)."""
-  alt = []
-
-  def remat_rules_usable():
-    other = remat_call(call)
-    other_fwd, other_consts = other.fwd_for(in_nz)
-    alt.append((other, other_fwd))
-    return not other_consts
-
-  plan = _plan.plan(_policy.facts(call, fwd, remat_rules_usable), answers)
+def decide(call, fwd, in_nz, policy, answers):
+  """The plan for a call under a remat ``policy`` (its ``answers``), asked
+  again with what it needs: the policy's split of ``fwd``, or whether the
+  ``defremat`` rules can be used. Where the plan turns to them, they are
+  swapped in here: returns ``(call, fwd, plan, swapped)``, the call and
+  ``fwd`` to carry out (``swapped``: the ``defremat`` ones, whose ``fwd``
+  closes over nothing)."""
+  facts = _policy.facts_of(call, fwd)
+  plan = _plan.plan(facts, answers)
+  if plan.asks_split:
+    answers = dataclasses.replace(
+        answers, split=_policy.split(policy, call, fwd))
+    plan = _plan.plan(facts, answers)
   if plan.kind is not _plan.Kind.REMAT_RULES:
     return call, fwd, plan, False
-  call, fwd = alt[-1]
-  plan = _plan.fwd_or_f(_policy.facts(call, fwd), (None,) * fwd.num_new_res)
-  return call, fwd, plan, True
+  other = remat_call(call)
+  other_fwd, other_consts = other.fwd_for(in_nz)
+  if other_consts:   # their fwd closes over traced values: not usable
+    plan = _plan.plan(dataclasses.replace(facts, remat_rules_usable=False),
+                      answers)
+    return call, fwd, plan, False
+  return other, other_fwd, _plan.plan(_policy.facts_of(other, other_fwd),
+                                      answers), True
 
 
 # -- the backward rules ---------------------------------------------------------------

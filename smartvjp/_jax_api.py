@@ -16,13 +16,13 @@ raises ``NotImplementedError`` naming the JAX release that introduced it.
 * ``defvjp_with_logs`` / ``defremat_with_logs``: ``bwd`` returns
   ``(cotangents, logs)``. The logs leave the backward pass as JAX's do
   (``VJP.with_logs``): the wrapped ``bwd`` drops them into the innermost
-  :func:`collecting_logs` sink, the traced rule (``_bwd._bind_rule``) makes
-  their leaves outputs of its ``smartvjp_bwd`` equation, and the transposes
-  of ``smartvjp_lin``/``smartvjp_fused_lin``, registered where JAX's
-  backward pass collects logs, return them as a dict.
+  :func:`collecting_logs` sink, the traced rule (``_execute._bind_rule``)
+  makes their leaves outputs of its ``smartvjp_bwd`` equation, and the
+  transpose of ``smartvjp_lin``, registered where JAX's backward pass
+  collects logs, returns them as a dict.
 * ``generic_batching`` where JAX accepts it, with JAX's meaning: under
   ``vmap`` ``f`` alone decides which outputs are mapped (see
-  ``_call._output_batching``).
+  ``_batching._output_batching``).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def require_method(fun, method: str) -> None:
 
 def check_generic_batching(fun, method: str, value) -> None:
   """``generic_batching``: ``None`` (not given) or a bool where JAX has it
-  (its meaning: ``_call._output_batching``)."""
+  (its meaning: ``_batching._output_batching``)."""
   if value is None:
     return
   if not isinstance(value, (bool, int)) or callable(value):

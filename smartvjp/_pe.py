@@ -58,7 +58,8 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
             _residuals(eqn, inst_in, eqn))
   answers = _policy.answers(saveable, call, fwd, jvp_p,
                             [v.aval for v in eqn.invars], eqn.params)
-  new_call, new_fwd, plan, swapped = ex.decide(call, fwd, in_nz, answers)
+  new_call, new_fwd, plan, swapped = ex.decide(call, fwd, in_nz, saveable,
+                                               answers)
   if swapped:   # the defremat rules: their fwd closes over nothing
     n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
     eqn = jx.eqn_with(eqn, invars=[*eqn.invars[:n1], *eqn.invars[n2:]],
@@ -107,10 +108,9 @@ def _split(eqn, inst_in, plan, known, extra, f_consts, fwd_consts, primals,
   saved = [next(it) if o is None else eqn.outvars[o]
            for o in split.saved_outputs]
   kept_outs = {o for o in split.saved_outputs if o is not None}
-  staged_fwd, schedule = ex.rebuilt(plan, eqn.params["fwd"])
   emit = ex.Eqns(eqn)
   emit(jvp_p, [*f_consts, *saved, *fwd_consts, *primals, *tangents],
-       dict(eqn.params, fwd=staged_fwd, schedule=schedule),
+       dict(eqn.params, fwd=split.staged, schedule=plan.schedule),
        first=[jx.Var(v.aval) if i in kept_outs else v
               for i, v in enumerate(eqn.outvars)])
   staged = emit.eqn
@@ -146,56 +146,40 @@ register(jvp_p, "partial_eval", _jvp_partial_eval)
 
 # -- smartvjp_jvp: dead-code elimination ------------------------------------------
 #
-# A jvp whose tangents are dead stands for the rule jax.custom_vjp runs for a
-# differentiated call: fwd, when it has effects.
-
-def _linear_part(eqn):
-  """A jvp equation whose primal outputs are unused: only its linear map
-  where the plan says it needs nothing else (``_plan.linear_part_only``)."""
-  call, fwd, in_nz = (eqn.params[k] for k in ("call", "fwd", "in_nz"))
-  schedule = eqn.params["schedule"]
-  if not _plan.linear_part_only(_policy.facts(call, fwd), schedule):
-    return None
-  _, fwd_consts, primals, tangents = call.split_jvp_args(eqn.invars, fwd)
-  fwd_inputs = [*fwd_consts, *primals]
-  if schedule.runs_fwd_bwd:
-    ins, params = primals, ex.lin_params(call, None, in_nz)
-  else:
-    passed = _policy.passed_through(fwd)
-    ins = fwd.assemble_residuals(fwd_inputs, [fwd_inputs[i] for i in passed])
-    params = ex.lin_params(call, fwd, in_nz)
-  new_eqn = jx.new_eqn([*ins, *tangents], eqn.outvars[call.num_outs:], lin_p,
-                       params, set(), eqn)
-  return _reads(eqn, new_eqn), new_eqn
-
+# What is left is _plan.prune's answer. A jvp whose tangents are dead stands
+# for the rule jax.custom_vjp runs for a differentiated call: fwd, when it
+# has effects.
 
 def _jvp_dce(used_outputs, eqn):
-  """Tangents unused: just ``f``; or ``fwd`` without its residuals when
-  ``fwd`` has effects (``jax.custom_vjp`` would run them). Primal outputs
-  unused: maybe just the linear map (:func:`_linear_part`)."""
-  call, fwd = eqn.params["call"], eqn.params["fwd"]
+  call, fwd, in_nz, schedule = (eqn.params[k]
+                                for k in ("call", "fwd", "in_nz", "schedule"))
   n = call.num_outs
-  if any(used_outputs[n:]):
-    if not any(used_outputs[:n]):
-      linear = _linear_part(eqn)
-      if linear is not None:
-        return linear
+  facts = _policy.facts_of(call, fwd)
+  left = _plan.prune(facts, schedule, any(used_outputs[:n]),
+                     any(used_outputs[n:]))
+  if left.linear and left.primal is not None:
     return [True] * len(eqn.invars), eqn
   f_consts, fwd_consts, primals, tangents = call.split_jvp_args(eqn.invars,
                                                                 fwd)
-  facts = _policy.facts(call, fwd)
-  if fwd is not None and facts.fwd_keeps_effects:
-    emit = ex.Eqns(eqn)
+  emit = ex.Eqns(eqn)
+  if left.linear:   # the linear map alone, on inputs of the call
+    if schedule.runs_fwd_bwd:
+      ins, params = primals, ex.lin_params(call, None, in_nz)
+    else:
+      fwd_inputs = [*fwd_consts, *primals]
+      passed = _policy.passed_through(fwd)
+      ins = fwd.assemble_residuals(fwd_inputs, [fwd_inputs[i] for i in passed])
+      params = ex.lin_params(call, fwd, in_nz)
+    emit(lin_p, [*ins, *tangents], params, first=eqn.outvars[n:])
+  elif left.primal is None:
+    return [False] * len(eqn.invars), None
+  elif left.primal is _plan.Forward.FWD:   # fwd without its residuals
     emit(rule_p, [*fwd_consts, *primals], ex.fwd_params(call, fwd),
          first=[*eqn.outvars[:n], *(jx.drop_var(a)
                                     for a in fwd.jaxpr.out_avals[n:])])
-    return _reads(eqn, emit.eqn), emit.eqn
-  if not any(used_outputs[:n]) and (
-      fwd is not None or not jx.effects_keep_alive(call.jaxpr.effects)):
-    return [False] * len(eqn.invars), None  # fwd, which JAX would run, is pure
-  emit = ex.Eqns(eqn)
-  ex.primal(emit, call, fwd, f_consts, fwd_consts, primals,
-            first=eqn.outvars[:n], by=_plan.primal_outputs_by(facts))
+  else:
+    ex.primal(emit, call, fwd, f_consts, fwd_consts, primals, left.primal,
+              first=eqn.outvars[:n])
   return _reads(eqn, emit.eqn), emit.eqn
 
 
@@ -232,7 +216,7 @@ def _fwd_dce(used_outputs, eqn):
   """``fwd`` some of whose residuals are unused computes only the others
   (``bwd`` does not read them); ``fwd`` none of whose residuals is used (no
   cotangent reaches the call) is just ``f`` where the plan says so
-  (``_plan.without_residuals``)."""
+  (``_plan.prune``)."""
   call, fwd = eqn.params["call"], eqn.params["fwd"]
   n = call.num_outs
   kept = used_outputs[n:]
@@ -256,13 +240,14 @@ def _fwd_dce(used_outputs, eqn):
     return [True] * len(eqn.invars), emit.eqn
   if any(used_outputs[n:]) or not any(used_outputs[:n]) or fwd.jaxpr is None:
     return dce_whole(used_outputs, eqn)
-  by = _plan.without_residuals(_policy.facts(call, fwd, f_carried=False))
+  by = _plan.prune(_policy.facts_of(call, fwd), None, True, False,
+                   carries_f=False).primal
   if by is _plan.Forward.FWD:
     return dce_whole(used_outputs, eqn)
   fwd_consts, primals = eqn.invars[:fwd.num_consts], eqn.invars[fwd.num_consts:]
   emit = ex.Eqns(eqn)
-  ex.primal(emit, call, fwd, [], fwd_consts, primals, first=eqn.outvars[:n],
-            by=by)
+  ex.primal(emit, call, fwd, [], fwd_consts, primals, by,
+            first=eqn.outvars[:n])
   return _reads(eqn, emit.eqn), emit.eqn
 
 

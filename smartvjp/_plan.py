@@ -1,19 +1,20 @@
 """The one decision: where each rule of a differentiated call runs.
 
 Every path that differentiates a ``smart_custom_vjp`` call asks this module:
-the policy-driven partial evaluation of ``jax.checkpoint`` (``_jvp.py``), the
-remat3 rule (``_call.py``), linearization (``jax.grad``/``jax.vjp`` under
-``jit`` or eagerly, ``_call.py``) and the trace-time partial evaluation of
-the rematerialized backward region (``_jvp.py``). Those adapters gather the
-facts (``Facts``) and the remat policy's answers (``Answers``) and carry out
-the ``Plan``; nothing here traces or touches JAX, so the decision is tested
-as a table (``tests/test_plan.py``).
+the policy-driven partial evaluation of ``jax.checkpoint`` (``_pe.py``), the
+remat3 rule (``_remat3.py``), linearization (``jax.grad``/``jax.vjp`` under
+``jit`` or eagerly, ``_ad.py``), and the rules that meet the equations the
+plan placed (``_pe.py``'s trace-time partial evaluation and dead-code
+elimination). Those adapters hand it the call's facts (``Facts``, gathered
+once per traced ``fwd`` by ``_policy``) and the remat policy's answers
+(``Answers``) and carry out the ``Plan``; nothing here traces or touches
+JAX, so the decision is tested as a table (``tests/test_plan.py``).
 
 A plan's ``Schedule`` (what runs forward, what runs backward) is a frozen,
 hashable value that travels in the params of the equations that carry the
 call on (``smartvjp_jvp``, ``smartvjp_rem``): the rules that meet them later
-(trace-time partial evaluation of the rematerialized region, dead-code
-elimination, evaluation, remat3 again) read it and do not decide again.
+read it and do not decide again; where outputs nobody reads are removed,
+:func:`prune` says what is left.
 
 The schedule is the one jax-ml/jax#21303 asks for: under remat the forward
 pass runs ``f`` and only the rematerialized backward region runs ``fwd`` (or
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable
+from typing import Any
 
 
 class Answer(enum.Enum):
@@ -54,9 +55,9 @@ class Facts:
   differentiation runs it on values instead). ``always_save``: the rules are
   ``defremat``'s, whose ``fwd`` keeps its residuals whatever the policy
   says. ``remat_rules``: ``defremat`` rules given beside ``defvjp``'s, for
-  where the policy recomputes; ``remat_rules_usable``: called at most once,
-  when they are to be used, says whether they can be (their ``fwd`` closes
-  over no traced value). ``splittable``: ``fwd`` is traced JAX code the policy may split equation
+  where the policy recomputes; ``remat_rules_usable``: ``False`` once the
+  adapter found they cannot be (their ``fwd`` closes over a traced value),
+  and asks again. ``splittable``: ``fwd`` is traced JAX code the policy may split equation
   by equation (no references among the inputs or effects). ``keeps_effects``:
   ``f`` or ``fwd`` has effects JAX keeps (a debug print), so which of them
   runs is observable. ``f_matches_fwd``: ``f``'s outputs have ``fwd``'s full
@@ -71,19 +72,24 @@ class Facts:
   num_computed: int | None = 1
   always_save: bool = False
   remat_rules: bool = False
-  remat_rules_usable: Callable[[], bool] = lambda: True
+  remat_rules_usable: bool = True
   splittable: bool = True
   keeps_effects: bool = False
   f_matches_fwd: bool = True
-  # for dead-code elimination: fwd itself has effects JAX keeps; f's traced
-  # code and what it closes over are carried by the equation at hand;
-  # references are involved; the backward side computes residuals before
-  # bwd (False where fwd's residuals are all inputs or saved values)
+  # for dead-code elimination: fwd itself has effects JAX keeps; f is
+  # traced; f closes over traced values (which an equation of fwd alone does
+  # not carry); references are involved; the backward side computes
+  # residuals before bwd (False where fwd's residuals are all inputs or
+  # saved values)
   fwd_keeps_effects: bool = False
-  f_carried: bool = True
+  f_traced: bool = True
+  f_closes_over: bool = False
   references: bool = False
   rebuilds: bool = True
   fwd_reads_saved: bool = False
+
+
+ASK = "ask"   # Answers.split not known yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,17 +97,18 @@ class Answers:
   """The remat policy's answers for one call: ``call`` for the call's own
   equation, ``residuals`` one per residual ``fwd`` computes (asked for the
   equation of ``fwd`` producing it, through ``checkpoint_name``), and
-  ``split``: called at most once, the split of ``fwd`` by the policy when
-  one is worth doing (see ``_policy.split_fwd``), else ``None``."""
+  ``split``: the split of ``fwd`` by the policy when one is worth doing
+  (see ``_policy.split_fwd``), ``None`` when there is none, or ``ASK``:
+  not computed yet, as it costs a partial evaluation of ``fwd``; a plan that
+  needs it says so (:attr:`Plan.asks_split`) and is asked again with it."""
   call: Asked
   residuals: tuple = ()
-  split: Callable[[], Any] = lambda: None
+  split: Any = None
 
 
 class Kind(enum.Enum):
-  FWD = "fwd forward, bwd backward"
-  F_FOR_FWD = "f forward (fwd computes nothing more), bwd backward"
-  RECOMPUTE = "f forward, fwd + bwd (or fwd_bwd) in the backward region"
+  FWD = "fwd's residuals kept (the schedule says whether f runs for it)"
+  RECOMPUTE = "the call again in the backward region (its rules: the schedule)"
   SPLIT = "part of fwd forward, the rest of it rebuilt backward"
   REMAT_RULES = "the defremat rules instead"
 
@@ -115,7 +122,8 @@ class Forward(enum.Enum):
 
 class Backward(enum.Enum):
   """What the backward side of a call runs."""
-  BWD = "bwd"                  # on the residuals the forward pass kept
+  BWD = "bwd"                  # alone: nothing is rebuilt (the residuals are
+                               # kept, inputs of the call or saved values)
   FWD_THEN_BWD = "fwd+bwd"     # fwd (or what a split left of it), then bwd
   FWD_BWD = "fwd_bwd"          # the fused rule on the primal inputs
 
@@ -132,6 +140,13 @@ class Schedule:
     return self.backward is Backward.FWD_BWD
 
   @property
+  def primal_by(self) -> Forward:
+    """What computes the primal outputs where nothing else is needed: the
+    part of ``fwd`` where it reads saved values, else ``f``."""
+    return (Forward.PART_OF_FWD if self.forward is Forward.PART_OF_FWD
+            else Forward.F)
+
+  @property
   def recomputes(self) -> bool:
     """The whole call runs again in the backward region: ``f`` forward and
     the rules that rebuild the residuals backward."""
@@ -143,6 +158,9 @@ class Schedule:
 
 # the backward side of a split: the rest of fwd rebuilt from the saved values
 SPLIT_REBUILT = Schedule(Forward.PART_OF_FWD, Backward.FWD_THEN_BWD)
+# remat3's rem side where everything is kept: the saved values replayed (the
+# part of a fwd reading them), bwd on them
+REPLAYED = Schedule(Forward.PART_OF_FWD, Backward.BWD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +178,33 @@ class Plan:
   def offloads(self) -> bool:
     return any(s is not None for s in self.spaces)
 
+  @property
+  def asks_split(self) -> bool:
+    """The plan splits ``fwd`` if the policy's split is worth doing: ask
+    :func:`plan` again with ``Answers.split``."""
+    return self.kind is Kind.SPLIT and self.split is None
+
+  @property
+  def rem_schedule(self) -> Schedule:
+    """The schedule of remat3's rem side: the plan's, or where everything
+    is kept, the saved values replayed."""
+    if self.kind in (Kind.RECOMPUTE, Kind.SPLIT):
+      return self.schedule
+    return REPLAYED
+
 
 def _recompute(facts: Facts) -> Plan:
   if facts.fwd_reads_saved:   # recomputing a split's backward side again
-    return Plan(Kind.RECOMPUTE, SPLIT_REBUILT)
-  backward = (Backward.FWD_BWD if not facts.has_fwd or facts.has_fwd_bwd
-              else Backward.FWD_THEN_BWD)
-  return Plan(Kind.RECOMPUTE, Schedule(Forward.F, backward))
+    return Plan(Kind.RECOMPUTE, Schedule(
+        Forward.PART_OF_FWD,
+        Backward.FWD_THEN_BWD if facts.rebuilds else Backward.BWD))
+  if not facts.has_fwd or facts.has_fwd_bwd:
+    return Plan(Kind.RECOMPUTE, Schedule(Forward.F, Backward.FWD_BWD))
+  if fwd_or_f(facts).schedule.forward is Forward.F:
+    # fwd computes nothing f does not: the backward region runs bwd alone
+    # on the inputs (f, standing in for fwd, for the primal outputs)
+    return Plan(Kind.RECOMPUTE, Schedule(Forward.F, Backward.BWD))
+  return Plan(Kind.RECOMPUTE, Schedule(Forward.F, Backward.FWD_THEN_BWD))
 
 
 def fwd_or_f(facts: Facts, spaces: tuple = ()) -> Plan:
@@ -175,49 +213,55 @@ def fwd_or_f(facts: Facts, spaces: tuple = ()) -> Plan:
   ``fwd`` computes nothing ``f`` does not and neither has effects."""
   if (facts.num_computed == 0 and not facts.keeps_effects
       and facts.f_matches_fwd):
-    return Plan(Kind.F_FOR_FWD, Schedule(Forward.F, Backward.BWD))
+    return Plan(Kind.FWD, Schedule(Forward.F, Backward.BWD))
   return Plan(Kind.FWD, Schedule(Forward.FWD, Backward.BWD), spaces)
 
 
-def without_residuals(facts: Facts) -> Forward:
-  """What runs for a differentiated call none of whose residuals is read
-  (no cotangent reaches it, or only its primal outputs are used): ``f`` in
-  ``fwd``'s place, as ``optimize_remat=True`` does under ``jit``, where the
-  equation carries ``f``'s traced code (``f`` is never traced for this
-  alone: a call linearized where it is made keeps ``fwd``, as with
-  ``jax.custom_vjp``) and ``f`` can stand in (same output types, no
-  references); ``fwd`` where it has effects ``jax.custom_vjp`` would run;
-  the part of ``fwd`` producing the primal outputs where ``fwd`` reads
-  saved values (cheaper than ``f``, and what JAX runs of the inlined
-  ``fwd``)."""
+@dataclasses.dataclass(frozen=True)
+class Pruned:
+  """What is left of a differentiated call's equation once the outputs
+  nobody reads are gone: ``primal`` computes the primal outputs (``None``:
+  nothing does), and ``linear`` says whether the linear map stays."""
+  primal: Forward | None
+  linear: bool
+
+
+def prune(facts: Facts, schedule: Schedule | None, outputs_used: bool,
+          tangents_used: bool, carries_f: bool = True) -> Pruned:
+  """What is left of a ``smartvjp_jvp`` (``schedule`` its own) with unused
+  outputs, or of a ``smartvjp_fwd`` none of whose residuals is read
+  (``tangents_used`` false, ``carries_f`` false: it lacks what ``f`` closes
+  over).
+
+  * Tangents read, primal outputs not: the linear map alone where nothing
+    computes its inputs (``fwd_bwd`` reads the primal inputs, or ``fwd``'s
+    residuals are inputs or saved values) and no effect or reference would
+    be skipped (eagerly, as in ``jax.checkpoint``'s backward region, nothing
+    else removes what nobody reads). Else all of it.
+  * No tangent read: ``fwd`` where it has effects ``jax.custom_vjp`` would
+    run; nothing where no primal output is read either (unless ``f``, given
+    only ``fwd_bwd``, has effects); the part of ``fwd`` producing the
+    primal outputs where ``fwd`` reads saved values (what JAX runs of the
+    inlined ``fwd``); else ``f``, as ``optimize_remat=True`` does under
+    ``jit``, where it can stand in: traced (a call linearized where it is
+    made keeps ``fwd``, as with ``jax.custom_vjp``), carried, no
+    references, the same output types.
+  """
+  if tangents_used:
+    alone = (not outputs_used and not facts.keeps_effects
+             and not facts.references
+             and (schedule.runs_fwd_bwd or not facts.rebuilds))
+    return Pruned(None if alone else schedule.forward, True)
   if facts.fwd_keeps_effects:
-    return Forward.FWD
+    return Pruned(Forward.FWD, False)
+  if not outputs_used and (facts.has_fwd or not facts.keeps_effects):
+    return Pruned(None, False)
   if facts.fwd_reads_saved:
-    return Forward.PART_OF_FWD
-  if not facts.f_carried or facts.references or not facts.f_matches_fwd:
-    return Forward.FWD
-  return Forward.F
-
-
-def primal_outputs_by(facts: Facts) -> Forward:
-  """What computes a differentiated call's primal outputs where nothing
-  needs its residuals (its tangents unused): ``f``, or, where ``fwd`` reads
-  saved values, the part of ``fwd`` producing them (see
-  :func:`without_residuals`)."""
-  return Forward.PART_OF_FWD if facts.fwd_reads_saved else Forward.F
-
-
-def linear_part_only(facts: Facts, schedule: Schedule) -> bool:
-  """Whether a call whose primal outputs nobody reads needs only its linear
-  map (neither ``f`` nor ``fwd``): where the backward side rebuilds nothing
-  before ``bwd`` (``fwd``'s residuals are inputs or saved values) or runs
-  ``fwd_bwd``, and no rule has effects or references that would then be
-  skipped. This matters eagerly, where nothing else removes the outputs
-  nobody reads (the backward region of ``jax.checkpoint``, evaluated
-  equation by equation)."""
-  if facts.keeps_effects or facts.references:
-    return False
-  return schedule.runs_fwd_bwd or not facts.rebuilds
+    return Pruned(Forward.PART_OF_FWD, False)
+  if not carries_f and (not facts.f_traced or facts.f_closes_over
+                        or facts.references or not facts.f_matches_fwd):
+    return Pruned(Forward.FWD, False)
+  return Pruned(Forward.F, False)
 
 
 def plan(facts: Facts, answers: Answers | None) -> Plan:
@@ -225,7 +269,8 @@ def plan(facts: Facts, answers: Answers | None) -> Plan:
 
   ``answers`` is ``None`` where no remat policy applies (``jax.grad``,
   ``jax.vjp``, ``jax.linearize``, inside ``jit`` or not, and ``jax.jvp``):
-  ``fwd`` runs now and ``bwd`` in the transpose, as with ``jax.custom_vjp``;
+  ``fwd`` runs now and ``bwd`` in the transpose, as with ``jax.custom_vjp``
+  (``f`` in ``fwd``'s place where a traced ``fwd`` computes nothing more);
   with ``fwd_bwd`` alone, ``f`` now and ``fwd_bwd`` in the transpose.
 
   Under remat (a ``jax.checkpoint`` policy, on JAX's default path or its
@@ -251,8 +296,7 @@ def plan(facts: Facts, answers: Answers | None) -> Plan:
   if not facts.has_fwd:
     return _recompute(facts)
   if answers is None:
-    return Plan(Kind.FWD, Schedule(Forward.FWD, Backward.BWD),
-                (None,) * (facts.num_computed or 0))
+    return fwd_or_f(facts, (None,) * (facts.num_computed or 0))
   if facts.always_save:
     return fwd_or_f(facts, (None,) * (facts.num_computed or 0))
   if facts.num_computed == 0:
@@ -265,10 +309,11 @@ def plan(facts: Facts, answers: Answers | None) -> Plan:
   offloads = kept is not None and any(s is not None for s in kept)
   if (not offloads and facts.splittable and not facts.remat_rules
       and facts.num_computed):
-    split = answers.split()
-    if split is not None:
-      return Plan(Kind.SPLIT, SPLIT_REBUILT, split=split)
-  if kept is None and facts.remat_rules and facts.remat_rules_usable():
+    if answers.split is ASK:
+      return Plan(Kind.SPLIT, SPLIT_REBUILT)
+    if answers.split is not None:
+      return Plan(Kind.SPLIT, SPLIT_REBUILT, split=answers.split)
+  if kept is None and facts.remat_rules and facts.remat_rules_usable:
     # the schedule is the defremat rules' own: ask fwd_or_f with their facts
     return Plan(Kind.REMAT_RULES, Schedule(Forward.FWD, Backward.BWD))
   if kept is not None:

@@ -206,10 +206,20 @@ def passed_through(fwd):
   return passed
 
 
-def facts(call, fwd, remat_rules_usable=lambda: True,
-          f_carried=True) -> _plan.Facts:
+def facts_of(call, fwd) -> _plan.Facts:
+  """The facts of a call whose ``fwd`` is ``fwd`` (``None`` without one),
+  computed once and kept on ``fwd`` (on the call without one)."""
+  holder = call if fwd is None else fwd
+  kept = holder.__dict__.get("_facts")
+  if kept is None or kept[0] is not call:
+    kept = (call, facts(call, fwd))
+    object.__setattr__(holder, "_facts", kept)
+  return kept[1]
+
+
+def facts(call, fwd) -> _plan.Facts:
   """The facts of a call whose ``fwd`` is ``fwd`` (``None`` without one);
-  ``f_carried``: the equation at hand carries what ``f`` closes over."""
+  :func:`facts_of` keeps them."""
   traced = fwd is not None and fwd.jaxpr is not None
   return _plan.Facts(
       has_fwd=call.rules.fwd is not None,
@@ -218,13 +228,13 @@ def facts(call, fwd, remat_rules_usable=lambda: True,
                     None if call.rules.fwd is not None else 0),
       always_save=call.rules.always_save,
       remat_rules=call.rules.remat is not None,
-      remat_rules_usable=remat_rules_usable,
       splittable=(traced and call.jaxpr is not None
                   and not uses_references(call)),
       keeps_effects=has_effects(call, fwd),
       f_matches_fwd=call.jaxpr is not None and f_matches_fwd(call, fwd),
       fwd_keeps_effects=traced and jx.effects_keep_alive(fwd.jaxpr.effects),
-      f_carried=call.jaxpr is not None and (f_carried or not call.num_consts),
+      f_traced=call.jaxpr is not None,
+      f_closes_over=bool(call.num_consts),
       references=uses_references(call),
       rebuilds=not traced or passed_through(fwd) is None,
       fwd_reads_saved=traced and fwd.reads_saved)
@@ -235,7 +245,7 @@ def schedule_without_policy(call, fwd) -> _plan.Schedule:
   ``smartvjp_jvp`` as ``jax.jvp`` or ``jax.checkpoint``'s JVP binds it):
   ``fwd`` then ``bwd``, or ``f`` then ``fwd_bwd`` where it is the only
   rule."""
-  return _plan.plan(facts(call, fwd), None).schedule
+  return _plan.plan(facts_of(call, fwd), None).schedule
 
 
 def named_policy(policy):
@@ -261,8 +271,9 @@ def _asked(policy, prim, avals, params) -> _plan.Asked:
 def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers:
   """The policy's answers for a call: asked about its ``smartvjp_jvp``
   equation (``jvp_prim`` over ``jvp_avals`` with ``jvp_params``), then for
-  each residual ``fwd`` computes about its producers (see the module).
-  ``policy`` ``None`` (a plain ``jax.checkpoint`` under remat3) recomputes
+  each residual ``fwd`` computes about its producers (see the module); the
+  split is left to :func:`split`, where the plan asks for it. ``policy``
+  ``None`` (a plain ``jax.checkpoint`` under remat3) recomputes
   everything; so does a call without ``fwd`` (only ``fwd_bwd`` given)."""
   if fwd is None:
     return _plan.Answers(_plan.RECOMPUTE)
@@ -279,7 +290,13 @@ def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers
   return _plan.Answers(
       call_answer,
       tuple(_plan.answer_for_chain(call_answer, along(c)) for c in chains),
-      split=lambda: split_fwd(policy, call, fwd))
+      split=_plan.ASK)
+
+
+def split(policy, call, fwd) -> Split | None:
+  """The split of ``fwd`` by ``policy`` (asked as :func:`answers` asks it)
+  when one is worth doing."""
+  return split_fwd(named_policy(policy), call, fwd)
 
 
 def producers(v, producers_of) -> tuple:

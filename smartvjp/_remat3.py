@@ -56,7 +56,7 @@ def _call_remat3(ctx, *in_vals, call):
       ctx.policy, call, fwd, jvp_p, avals,
       dict(call=call, fwd=fwd, in_nz=in_nz,
            schedule=_policy.schedule_without_policy(call, fwd)))
-  call, fwd, plan, swapped = ex.decide(call, fwd, in_nz, answers)
+  call, fwd, plan, swapped = ex.decide(call, fwd, in_nz, ctx.policy, answers)
   if swapped:
     fwd_consts = []
   outs, kept = ex.forward(ex.Bind(), call, fwd, plan, f_consts, fwd_consts,
@@ -87,7 +87,7 @@ def _call_remat3(ctx, *in_vals, call):
             for r, s in zip(saved[n_out:], spaces)]
     return rem_p.bind(*rem_in[:k], *saved[:n_out], *back, *fwd_consts,
                       *rem_in[k:], call=call, fwd=spec,
-                      schedule=plan.schedule)
+                      schedule=plan.rem_schedule)
   return list(outs), [*outs, *kept], rem
 
 
@@ -103,7 +103,7 @@ def _rebuilding(plan):
   values (its leading inputs); a primal output that is saved is read, not
   rebuilt."""
   split = plan.split
-  staged, _ = ex.rebuilt(plan, None)
+  staged = split.staged
   jaxpr = staged.jaxpr.jaxpr
   outvars = list(jaxpr.outvars)
   for i, o in enumerate(split.saved_outputs):
@@ -123,12 +123,12 @@ def _rem_remat3(ctx, *in_vals, call, fwd, schedule):
   forward pass runs ``f`` for the primal outputs and ``fwd`` stays in the
   new backward region; otherwise the saved values are replayed."""
   params = dict(call=call, fwd=fwd, schedule=schedule)
-  if not schedule.recomputes or not ctx.custom_vjp_rules:
+  if schedule.forward is not _plan.Forward.F or not ctx.custom_vjp_rules:
     outs = rem_p.bind(*in_vals, **params)
     return outs, (), lambda _res, *rem_in: rem_p.bind(*rem_in, **params)
   n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
   outs = ex.primal(ex.Bind(), call, fwd, in_vals[:n1], in_vals[n1:n2],
-                   in_vals[n2:])
+                   in_vals[n2:], schedule.forward)
   return list(outs), (), lambda _res, *rem_in: rem_p.bind(*rem_in, **params)
 
 

@@ -23,6 +23,7 @@ from smartvjp._checks import (
     argument_position, check_aliased_refs, check_f_output, check_fwd_output,
     check_jax_leaves, check_primal_out, describe_tree, expect_used_up,
     function_name, rule_error)
+from smartvjp._policy import facts_of
 from smartvjp._policy import producers as policy_producers
 
 
@@ -413,10 +414,7 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
                   out_avals=(), jaxpr=None, num_consts=0)
   in_nz = tuple(nz and possible for nz, possible in
                 zip(nonzero, call.in_nz_possible))
-  eager_plan = _plan.plan(
-      _plan.Facts(has_fwd=rules.fwd is not None,
-                  has_fwd_bwd=rules.fwd_bwd is not None, num_computed=None),
-      None)
+  eager_plan = _plan.plan(facts_of(call, None), None)
   if eager_plan.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
     with jax.named_scope(f"smartvjp/{call.name}/f"):
       out = rules.fun(*call.full_args(primals))

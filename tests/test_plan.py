@@ -11,9 +11,8 @@ import pytest
 import dataclasses
 
 from smartvjp._plan import (
-    RECOMPUTE, SAVE, Answer, Answers, Asked, Facts, Forward, Kind,
-    answer_for_chain, fwd_or_f, linear_part_only, plan, primal_outputs_by,
-    without_residuals)
+    ASK, RECOMPUTE, REPLAYED, SAVE, Answer, Answers, Asked, Facts, Forward,
+    Kind, Pruned, answer_for_chain, fwd_or_f, plan, prune)
 
 FWD_BWD = Facts(has_fwd=True, has_fwd_bwd=False)          # defvjp(fwd, bwd)
 ALL_THREE = Facts(has_fwd=True, has_fwd_bwd=True)         # + fwd_bwd=
@@ -25,13 +24,9 @@ HOST = Asked(Answer.OFFLOAD, "pinned_host")
 
 
 def _split(value):
-  calls = []
-
-  def split():
-    calls.append(1)
-    return value
-  split.calls = calls
-  return split
+  """The policy's split as the adapter hands it over once the plan asked
+  for it (``_execute.decide``): the plan is asked first with ``ASK``."""
+  return value
 
 
 ROWS = [
@@ -39,7 +34,11 @@ ROWS = [
     ("grad without remat", FWD_BWD, None, Kind.FWD, "fwd forward, bwd backward"),
     ("grad without remat, fwd_bwd also given", ALL_THREE, None,
      Kind.FWD, "fwd forward, bwd backward"),
-    ("grad without remat, fwd computes nothing", INPUTS_ONLY, None,
+    ("jax.jvp's equation, fwd computes nothing: f stands in where it is "
+     "partially evaluated", INPUTS_ONLY, None,
+     Kind.FWD, "f forward, bwd backward"),
+    ("jax.jvp's equation, fwd computes nothing but prints", dataclasses.replace(
+        INPUTS_ONLY, keeps_effects=True), None,
      Kind.FWD, "fwd forward, bwd backward"),
     ("eager grad: fwd not traced yet",
      Facts(has_fwd=True, has_fwd_bwd=False, num_computed=None), None,
@@ -52,10 +51,14 @@ ROWS = [
      Answers(RECOMPUTE, (RECOMPUTE,)), Kind.RECOMPUTE, "f forward, fwd+bwd backward"),
     ("checkpoint, fwd_bwd also given", ALL_THREE,
      Answers(RECOMPUTE, (RECOMPUTE,)), Kind.RECOMPUTE, "f forward, fwd_bwd backward"),
-    ("checkpoint, the seed's fwd (residual is the input)", INPUTS_ONLY,
+    ("checkpoint, the seed's fwd (residual is the input): bwd alone backward",
+     INPUTS_ONLY, Answers(RECOMPUTE, ()), Kind.RECOMPUTE,
+     "f forward, bwd backward"),
+    ("checkpoint, fwd computes nothing but prints: fwd backward",
+     dataclasses.replace(INPUTS_ONLY, keeps_effects=True),
      Answers(RECOMPUTE, ()), Kind.RECOMPUTE, "f forward, fwd+bwd backward"),
     ("everything_saveable, the seed's fwd", INPUTS_ONLY,
-     Answers(SAVE, ()), Kind.F_FOR_FWD, "f forward, bwd backward"),
+     Answers(SAVE, ()), Kind.FWD, "f forward, bwd backward"),
     ("everything_saveable", FWD_BWD, Answers(SAVE, (SAVE,), _split(None)),
      Kind.FWD, "fwd forward, bwd backward"),
     ("everything_saveable, opaque fwd", OPAQUE, Answers(SAVE, (SAVE, SAVE)),
@@ -93,7 +96,7 @@ ROWS = [
      Answers(RECOMPUTE, (RECOMPUTE,)), Kind.FWD, "fwd forward, bwd backward"),
     ("defremat rules alone, fwd computes nothing",
      Facts(has_fwd=True, has_fwd_bwd=False, always_save=True, num_computed=0),
-     Answers(RECOMPUTE, ()), Kind.F_FOR_FWD, "f forward, bwd backward"),
+     Answers(RECOMPUTE, ()), Kind.FWD, "f forward, bwd backward"),
     ("defvjp + defremat, recomputed: the defremat rules",
      Facts(has_fwd=True, has_fwd_bwd=False, remat_rules=True),
      Answers(RECOMPUTE, (RECOMPUTE,), _split("split")),
@@ -112,6 +115,11 @@ ROWS = [
      Facts(has_fwd=True, has_fwd_bwd=True, fwd_reads_saved=True),
      Answers(RECOMPUTE, (RECOMPUTE,), _split(None)),
      Kind.RECOMPUTE, "part of fwd forward, fwd+bwd backward"),
+    ("the same, every residual of it a saved value: bwd alone backward",
+     Facts(has_fwd=True, has_fwd_bwd=False, fwd_reads_saved=True,
+           rebuilds=False),
+     Answers(RECOMPUTE, (RECOMPUTE,), _split(None)),
+     Kind.RECOMPUTE, "part of fwd forward, bwd backward"),
     ("a split's backward side, everything saveable inside",
      Facts(has_fwd=True, has_fwd_bwd=False, fwd_reads_saved=True),
      Answers(SAVE, (SAVE,), _split(None)), Kind.FWD, "fwd forward, bwd backward"),
@@ -138,35 +146,48 @@ def test_offload_spaces_come_from_the_answers():
 
 def test_split_is_asked_only_when_it_could_apply():
   for facts, answers in [
-      (OPAQUE, Answers(RECOMPUTE, (SAVE, RECOMPUTE), _split("split"))),
-      (FWD_BWD, Answers(RECOMPUTE, (HOST,), _split("split"))),
-      (INPUTS_ONLY, Answers(RECOMPUTE, (), _split("split"))),
+      (OPAQUE, Answers(RECOMPUTE, (SAVE, RECOMPUTE), ASK)),
+      (FWD_BWD, Answers(RECOMPUTE, (HOST,), ASK)),
+      (INPUTS_ONLY, Answers(RECOMPUTE, (), ASK)),
+      (_facts_of(remat_rules=True), Answers(RECOMPUTE, (RECOMPUTE,), ASK)),
       (FWD_BWD, None)]:
-    split = answers.split if answers is not None else None
-    plan(facts, answers)
-    assert split is None or not split.calls, facts
+    assert not plan(facts, answers).asks_split, facts
 
 
-@pytest.mark.parametrize("facts,spaces,schedule", [
-    (FWD_BWD, (None,), "fwd forward, bwd backward"), (FWD_BWD, ("pinned_host",), "fwd forward, bwd backward"),
-    (INPUTS_ONLY, (), "f forward, bwd backward"),
-    (Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0,
-           keeps_effects=True), (), "fwd forward, bwd backward")])
-def test_fwd_or_f_keeps_the_residuals(facts, spaces, schedule):
-  """Where the adapters place a ``fwd`` whose residuals are kept (the
-  ``defremat`` rules chosen): nothing is rebuilt backward."""
-  decided = fwd_or_f(facts, spaces)
-  assert str(decided.schedule) == schedule
-  assert not decided.schedule.recomputes and not decided.schedule.runs_fwd_bwd
+@pytest.mark.parametrize("name,facts,answers,kind,schedule", [
+    r for r in ROWS if r[2] is not None],
+    ids=[r[0] for r in ROWS if r[2] is not None])
+def test_the_split_is_asked_for_then_used(name, facts, answers, kind,
+                                          schedule):
+  """As ``_execute.decide`` asks: with ``ASK`` first; where the plan says
+  it needs the split, again with it (the row's split): the row's plan."""
+  decided = plan(facts, dataclasses.replace(answers, split=ASK))
+  if decided.asks_split:
+    assert decided.kind is Kind.SPLIT
+    decided = plan(facts, answers)
+  assert not decided.asks_split
+  assert decided.kind is kind and str(decided.schedule) == schedule
 
 
 def test_schedule_is_a_hashable_value_that_says_what_recomputes():
   """The schedule travels in equation params (hashed by JAX's caches)."""
   rows = {plan(facts, answers).schedule for _, facts, answers, _, _ in ROWS}
-  assert len(rows) == 5   # (f, fwd, part of fwd) x (bwd, fwd+bwd, fwd_bwd)
+  assert len(rows) == 6   # (f, fwd, part of fwd) x (bwd, fwd+bwd, fwd_bwd)
   assert {str(s) for s in rows if s.recomputes} == {"f forward, fwd+bwd backward",
                                                     "f forward, fwd_bwd backward"}
   assert {str(s) for s in rows if s.runs_fwd_bwd} == {"f forward, fwd_bwd backward"}
+  assert {s.primal_by for s in rows} == {Forward.F, Forward.PART_OF_FWD}
+
+
+def test_remat3_rem_side_replays_what_was_kept():
+  """Where everything is kept, remat3's rem side replays the saved values
+  (the part of a fwd reading them), whatever ran forward."""
+  for _, facts, answers, kind, _ in ROWS:
+    p = plan(facts, answers)
+    if kind in (Kind.RECOMPUTE, Kind.SPLIT):
+      assert p.rem_schedule is p.schedule
+    else:
+      assert p.rem_schedule == REPLAYED
 
 
 def test_answer_for_a_residual_follows_its_producers_lazily():
@@ -185,62 +206,98 @@ def test_answer_for_a_residual_follows_its_producers_lazily():
 
 def test_defremat_rules_that_cannot_be_used_recompute_instead():
   facts = Facts(has_fwd=True, has_fwd_bwd=False, remat_rules=True,
-                remat_rules_usable=lambda: False)
+                remat_rules_usable=False)
   assert plan(facts, Answers(RECOMPUTE, (RECOMPUTE,))).kind is Kind.RECOMPUTE
+
+
+def _facts_of(**kw):
+  return dataclasses.replace(FWD_BWD, **kw)
 
 
 def _facts(base=FWD_BWD, **kw):
   return dataclasses.replace(base, **kw)
 
 
-# Dead-code elimination asks these two (tests/test_contract.py has the
-# programs): what runs where no residual is read, and whether a call whose
-# primal outputs nobody reads needs only its linear map.
-UNREAD = [
-    ("f traced and carried: f stands in", _facts(), Forward.F),
-    ("linearized where made: f not traced", _facts(f_carried=False),
-     Forward.FWD),
-    ("fwd prints: jax.custom_vjp would", _facts(fwd_keeps_effects=True),
-     Forward.FWD),
-    ("references involved", _facts(references=True), Forward.FWD),
-    ("f's output types differ from fwd's", _facts(f_matches_fwd=False),
-     Forward.FWD),
-    ("fwd reads saved values: its primal part, cheaper than f",
-     _facts(fwd_reads_saved=True, f_carried=False), Forward.PART_OF_FWD),
-    ("fwd reads saved values and prints", _facts(fwd_reads_saved=True,
-                                                 fwd_keeps_effects=True),
-     Forward.FWD),
-]
-
-
-@pytest.mark.parametrize("reads_saved, forward", [
-    (False, Forward.F), (True, Forward.PART_OF_FWD)])
-def test_primal_outputs_alone_come_from_f_or_the_part_of_fwd(reads_saved,
-                                                             forward):
-  assert primal_outputs_by(_facts(fwd_reads_saved=reads_saved)) is forward
-
-
-@pytest.mark.parametrize("name, facts, forward", UNREAD,
-                         ids=[r[0] for r in UNREAD])
-def test_without_residuals_table(name, facts, forward):
-  assert without_residuals(facts) is forward, name
-
-
+# Dead-code elimination asks prune (tests/test_contract.py and
+# tests/test_dead_code.py have the programs): what is left of a call's
+# equation once the outputs nobody reads are gone. A row: the facts, the
+# schedule, which outputs are read (primal, tangent), whether the equation
+# carries f (a jvp) or fwd's inputs only (fwd's own equation), and what is
+# left (what computes the primal outputs, whether the linear map stays).
 RECOMPUTED = plan(FWD_BWD, Answers(RECOMPUTE, (RECOMPUTE,))).schedule
 FUSED = plan(ALL_THREE, Answers(RECOMPUTE, (RECOMPUTE,))).schedule
-LINEAR_ONLY = [
+SEED = plan(INPUTS_ONLY, Answers(RECOMPUTE, ())).schedule
+F, FWD, PART = Forward.F, Forward.FWD, Forward.PART_OF_FWD
+PRUNE = [
+    # both read: the equation as it is
+    ("all read", _facts(), RECOMPUTED, True, True, True, Pruned(F, True)),
+    # tangents read, primal outputs not
     ("fwd computes residuals: they must be rebuilt", _facts(), RECOMPUTED,
-     False),
-    ("the seed's fwd: residuals are inputs", _facts(rebuilds=False),
-     RECOMPUTED, True),
-    ("fwd_bwd runs on the inputs", _facts(ALL_THREE), FUSED, True),
+     False, True, True, Pruned(F, True)),
+    ("the seed's fwd: residuals are inputs, the linear map alone",
+     _facts(INPUTS_ONLY, rebuilds=False), SEED, False, True, True,
+     Pruned(None, True)),
+    ("fwd_bwd runs on the inputs: the linear map alone", _facts(ALL_THREE),
+     FUSED, False, True, True, Pruned(None, True)),
     ("an effect would be skipped", _facts(rebuilds=False, keeps_effects=True),
-     RECOMPUTED, False),
-    ("references", _facts(ALL_THREE, references=True), FUSED, False),
+     RECOMPUTED, False, True, True, Pruned(F, True)),
+    ("references", _facts(ALL_THREE, references=True), FUSED, False, True,
+     True, Pruned(F, True)),
+    # no tangent read, in a jvp equation
+    ("tangents unused: f", _facts(), RECOMPUTED, True, False, True,
+     Pruned(F, False)),
+    ("tangents unused, fwd reads saved values: its primal part",
+     _facts(fwd_reads_saved=True), RECOMPUTED, True, False, True,
+     Pruned(PART, False)),
+    ("tangents unused, fwd prints: fwd, as jax.custom_vjp would run it",
+     _facts(fwd_keeps_effects=True, keeps_effects=True), RECOMPUTED, True,
+     False, True, Pruned(FWD, False)),
+    ("nothing read, fwd prints: fwd still", _facts(fwd_keeps_effects=True,
+                                                  keeps_effects=True),
+     RECOMPUTED, False, False, True, Pruned(FWD, False)),
+    ("nothing read: nothing", _facts(), RECOMPUTED, False, False, True,
+     Pruned(None, False)),
+    ("nothing read, only fwd_bwd given and f prints: f",
+     _facts(ONLY_FUSED, keeps_effects=True), FUSED, False, False, True,
+     Pruned(F, False)),
+    ("nothing read, only fwd_bwd given: nothing", _facts(ONLY_FUSED), FUSED,
+     False, False, True, Pruned(None, False)),
+    # fwd's own equation, no residual read
+    ("fwd alone: f traced and carried stands in", _facts(), None, True, False,
+     False, Pruned(F, False)),
+    ("fwd alone, linearized where made: f not traced",
+     _facts(f_traced=False), None, True, False, False, Pruned(FWD, False)),
+    ("fwd alone, f closes over traced values fwd's equation lacks",
+     _facts(f_closes_over=True), None, True, False, False, Pruned(FWD, False)),
+    ("fwd alone, fwd prints: jax.custom_vjp would",
+     _facts(fwd_keeps_effects=True), None, True, False, False,
+     Pruned(FWD, False)),
+    ("fwd alone, references involved", _facts(references=True), None, True,
+     False, False, Pruned(FWD, False)),
+    ("fwd alone, f's output types differ from fwd's",
+     _facts(f_matches_fwd=False), None, True, False, False,
+     Pruned(FWD, False)),
+    ("fwd alone, reading saved values: its primal part, cheaper than f",
+     _facts(fwd_reads_saved=True, f_traced=False), None, True, False, False,
+     Pruned(PART, False)),
+    ("fwd alone, reading saved values and printing",
+     _facts(fwd_reads_saved=True, fwd_keeps_effects=True), None, True, False,
+     False, Pruned(FWD, False)),
 ]
 
 
-@pytest.mark.parametrize("name, facts, schedule, linear", LINEAR_ONLY,
-                         ids=[r[0] for r in LINEAR_ONLY])
-def test_linear_part_only_table(name, facts, schedule, linear):
-  assert linear_part_only(facts, schedule) is linear, name
+@pytest.mark.parametrize("name, facts, schedule, outputs, tangents, "
+                         "carries_f, left", PRUNE, ids=[r[0] for r in PRUNE])
+def test_prune_table(name, facts, schedule, outputs, tangents, carries_f,
+                     left):
+  assert prune(facts, schedule, outputs, tangents, carries_f) == left, name
+
+
+def test_the_plan_calls_nothing_back():
+  """No thunk from the plan back into the adapters: facts and answers are
+  values (the split and the defremat rules' usability are asked for in a
+  second, explicit step)."""
+  for cls in (Facts, Answers):
+    for field in dataclasses.fields(cls):
+      assert "Callable" not in str(field.type), (cls, field.name)
+      assert not callable(field.default), (cls, field.name)
