@@ -67,7 +67,7 @@ def split_fwd(saveable, call, fwd) -> Split | None:
       jx.jaxpr_with(staged, invars=[*computed, *jaxpr.invars]), n_out, set(computed))
   _, used = jx.dce_jaxpr(staged, [True] * len(staged.outvars))
   saved = [r for r, u in zip(computed, used) if u]
-  if not saved:
+  if all(_an_input(v, jaxpr) for v in saved):
     return None   # nothing fwd computes is kept: f forward is never dearer
   staged, _ = jx.dce_jaxpr(jx.jaxpr_with(staged, invars=[*saved, *jaxpr.invars]),
                           [True] * len(staged.outvars), True)
@@ -90,6 +90,26 @@ def split_fwd(saveable, call, fwd) -> Split | None:
       fwd.reading_saved(jx.ClosedJaxpr(staged, ()), len(saved)),
       split_part="rest")
   return Split(known_spec, staged_spec, saved_outputs)
+
+
+def _an_input(v, jaxpr) -> bool:
+  """``v`` is one of ``jaxpr``'s inputs passed through ``jit``s that return
+  it unchanged (``jnp.atleast_2d`` of a matrix): JAX's partial evaluator
+  keeps such a value as a residual when a ``while_loop`` reads it (a loop's
+  inputs are residuals whatever the policy), but saving it keeps nothing
+  ``fwd`` computed."""
+  producers = {o: e for e in jaxpr.eqns for o in e.outvars}
+  inputs = set(jaxpr.invars)
+  while v not in inputs:
+    eqn = producers.get(v)
+    if eqn is None or eqn.primitive.name not in ("jit", "pjit"):
+      return False
+    inner = eqn.params["jaxpr"].jaxpr
+    out = inner.outvars[eqn.outvars.index(v)]
+    if type(out) is not jx.Var or out not in inner.invars:
+      return False
+    v = eqn.invars[inner.invars.index(out)]
+  return True
 
 
 def _without_saved_outputs(staged, n_out, saved):

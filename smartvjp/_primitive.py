@@ -103,6 +103,17 @@ class Code:
     return self.post(outs) if self.post is not None else outs
 
 
+def live_code(c: Code):
+  """``c``'s jaxpr without the code that none of its kept outputs needs, in
+  nested ``jit``s too (a traced rule is not dead-code eliminated, where
+  JAX's partial evaluation eliminates an inlined ``fwd``: the step
+  ``jnp.linspace`` computes and drops inside megablox's ``gmm`` would
+  otherwise be lowered once per call); its inputs all kept."""
+  n = len(c.jaxpr.jaxpr.outvars)
+  keep = n if c.num_outs is None else c.num_outs
+  return jx.dce_jaxpr_keep_inputs(c.jaxpr, [i < keep for i in range(n)])
+
+
 def scope(call, role: str) -> str:
   """The named scope of a user's rule: ``smartvjp/<f>/<rule>``."""
   return f"smartvjp/{call.name}/{ROLE_NAMES.get(role, role)}"
@@ -304,7 +315,7 @@ def define(name: str, *, abstract_eval: Callable,
       c = code(**params)
       if c.post is not None:
         return None
-      return (c.jaxpr, scope(params["call"], c.role), c.positions,
+      return (live_code(c), scope(params["call"], c.role), c.positions,
               c.num_outs)
 
     def discharge(should, *args, **params):

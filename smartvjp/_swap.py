@@ -53,6 +53,7 @@ import importlib.util
 import sys
 import threading
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -622,7 +623,12 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
   module imported *for the first time* in the block (and of everything it
   imports for the first time), and ``jax.custom_vjp`` called inside a
   function that runs (or is traced) in the block, as
-  ``equinox.filter_custom_vjp`` does when its rules are given.
+  ``equinox.filter_custom_vjp`` does when its rules are given. After the
+  block, a submodule of a package first imported in it (not of the standard
+  library or JAX) that is first imported later, inside a function when it
+  runs (tensorcircuit's ``backends/jax_ops.py``), is swapped as it would
+  have been in the block: its ``import jax`` gives a view of ``jax`` whose
+  ``custom_vjp`` is smartvjp's (as in an ``import_swapped`` copy).
 
   With ``existing=True`` (the one call for a library you did not write:
   wrap the tracing, or the first call of a ``jax.jit`` function, in the
@@ -638,9 +644,14 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
   ``defvjp_with_accums`` or ``defremat``, the ``jax.custom_vjp``
   functions JAX's own APIs make (``jax.custom_gradient``), and those
   decorated while JAX's ``jax_custom_vjp3`` flag was on where that makes
-  objects of another class (jax 0.10 and 0.11). Trace the
-  program inside the block: a ``jax.jit`` function traced and cached before
-  it keeps JAX's rules.
+  objects of another class (jax 0.10 and 0.11). Entering the outermost
+  such block (outside any transformation) clears JAX's caches
+  (``jax.clear_caches()``), so that a ``jax.jit`` or ``jax.checkpoint``
+  function traced before it (tensorcircuit's ``adaware_svd_jit``) is traced
+  again inside, with smartvjp's rules, at the cost of compiling it again.
+  A block entered while a transformation traces keeps the caches, and a
+  function traced and cached before it keeps JAX's rules there
+  (``swap_report`` says so).
 
   What it does not reach, by construction (without ``existing=True``):
 
@@ -703,6 +714,10 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
     if existing:
       if _calls_depth == 0:
         JAX_CUSTOM_VJP.__call__ = _call_as_smart
+        if jx.is_eval_trace():
+          # a jax.jit (or jax.checkpoint) traced before the block would
+          # reuse its trace with JAX's rules: trace again inside
+          jax.clear_caches()
       _calls_depth += 1
     try:
       yield
@@ -715,7 +730,9 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
       if _patch_depth == 0:
         # for swap_report: what a block imported, whose later run-time
         # custom_vjp lookups get JAX's
-        IMPORTED_IN_BLOCK.update(set(sys.modules) - _block_modules)
+        imported = set(sys.modules) - _block_modules
+        IMPORTED_IN_BLOCK.update(imported)
+        _LATE.reach(imported)
         _block_modules.clear()
         found = {"jax.custom_vjp": _JAX.custom_vjp,
                  "jax.custom_derivatives.custom_vjp": _JAX_CD.custom_vjp}
@@ -866,6 +883,8 @@ class _FreshFinder:
     self.created: dict[str, types.ModuleType] = {}
     self.shared: set[str] = set()   # modules outside prefixes it imported
     self._active = 0
+    # the copy's functions that look modules up by name -> what runs them
+    self.wrappers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
   def __hash__(self):
     return id(self)
@@ -938,7 +957,44 @@ class _FreshFinder:
                          and not _covers(self.prefixes, n))
       return module
     with self.loading():   # after import_swapped returned: into the copy
-      return self._import(name, globals, locals, fromlist, level)
+      module = self._import(name, globals, locals, fromlist, level)
+    self.find_own_modules()
+    return module
+
+  def find_own_modules(self) -> None:
+    """Each function of the copy (module-level, or a method of a class it
+    defines) whose code looks modules up by name when it runs
+    (``sys.modules``, ``importlib.import_module``) is replaced, wherever the
+    copy's modules hold it, by one that runs it with the copy's modules in
+    ``sys.modules`` (as while the copy is imported): a library that finds
+    or configures its own modules by name (tensorcircuit's ``set_backend``
+    sets ``backend`` on each module named ``tensorcircuit...`` in
+    ``sys.modules``) then finds the copy's, and leaves the library as the
+    process imported it alone."""
+    spaces = {id(vars(m)) for m in self.created.values()}
+    own = lambda v: (isinstance(v, types.FunctionType)
+                     and id(v.__globals__) in spaces)
+    for mod in list(self.created.values()):
+      for attr, value in list(vars(mod).items()):
+        if own(value) and _looks_modules_up(value.__code__):
+          setattr(mod, attr, self._inside(value))
+        elif isinstance(value, type) and value.__module__ in self.created:
+          for key, member in list(vars(value).items()):
+            fn = getattr(member, "__func__", member)
+            if own(fn) and _looks_modules_up(fn.__code__):
+              inside = self._inside(fn)
+              setattr(value, key, inside if fn is member
+                      else type(member)(inside))
+
+  def _inside(self, fn):
+    wrapped = self.wrappers.get(fn)
+    if wrapped is None:
+      @functools.wraps(fn)
+      def wrapped(*args, **kwargs):
+        with self.loading():
+          return fn(*args, **kwargs)
+      self.wrappers[fn] = wrapped
+    return wrapped
 
   def _import(self, name, globals, locals, fromlist, level):
     module = builtins.__import__(name, globals, locals, fromlist, level)
@@ -955,7 +1011,73 @@ class _FreshFinder:
 
 _FreshFinder.import_._smartvjp_copy = True   # read by swap_report
 
+
+class _LateFinder:
+  """The submodules, first imported after a ``swap_custom_vjp()`` block, of
+  the packages first imported in it (tensorcircuit imports
+  ``backends/jax_ops.py`` inside a function, when it first runs): they run
+  with an ``__import__`` of their own (as a swapped copy's modules do) that
+  hands them ``jax`` as the view whose ``custom_vjp`` is smartvjp's, as the
+  block would have. In ``sys.meta_path`` from the first block's exit on;
+  finds nothing while a block is active or outside those packages."""
+
+  def __init__(self):
+    self.packages: tuple[str, ...] = ()
+    self.builtins = dict(vars(builtins))
+    self.builtins["__import__"] = self.import_
+    self.created: dict[str, types.ModuleType] = {}
+
+  def reach(self, imported) -> None:
+    """Covers the packages among ``imported`` (names) whose top-level module
+    was imported too: not the standard library, JAX, jaxlib or smartvjp."""
+    tops = {n for n in imported if "." not in n
+            and n not in sys.stdlib_module_names and not n.startswith("_")
+            and n != "jax" and not _never_fresh(n)
+            and hasattr(sys.modules.get(n), "__path__")}
+    if not tops:
+      return
+    self.packages = tuple(sorted(set(self.packages) | tops))
+    with _import_lock:
+      if self not in sys.meta_path:
+        sys.meta_path.insert(0, self)
+
+  def find_spec(self, fullname, path=None, target=None):
+    if (_patch_depth or fullname in sys.modules
+        or not _covers(self.packages, fullname)):
+      return None
+    for finder in sys.meta_path:
+      if finder is self or not hasattr(finder, "find_spec"):
+        continue
+      spec = finder.find_spec(fullname, path, target)
+      if spec is not None:
+        break
+    else:
+      return None
+    if _reexecutable(spec) and spec.loader is not None:
+      spec.loader = _SwappedLoader(spec.loader, self)
+    return spec
+
+  def import_(self, name, globals=None, locals=None, fromlist=(), level=0):
+    module = builtins.__import__(name, globals, locals, fromlist, level)
+    return _VIEWS.get(id(module), module)
+
+
+_LATE = _LateFinder()
+
 _import_lock = threading.RLock()
+
+
+def _looks_modules_up(code) -> bool:
+  """``code`` (a function's, with the code nested in it) reads
+  ``sys.modules`` or calls ``import_module``."""
+  stack = [code]
+  while stack:
+    c = stack.pop()
+    names = set(c.co_names)
+    if {"sys", "modules"} <= names or "import_module" in names:
+      return True
+    stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+  return False
 
 
 def _check_name(what: str, name) -> str:
@@ -1035,10 +1157,24 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
   * A module the copy imports later, inside a function that runs after
     this call returns, is the copy's where ``name`` or ``include`` covers it
     (made then, in the same way); ``from pkg import sub`` with ``pkg.sub``
-    in ``include`` and ``pkg`` shared gets the copy's ``sub``. Modules found
-    through ``importlib.import_module`` inside the copy, and ``import
-    a.b.c`` used as ``a.b.c.fn`` where only ``a.b.c`` is covered, are the
-    shared ones.
+    in ``include`` and ``pkg`` shared gets the copy's ``sub``. ``import
+    a.b.c`` used as ``a.b.c.fn`` where only ``a.b.c`` is covered gives the
+    shared one.
+  * A library that finds or configures its own modules by name when it
+    runs (tensorcircuit's ``set_backend`` sets ``backend`` on every module
+    named ``tensorcircuit...`` in ``sys.modules``): each function of the
+    copy (module-level, or a method of a class the copy defines) whose code
+    reads ``sys.modules`` or calls ``importlib.import_module`` runs with
+    the copy's modules in ``sys.modules``, as while it is imported, so it
+    finds the copy's and leaves the library as imported normally alone.
+    Such a call takes the import lock, and another thread importing one of
+    those modules meanwhile may get the copy's.
+  * A library that, when imported, patches another library (tensorcircuit
+    replaces methods of ``tensornetwork``'s classes): the copy patches the
+    shared library again, so the copy and the library imported normally
+    then use whichever patch came last. ``import_swapped`` warns
+    (``UserWarning``, naming what was replaced); swap such a library with
+    ``swap_custom_vjp()`` around its first import instead.
   * Parent packages are shared and imported first, as usual. A module that
     its package's ``__init__`` imports part-way, and that relies on that
     (reading a submodule from the package before the ``__init__`` rebinds
@@ -1097,8 +1233,43 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
         "extension, built-in or frozen module); its custom_vjp functions, if "
         "any, cannot be swapped.")
   _check_copy(name, finder.created, include)
+  finder.find_own_modules()
+  _warn_if_patching_shared(finder)
   COPIES.add(finder)
   return module
+
+
+def _warn_if_patching_shared(finder) -> None:
+  """A warning where the copy set its own functions on the classes or
+  modules it shares with the process (tensorcircuit replaces
+  ``tensornetwork.Node.__init__`` when imported): the copy and the library
+  as imported normally then patch the same objects, and whichever was
+  imported last wins for both."""
+  spaces = {id(vars(m)) for m in finder.created.values()}
+  own = lambda v: (isinstance(getattr(v, "__func__", v), types.FunctionType)
+                   and id(getattr(v, "__func__", v).__globals__) in spaces)
+  found, seen = [], set()
+  for name in sorted(finder.shared):
+    module = sys.modules.get(name)
+    if module is None:
+      continue
+    for attr, value in list(vars(module).items()):
+      if own(value):
+        found.append(f"{name}.{attr}")
+      elif isinstance(value, type) and id(value) not in seen:
+        seen.add(id(value))
+        found += [f"{value.__module__}.{value.__qualname__}.{k}"
+                  for k, member in list(vars(value).items()) if own(member)]
+  if found:
+    warnings.warn(
+        f"import_swapped({finder.name!r}): the copy, when imported, replaced "
+        f"{', '.join(sorted(set(found))[:4])}"
+        f"{' and more' if len(set(found)) > 4 else ''} in a library it shares "
+        "with the process; the copy and the library as imported normally "
+        "now patch the same objects, and the one imported last wins for "
+        "both. Use one of them in a process (or swap the library with "
+        "`with smartvjp.swap_custom_vjp(): import ...` instead).",
+        UserWarning, stacklevel=3)
 
 
 def _restore_parent_attributes(created, saved):

@@ -397,6 +397,19 @@ CLAIMS = [
     C("import_swapped", "fails in its own code when copied alone: copy the "
       "package instead",
       "tests/test_swap.py::test_a_module_that_needs_its_package_mid_init_is_copied_with_it"),
+    C("import_swapped", "reads sys.modules or calls importlib.import_module "
+      "runs with the copy's modules in sys.modules",
+      "tests/test_swap.py::test_import_swapped_copy_finds_its_own_modules"),
+    C("import_swapped", "import_swapped warns (UserWarning, naming what was "
+      "replaced)",
+      "tests/test_swap.py::test_import_swapped_warns_where_the_copy_patches_a_shared_library"),
+    C("swap_custom_vjp", "a submodule of a package first imported in it (not "
+      "of the standard library or JAX) that is first imported later, inside a "
+      "function when it runs (tensorcircuit's backends/jax_ops.py), is swapped",
+      "tests/test_swap.py::test_swap_custom_vjp_reaches_submodules_imported_after_the_block"),
+    C("swap_custom_vjp", "Entering the outermost such block (outside any "
+      "transformation) clears JAX's caches",
+      "tests/test_swap.py::test_existing_names_what_it_leaves_and_a_cached_trace"),
     C("swap_custom_vjp", "when jax.custom_vjp or "
       "jax.custom_derivatives.custom_vjp is no longer smart_custom_vjp",
       "tests/test_swap.py::test_replaced_inside_the_block_is_a_swap_error",
@@ -484,7 +497,7 @@ def test_the_parsers_find_what_they_should():
                           "jax.errors.UnexpectedTracerError",
                           "CustomVJPException"}
   assert len(bullets(SCV)) == 10
-  assert len(bullets("import_swapped")) == 5
+  assert len(bullets("import_swapped")) == 7
 
 
 def test_every_docstring_example_runs():

@@ -50,7 +50,7 @@ import traceback
 RTOL = 1e-6
 
 LIBRARIES = ("jax_cce", "ejkernel", "qwix", "aqt", "jax_md", "optimistix",
-             "tfp")
+             "tfp", "qpax", "recurrentgemma", "tensorcircuit")
 
 
 # -- the programs, one function per library ---------------------------------------
@@ -281,9 +281,97 @@ def _tfp():
   ]
 
 
+def _qpax():
+  import jax
+  import jax.numpy as jnp
+  import qpax
+  # a QP with equality and inequality constraints; f is a primal-dual
+  # interior-point solve (a while_loop), fwd the solve then a relaxed re-solve
+  ks = jax.random.split(jax.random.key(0), 5)
+  m = jax.random.normal(ks[0], (4, 4))
+  Q = m @ m.T + jnp.eye(4)
+  A = jax.random.normal(ks[1], (1, 4))
+  b = jax.random.normal(ks[2], (1,))
+  G = jax.random.normal(ks[3], (3, 4))
+  h = jnp.abs(jax.random.normal(ks[4], (3,))) + 1.0
+  q = jnp.linspace(-1.0, 1.0, 4)
+
+  def solve(q, h):
+    return jnp.sum(qpax.solve_qp_primal(Q, q, A, b, G, h) ** 2)
+
+  def scanned(q):
+    def step(c, _):
+      return qpax.solve_qp_primal(Q, c, A, b, G, h) * 0.5 + c, None
+    return jnp.sum(jax.lax.scan(step, q, None, length=2)[0] ** 2)
+  qs = jnp.stack([q, -q])
+  return [
+      ("solve", solve, (q, h), ("grad", "jit")),
+      ("solve checkpoint", solve, (q, h), ("checkpoint", "grad", "jit")),
+      ("scan", scanned, (q,), ("grad", "jit")),
+      ("vmap(grad)", lambda q: solve(q, h), (qs,), ("grad", "vmap", "jit")),
+  ]
+
+
+def _recurrentgemma():
+  import jax
+  import jax.numpy as jnp
+  from recurrentgemma import jax as rg
+  # the RG-LRU layer (its sqrt_bound_derivative is a jax.custom_vjp), the
+  # jax.lax.scan implementation (Pallas' needs a TPU)
+  layer = rg.RGLRU(width=8, num_heads=2,
+                   scan_type=rg.ScanType.LINEAR_NATIVE)
+  x = jax.random.normal(jax.random.key(0), (2, 6, 8))
+  pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  params = layer.init(jax.random.key(1), x, pos)
+
+  def loss(params, x):
+    y, _ = layer.apply(params, x, pos)
+    return jnp.sum(y ** 2)
+  return [
+      ("RGLRU", loss, (params, x), ("grad", "jit")),
+      ("RGLRU checkpoint", loss, (params, x), ("checkpoint", "grad", "jit")),
+  ]
+
+
+def _tensorcircuit():
+  import jax
+  import jax.numpy as jnp
+  import tensorcircuit as tc
+  tc.set_backend("jax")
+  n = 4
+
+  def layered(c, params):
+    for i in range(n):
+      c.rx(i, theta=params[i])
+    for i in range(n - 1):
+      c.cnot(i, i + 1)
+    for i in range(n):
+      c.rz(i, theta=params[n + i])
+    return c
+
+  def energy(params):
+    c = layered(tc.Circuit(n), params)
+    return jnp.real(sum(c.expectation_ps(z=[i]) for i in range(n)))
+
+  def mps(params):
+    # truncated MPS simulation: tensorcircuit's adaware svd and qr rules
+    c = tc.MPSCircuit(n)
+    c.set_split_rules({"max_singular_values": 2})
+    c = layered(c, params)
+    return jnp.real(c.expectation_ps(z=[0]) + c.expectation_ps(z=[n - 1]))
+  params = jnp.linspace(0.1, 1.5, 2 * n)
+  return [
+      ("Circuit", energy, (params,), ("grad", "jit")),
+      ("MPSCircuit svd", mps, (params,), ("grad", "jit")),
+      ("MPSCircuit svd checkpoint", mps, (params,),
+       ("checkpoint", "grad", "jit")),
+  ]
+
+
 PROGRAMS = {"jax_cce": _jax_cce, "ejkernel": _ejkernel, "qwix": _qwix,
             "aqt": _aqt, "jax_md": _jax_md, "optimistix": _optimistix,
-            "tfp": _tfp}
+            "tfp": _tfp, "qpax": _qpax, "recurrentgemma": _recurrentgemma,
+            "tensorcircuit": _tensorcircuit}
 
 
 # -- one side -----------------------------------------------------------------------
@@ -387,7 +475,9 @@ def _versions(library):
   from importlib import metadata
   dist = {"jax_cce": "jax-cce", "ejkernel": "ejkernel", "qwix": "qwix",
           "aqt": "aqtp", "jax_md": "jax-md", "optimistix": "optimistix",
-          "tfp": "tfp-nightly"}[library]
+          "tfp": "tfp-nightly", "qpax": "qpax",
+          "recurrentgemma": "recurrentgemma",
+          "tensorcircuit": "tensorcircuit-ng"}[library]
   for d in (dist, "tensorflow-probability"):
     try:
       return f"{d} {metadata.version(d)}"

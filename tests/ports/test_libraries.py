@@ -49,6 +49,16 @@ CASES = {
     "optimistix": {
         "root_find Newton grad": None, "root_find Newton vmap(grad)": None,
         "root_find Newton grad(vmap)": None, "fixed_point grad": None},
+    # issue 48's libraries that install quickly
+    "qpax": {
+        "solve checkpoint": None,
+        "scan": (
+            "XLA fuses the scanned solve's elementwise work differently (10 "
+            "flops more in 2020, fewer fusions; the same matrix products and "
+            "factorizations): JAX's partial evaluation of the inlined fwd "
+            "in the scan body, smartvjp's traced fwd whole")},
+    "recurrentgemma": {"RGLRU checkpoint": None},
+    "tensorcircuit": {"MPSCircuit svd checkpoint": None},
 }
 
 
@@ -76,3 +86,32 @@ def test_library_swapped_by_one_call(library, tmp_path):
                       f"{ours:g}" + (" (known: remove it from CASES)"
                                      if not more else ""))
   assert not problems, "\n".join(problems)
+
+
+
+def test_qpax_runs_f_in_the_forward_pass_under_checkpoint():
+  # issue 48: qpax passes its inputs through jnp.atleast_2d before its
+  # solves' while_loops read them; under jax.checkpoint the forward pass
+  # runs f (the solve) and the backward region fwd (solve + relaxed
+  # re-solve), the contract's "f 1, fwd 1, bwd 1"; the values are
+  # jax.custom_vjp's, bit for bit
+  qpax = pytest.importorskip("qpax")
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import smartvjp
+  swapped = smartvjp.import_swapped("qpax")
+  Q = jnp.array([[2.0, 0.5, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 1.0]])
+  A, b = jnp.ones((1, 3)), jnp.ones((1,))
+  G, h = -jnp.eye(3), jnp.zeros(3)
+  q = jnp.array([1.0, -1.0, 0.5])
+
+  def grad(module):
+    return jax.grad(lambda q: jnp.sum(jax.checkpoint(
+        module.solve_qp_primal)(Q, q, A, b, G, h) ** 2))
+  program = str(jax.make_jaxpr(grad(swapped))(q))
+  forward, _, backward = program.partition("remat")
+  assert "smartvjp_primal" in forward and "smartvjp_fwd" not in forward
+  assert "smartvjp_fwd" in backward and "smartvjp_bwd" in backward
+  np.testing.assert_array_equal(jax.jit(grad(swapped))(q),
+                                jax.jit(grad(qpax))(q))
