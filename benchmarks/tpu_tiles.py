@@ -58,42 +58,47 @@ def _rel(a, b):
   return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
+def _errors(make, reference, a, b, **where):
+  """Rows of value and gradient errors of ``make(fused)``'s op against
+  ``reference`` at ``(a, b)``, with and without the fused rule and remat."""
+  loss = lambda F, remat: (lambda a, b: jnp.sum(
+      (jax.checkpoint(F) if remat else F)(a, b).astype(jnp.float32) ** 2))
+  want = jax.grad(loss(reference, False), (0, 1))(a, b)
+  rows = []
+  for fused in (False, True):
+    op, _ = make(fused)
+    for remat in (False, True):
+      got = jax.jit(jax.grad(loss(op, remat), (0, 1)))(a, b)
+      err = dict(value=_rel(op(a, b), reference(a, b)),
+                 grad=max(_rel(g, w) for g, w in zip(got, want)))
+      rows.append(dict(where, fused=fused, remat=remat,
+                       ok=max(err.values()) < where["tol"], **err))
+  return rows
+
+
 def accuracy():
   """Errors of both kernel families against plain JAX (max relative)."""
   rows = []
-  loss = lambda F, remat: (lambda a, b: jnp.sum(
-      (jax.checkpoint(F) if remat else F)(a, b).astype(jnp.float32) ** 2))
   with jax.default_matmul_precision("highest"):
     for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
+      name = jnp.dtype(dtype).name
       for shape in ((1024, 1024, 2048), (1000, 700, 900)):
         m, k, n = shape
         kx, kw = jax.random.split(jax.random.key(2))
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
         w = (jax.random.normal(kw, (k, n), jnp.float32) / k ** 0.5).astype(dtype)
-        want = jax.grad(loss(PG.reference, False), (0, 1))(x, w)
-        for fused in (False, True):
-          gm, _ = PG.make_gelu_matmul(target="tpu", fused=fused)
-          for remat in (False, True):
-            got = jax.jit(jax.grad(loss(gm, remat), (0, 1)))(x, w)
-            err = dict(value=_rel(gm(x, w), PG.reference(x, w)),
-                       grad=max(_rel(a, b) for a, b in zip(got, want)))
-            rows.append(dict(kernel="gelu_matmul", dtype=jnp.dtype(dtype).name,
-                             shape=shape, fused=fused, remat=remat, tol=tol,
-                             ok=max(err.values()) < tol, **err))
+        rows += _errors(lambda fused: PG.make_gelu_matmul(target="tpu",
+                                                          fused=fused),
+                        PG.reference, x, w, kernel="gelu_matmul", dtype=name,
+                        shape=shape, tol=tol)
       for shape in ((2048, 1024), (1000, 700)):
         x = jax.random.normal(jax.random.key(3), shape, jnp.float32).astype(dtype)
         gamma = (1 + 0.1 * jax.random.normal(jax.random.key(4), shape[1:])
                  ).astype(dtype)
-        want = jax.grad(loss(RG.reference, False), (0, 1))(x, gamma)
-        for fused in (False, True):
-          op, _ = RG.make_rmsnorm_gelu(target="tpu", fused=fused)
-          for remat in (False, True):
-            got = jax.jit(jax.grad(loss(op, remat), (0, 1)))(x, gamma)
-            err = dict(value=_rel(op(x, gamma), RG.reference(x, gamma)),
-                       grad=max(_rel(a, b) for a, b in zip(got, want)))
-            rows.append(dict(kernel="rmsnorm_gelu", dtype=jnp.dtype(dtype).name,
-                             shape=shape, fused=fused, remat=remat, tol=tol,
-                             ok=max(err.values()) < tol, **err))
+        rows += _errors(lambda fused: RG.make_rmsnorm_gelu(target="tpu",
+                                                           fused=fused),
+                        RG.reference, x, gamma, kernel="rmsnorm_gelu",
+                        dtype=name, shape=shape, tol=tol)
   return rows
 
 

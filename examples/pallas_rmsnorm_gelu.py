@@ -138,6 +138,17 @@ TPU_TILE_BYTES = 2 * 2**20
 TPU_VMEM_LIMIT = 64 * 2**20
 
 
+def _counted(rule, kernel):
+  """``kernel`` counting one launch of ``rule`` in ``LAUNCHES`` (at the first
+  grid point; interpret mode only)."""
+  def counted(*refs):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      jax.debug.callback(lambda: LAUNCHES.update([rule]))
+    kernel(*refs)
+  return counted
+
+
 def _tpu_rows(m, dp, tile_bytes):
   bm = max(16, min(1024, tile_bytes // (4 * dp)))
   bm = 1 << (bm.bit_length() - 1)
@@ -162,13 +173,7 @@ def _tpu_rules(interpret, tile_bytes, count, vmem_limit):
     m, d, bm, mp, dp = shapes(x)
     kernel = functools.partial(kernel, d=d, steps=mp // bm)
     if count and interpret:
-      inner = kernel
-
-      def kernel(*refs):
-        @pl.when(pl.program_id(0) == 0)
-        def _():
-          jax.debug.callback(lambda: LAUNCHES.update([rule]))
-        inner(*refs)
+      kernel = _counted(rule, kernel)
     return pl.pallas_call(
         kernel, grid=(mp // bm,), in_specs=in_specs(bm, dp),
         out_specs=out_specs(bm, dp), out_shape=out_shapes(mp, dp),
@@ -362,13 +367,7 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
     kernel = functools.partial(kernel, d=x.shape[1],
                                **(dict(bm=bm) if grad else {}))
     if count and interpret:
-      inner = kernel
-
-      def kernel(*refs):
-        @pl.when(pl.program_id(0) == 0)
-        def _():
-          jax.debug.callback(lambda: LAUNCHES.update([rule]))
-        inner(*refs)
+      kernel = _counted(rule, kernel)
     params = None if interpret else pl_triton.CompilerParams(
         num_warps=num_warps or (8 if dp >= 4096 else 4), num_stages=1)
     instances = mp // rows

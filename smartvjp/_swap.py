@@ -843,6 +843,17 @@ def _reexecutable(spec) -> bool:
               and (spec.origin or "").endswith((".py", ".pyc")))
 
 
+def _spec_from_others(me, fullname, path, target):
+  """The spec the finders after ``me`` on ``sys.meta_path`` give, or None."""
+  for finder in sys.meta_path:
+    if finder is me or not hasattr(finder, "find_spec"):
+      continue
+    spec = finder.find_spec(fullname, path, target)
+    if spec is not None:
+      return spec
+  return None
+
+
 class _SwappedLoader:
   """Wraps a module's loader: executes the module with the copy's
   ``__import__`` in its builtins, and records it as a fresh copy."""
@@ -892,13 +903,8 @@ class _FreshFinder:
   def find_spec(self, fullname, path=None, target=None):
     if not _covers(self.prefixes, fullname):
       return None
-    for finder in sys.meta_path:
-      if finder is self or not hasattr(finder, "find_spec"):
-        continue
-      spec = finder.find_spec(fullname, path, target)
-      if spec is not None:
-        break
-    else:
+    spec = _spec_from_others(self, fullname, path, target)
+    if spec is None:
       return None
     if not _reexecutable(spec):
       return spec    # shared: loaded as usual
@@ -1045,13 +1051,8 @@ class _LateFinder:
     if (_patch_depth or fullname in sys.modules
         or not _covers(self.packages, fullname)):
       return None
-    for finder in sys.meta_path:
-      if finder is self or not hasattr(finder, "find_spec"):
-        continue
-      spec = finder.find_spec(fullname, path, target)
-      if spec is not None:
-        break
-    else:
+    spec = _spec_from_others(self, fullname, path, target)
+    if spec is None:
       return None
     if _reexecutable(spec) and spec.loader is not None:
       spec.loader = _SwappedLoader(spec.loader, self)
