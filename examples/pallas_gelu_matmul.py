@@ -100,9 +100,10 @@ def gelu_grad(y):
           + 0.5 * y * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * y * y))
 
 
-def _dot(a, b, trans_a=False, trans_b=False):
+def _dot(a, b, trans_a=False, trans_b=False, precision=None):
   dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
-  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(a, b, dims, precision=precision,
+                             preferred_element_type=jnp.float32)
 
 
 def _chunk(i, size):
@@ -237,11 +238,29 @@ def _tpu_dot(a, b, trans_a=False, trans_b=False):
   is fewer bf16 passes) and at the operands' own for bf16, whatever
   ``jax.default_matmul_precision`` says (Mosaic refuses fp32 passes on
   bf16)."""
-  dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
-  precision = (jax.lax.Precision.HIGHEST if a.dtype == jnp.float32
-               else jax.lax.Precision.DEFAULT)
-  return jax.lax.dot_general(a, b, dims, precision=precision,
-                             preferred_element_type=jnp.float32)
+  return _dot(a, b, trans_a, trans_b,
+              jax.lax.Precision.HIGHEST if a.dtype == jnp.float32
+              else jax.lax.Precision.DEFAULT)
+
+
+def _write_to(ref):
+  def write(total):
+    ref[...] = total.astype(ref.dtype)
+  return write
+
+
+def _accumulate(acc_ref, step, steps, product, finish):
+  """One step of a reduction over a grid axis: the f32 VMEM accumulator
+  zeroed on the first step, ``product`` added, ``finish(total)`` on the
+  last."""
+  @pl.when(step == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+  acc_ref[...] += product
+
+  @pl.when(step == steps - 1)
+  def _():
+    finish(acc_ref[...])
 
 
 def _fit(block, size, align):
@@ -307,16 +326,9 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
         finish(refs[len(extra):], extra_refs, _tpu_dot(x_ref[...], w_ref[...]))
         return
       out_refs, acc_ref = refs[len(extra):-1], refs[-1]
-      kk = pl.program_id(2)
-
-      @pl.when(kk == 0)
-      def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-      acc_ref[...] += _tpu_dot(x_ref[...], w_ref[...])
-
-      @pl.when(kk == nk - 1)
-      def _():
-        finish(out_refs, extra_refs, acc_ref[...])
+      _accumulate(acc_ref, pl.program_id(2), nk,
+                  _tpu_dot(x_ref[...], w_ref[...]),
+                  lambda y: finish(out_refs, extra_refs, y))
 
     tile = pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j))
     outs = call(rule, KERNEL_NAMES[rule][0], kernel, (mp // bm, np_ // bn, nk),
@@ -343,9 +355,6 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
                            [x.dtype, res_dtype(x)])
     return z, (x, w, y)
 
-  def dy_of(g, y):
-    return _dy(g, y)
-
   def dx_dw(rule, x, w, g, y):
     """``dx = dy @ w.T`` and ``dw = x.T @ dy``; ``dy = g * gelu'(y)`` tile by
     tile (``bwd``), or ``g`` is ``dy`` itself (``y`` None, the fused rule)."""
@@ -365,17 +374,10 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
 
     def dx_kernel(g_ref, *refs):
       *y_refs, w_ref, dx_ref, acc_ref = refs
-      j = pl.program_id(2)
-
-      @pl.when(j == 0)
-      def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-      acc_ref[...] += _tpu_dot(dy_tile(g_ref, y_refs, w_ref.dtype), w_ref[...],
-                           trans_b=True)
-
-      @pl.when(j == nj - 1)
-      def _():
-        dx_ref[...] = acc_ref[...].astype(dx_ref.dtype)
+      _accumulate(acc_ref, pl.program_id(2), nj,
+                  _tpu_dot(dy_tile(g_ref, y_refs, w_ref.dtype), w_ref[...],
+                           trans_b=True),
+                  _write_to(dx_ref))
 
     mn = pl.BlockSpec((bm, bn), lambda i, kk, j: (i, j))
     ys = [_pad(y, mp, np_)] if from_y else []
@@ -396,17 +398,10 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
 
     def dw_kernel(x_ref, g_ref, *refs):
       *y_refs, dw_ref, acc_ref = refs
-      i = pl.program_id(2)
-
-      @pl.when(i == 0)
-      def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-      acc_ref[...] += _tpu_dot(x_ref[...], dy_tile(g_ref, y_refs, x_ref.dtype),
-                           trans_a=True)
-
-      @pl.when(i == ni - 1)
-      def _():
-        dw_ref[...] = acc_ref[...].astype(dw_ref.dtype)
+      _accumulate(acc_ref, pl.program_id(2), ni,
+                  _tpu_dot(x_ref[...], dy_tile(g_ref, y_refs, x_ref.dtype),
+                           trans_a=True),
+                  _write_to(dw_ref))
 
     mn = pl.BlockSpec((bm, bn), lambda kk, j, i: (i, j))
     ys = [_pad(y, mp, np_)] if from_y else []
