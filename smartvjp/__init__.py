@@ -23,7 +23,7 @@ Public names:
 
 from smartvjp._api import smart_custom_vjp
 # each transformation's module registers its rules when imported
-from smartvjp import _ad, _batching, _checkify, _pe, _process, _remat3  # noqa: F401
+from smartvjp import _ad, _batching, _checkify, _process, _remat  # noqa: F401
 from smartvjp._check import PrimalMismatchError, check_primals
 from smartvjp._equinox import filter_custom_vjp
 from smartvjp._swap import SwapError, import_swapped, swap_custom_vjp

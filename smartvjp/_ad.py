@@ -7,7 +7,7 @@
   transpose.
 * ``smartvjp_call``'s JVP (``jax.checkpoint``'s ``remat_jvp``,
   ``jax.jvp``): ``smartvjp_jvp``, which partial evaluation places
-  (``_pe.py``); ``smartvjp_rem``'s JVP: the same with the rem side's
+  (``_remat.py``); ``smartvjp_rem``'s JVP: the same with the rem side's
   ``fwd`` and schedule.
 * ``smartvjp_lin``'s transpose: ``bwd`` on the residuals, or ``fwd_bwd``
   on the primal inputs; ``smartvjp_rule``'s (a ``bwd`` that forward mode

@@ -1,11 +1,10 @@
 """The one decision: where each rule of a differentiated call runs.
 
 Every path that differentiates a ``smart_custom_vjp`` call asks this module:
-the policy-driven partial evaluation of ``jax.checkpoint`` (``_pe.py``), the
-remat3 rule (``_remat3.py``), linearization (``jax.grad``/``jax.vjp`` under
-``jit`` or eagerly, ``_ad.py``), and the rules that meet the equations the
-plan placed (``_pe.py``'s trace-time partial evaluation and dead-code
-elimination). Those adapters hand it the call's facts (``Facts``, gathered
+the partial evaluation of ``jax.checkpoint`` and the remat3 rule
+(``_remat.py``), linearization (``jax.grad``/``jax.vjp`` under ``jit`` or
+eagerly, ``_ad.py``), and the rules that meet the equations the plan placed
+(``_remat.py``'s trace-time partial evaluation and dead-code elimination). Those adapters hand it the call's facts (``Facts``, gathered
 once per traced ``fwd`` by ``_policy``) and the remat policy's answers
 (``Answers``) and carry out the ``Plan``; nothing here traces or touches
 JAX, so the decision is tested as a table (``tests/test_plan.py``).

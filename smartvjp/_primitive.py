@@ -37,7 +37,7 @@ abstract evaluation, printing with the user's rule names, state discharge,
 dead-code elimination of the whole equation. Only what is specific to a
 primitive is given to it. The transformation rules specific to one
 primitive are registered beside their definitions in the module of their
-transformation (``_ad``, ``_pe``, ``_batching``, ``_remat3``,
+transformation (``_ad``, ``_remat``, ``_batching``,
 ``_checkify``) with :func:`register`, right after their definitions, under
 names of the form ``_<primitive>_<rule>``.
 """

@@ -105,8 +105,9 @@ def test_module_map_lists_every_module():
 STAGE_OF_KIND = {
     "jvp": "_ad", "linearization": "_ad", "transpose": "_ad",
     "transpose_with_logs": "_ad",
-    "partial_eval": "_pe", "partial_eval_custom": "_pe", "dce": "_pe",
-    "batching": "_batching", "remat3": "_remat3", "checkify": "_checkify",
+    "partial_eval": "_remat", "partial_eval_custom": "_remat",
+    "dce": "_remat", "batching": "_batching", "remat3": "_remat",
+    "checkify": "_checkify",
 }
 DERIVED = "smartvjp/_primitive.py"
 

@@ -1,6 +1,6 @@
 """JAX's experimental jax_remat3 / jax_custom_vjp3 paths: values stay correct.
 
-With jax_remat3 smartvjp's remat3 rules (smartvjp/_remat3.py) run f 1,
+With jax_remat3 smartvjp's remat3 rules (smartvjp/_remat.py) run f 1,
 fwd 1, bwd 1 under a plain checkpoint and fwd 1, bwd 1 when the policy saves
 the residuals (tests/test_remat3.py counts each policy); jax_custom_vjp3
 alone changes nothing for smartvjp."""

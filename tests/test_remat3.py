@@ -1,7 +1,7 @@
 """smartvjp under JAX's remat3 path (``jax_remat3`` + ``jax_custom_vjp3``).
 
 Under those flags ``jax.checkpoint`` consults JAX's remat3 rule table, where
-smartvjp registers its rules (``smartvjp/_remat3.py``). Every test compares
+smartvjp registers its rules (``smartvjp/_remat.py``). Every test compares
 values with ``jax.custom_vjp`` under the same flags (or with the plain
 function where ``jax.custom_vjp`` itself fails) and counts which rules run.
 """

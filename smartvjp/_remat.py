@@ -1,0 +1,334 @@
+"""Remat: partial evaluation (``jax.checkpoint``'s policy-driven one and the
+trace-time one of its backward region), JAX's remat3 rules, and dead-code
+elimination.
+
+Partial evaluation, not dead-code elimination, decides where the user's
+rules run (jax-ml/jax#21303's "avoid making the mess in the first place").
+Both remat paths share one step (:func:`_place`): ask the policy and the
+plan, emit what the forward pass runs, and say what the backward side
+starts from: the whole call again (recompute), the rest of a split ``fwd``
+from the saved values, or the kept residuals. The policy-driven partial
+evaluation stages that backward side as an equation, remat3 as a
+``smartvjp_rem``.
+
+Dead-code elimination prunes what nobody reads, never putting back a rule
+the plan removed (what is left is ``_plan.prune``'s answer). Effects
+``jax.custom_vjp`` would run (a ``jax.debug.print`` in a rule) run here too,
+as JAX keeps any equation with effects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from smartvjp import _execute as ex
+from smartvjp import _facade as jx
+from smartvjp import _plan
+from smartvjp import _policy
+from smartvjp._checks import check_fwd_output_types
+from smartvjp._primitive import (
+    call_p, dce_whole, jvp_p, lin_p, register, rem_p, replace_rule, rule_p)
+from smartvjp._spec import pruned, select_outputs
+
+
+@dataclasses.dataclass
+class _Placed:
+  call: object
+  fwd: object
+  plan: _plan.Plan
+  fwd_consts: list
+  outs: list
+  saved: list          # what the backward side reads from the forward pass
+  back: object = None  # the backward side's fwd; None: the residuals kept
+
+
+def _place(emit, policy, call, fwd, in_nz, f_consts, fwd_consts, primals,
+           avals, params, first=None) -> _Placed:
+  answers = _policy.answers(policy, call, fwd, jvp_p, avals, params)
+  call, fwd, plan, swapped = ex.decide(call, fwd, in_nz, policy, answers)
+  if swapped:   # the defremat rules: their fwd closes over nothing
+    fwd_consts = []
+  outs, kept = ex.forward(emit, call, fwd, plan, f_consts, fwd_consts,
+                          primals, first)
+  placed = _Placed(call, fwd, plan, fwd_consts, outs, kept)
+  if plan.kind is _plan.Kind.RECOMPUTE:
+    placed.saved, placed.back = [], fwd
+  elif plan.kind is _plan.Kind.SPLIT:
+    it = iter(kept)
+    placed.saved = [next(it) if o is None else outs[o]
+                    for o in plan.split.saved_outputs]
+    placed.back = plan.split.staged
+  return placed
+
+
+# -- smartvjp_jvp: policy-driven partial evaluation (jax.checkpoint) ------------------
+
+def _residuals(eqn, inst_in, staged, new_vars=()):
+  out, seen = list(new_vars), set(new_vars)
+  reads = {v for v in staged.invars if type(v) is jx.Var}
+  for v, inst in zip(eqn.invars, inst_in):
+    if type(v) is jx.Var and not inst and v in reads and v not in seen:
+      out.append(v)
+      seen.add(v)
+  return out
+
+
+def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
+  call, fwd, in_nz = (eqn.params[k] for k in ("call", "fwd", "in_nz"))
+  n_known = len(eqn.invars) - sum(in_nz)
+  n_all, n_out = len(eqn.outvars), call.num_outs
+  if not any(unks_in):   # tangents known too (a custom_jvp's zero tangent)
+    return eqn, None, [False] * n_all, [False] * n_all, []
+  if any(unks_in[:n_known]):   # primals unknown: all of it is staged
+    return (None, eqn, [True] * n_all, [True] * n_all,
+            _residuals(eqn, inst_in, eqn))
+  f_consts, fwd_consts, primals, tangents = call.split_jvp_args(eqn.invars,
+                                                                fwd)
+  emit = ex.Eqns(eqn)
+  p = _place(emit, saveable, call, fwd, in_nz, f_consts, fwd_consts, primals,
+             [v.aval for v in eqn.invars], eqn.params,
+             first=eqn.outvars[:n_out])
+  known = emit.eqn
+  unks_out = [False] * n_out + [True] * (n_all - n_out)
+  staged = ex.Eqns(eqn)
+  if p.back is None:   # the residuals kept, the linear map staged
+    ins, params = ex.linear(p.call, p.fwd, p.plan, in_nz,
+                            [*p.fwd_consts, *primals], primals, p.saved)
+    staged(lin_p, [*ins, *tangents], params, first=eqn.outvars[n_out:])
+    inst_out = [False] * n_out + [True] * (n_all - n_out)
+  else:   # the jvp again, its fwd the whole one or the rest of a split
+    read = {o for o in (p.plan.split.saved_outputs if p.plan.split else ())
+            if o is not None}   # primal outputs read from the forward pass
+    staged(jvp_p, [*f_consts, *p.saved, *p.fwd_consts, *primals, *tangents],
+           dict(eqn.params, call=p.call, fwd=p.back,
+                schedule=p.plan.schedule),
+           first=[jx.Var(v.aval) if i in read else v
+                  for i, v in enumerate(eqn.outvars)])
+    inst_out = [i not in read for i in range(n_all)]
+  return (known, staged.eqn, unks_out, inst_out,
+          _residuals(eqn, inst_in, staged.eqn, p.saved))
+
+
+register(jvp_p, "partial_eval_custom", _jvp_partial_eval_custom)
+
+
+# -- smartvjp_jvp: trace-time partial evaluation (the rematerialized region) --------
+
+def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, schedule):
+  params = dict(call=call, fwd=fwd, in_nz=in_nz, schedule=schedule)
+  n_known = len(tracers) - sum(in_nz)
+  known_tracers, tangent_tracers = tracers[:n_known], tracers[n_known:]
+  vals = jx.pe_known_values(known_tracers)
+  if vals is None or jx.pe_all_known(tangent_tracers):
+    return jx.pe_default(trace, jvp_p, tracers, params)
+  f_consts, fwd_consts, primals, _ = call.split_jvp_args(vals, fwd)
+  with jx.set_current_trace(jx.parent_trace(trace)):
+    outs, lin_ins, lin_params = ex.backward_region(
+        call, fwd, schedule, in_nz, f_consts, fwd_consts, primals)
+  staged_in = [*(jx.pe_instantiate(trace, x) for x in lin_ins),
+               *tangent_tracers]
+  return [*outs, *jx.pe_default(trace, lin_p, staged_in, lin_params)]
+
+
+register(jvp_p, "partial_eval", _jvp_partial_eval)
+
+
+# -- smartvjp_call, smartvjp_rem: remat3 (jax_remat3 + jax_custom_vjp3) -------------
+
+def _full_remat(prim, in_vals, params):
+  outs = prim.bind(*in_vals, **params)
+  return outs, (), lambda _res, *rem_in: prim.bind(*rem_in, **params)
+
+
+def _handled(ctx, call) -> bool:
+  return (ctx.custom_vjp_rules and call.eager is None
+          and call.jaxpr is not None and call.rules.fwd is not None
+          and not _policy.uses_references(call))
+
+
+def _call_remat3(ctx, *in_vals, call):
+  if call.full is not None and _handled(ctx, call.full):
+    outs, res, rem = _call_remat3(ctx, *in_vals, call=call.full)
+    return (select_outputs(call, outs), res,
+            lambda res, *rem_in: select_outputs(call, rem(res, *rem_in)))
+  in_nz = call.in_nz_possible
+  if call.full is not None or not _handled(ctx, call) or not any(in_nz):
+    return _full_remat(call_p, in_vals, dict(call=call))
+  fwd, fwd_consts = call.fwd_for(in_nz)
+  check_fwd_output_types(call, fwd)   # f and fwd may both run
+  k = call.num_consts
+  f_consts, primals = list(in_vals[:k]), list(in_vals[k:])
+  avals = [jx.get_aval(x) for x in (*f_consts, *fwd_consts, *primals)]
+  avals += [a.to_tangent_aval() for a, nz in zip(call.in_avals, in_nz) if nz]
+  p = _place(ex.Bind(), ctx.policy, call, fwd, in_nz, f_consts, fwd_consts,
+             primals, avals, dict(
+                 call=call, fwd=fwd, in_nz=in_nz,
+                 schedule=_policy.schedule_without_policy(call, fwd)))
+  back, saved, schedule, spaces = p.back, p.saved, p.plan.schedule, ()
+  if p.plan.kind is _plan.Kind.SPLIT:
+    back = _rebuilding(p.plan.split)
+  elif back is None:   # the rem side hands the kept outputs to bwd
+    back = ex.passthrough(p.call, p.fwd, [jx.get_aval(x) for x in p.outs])
+    saved, schedule = [*p.outs, *saved], p.plan.rem_schedule
+    spaces = (None,) * p.call.num_outs + (p.plan.spaces or ())
+
+  def rem(res, *rem_in):
+    res = [r if s is None else jax.device_put(r, jx.memory_space("device"))
+           for r, s in zip(res, (*spaces, *[None] * len(res)))]
+    return rem_p.bind(*rem_in[:k], *res, *rem_in[k:], call=p.call, fwd=back,
+                      schedule=schedule)
+  return list(p.outs), [*saved, *p.fwd_consts], rem
+
+
+def _rebuilding(split):
+  """The rest of a split ``fwd``, a saved primal output read, not rebuilt."""
+  staged = split.staged
+  jaxpr = staged.jaxpr.jaxpr
+  outvars = list(jaxpr.outvars)
+  for i, o in enumerate(split.saved_outputs):
+    if o is not None:
+      outvars[o] = jaxpr.invars[i]
+  jaxpr, _ = jx.dce_jaxpr(jx.jaxpr_with(jaxpr, outvars=outvars),
+                          [True] * len(outvars), True)
+  return dataclasses.replace(staged, jaxpr=jx.ClosedJaxpr(jaxpr, ()))
+
+
+register(call_p, "remat3", _call_remat3)
+
+
+def _rem_remat3(ctx, *in_vals, call, fwd, schedule):
+  """Rematerialized again (a checkpoint inside a checkpointed scan): ``f``
+  forward where ``fwd`` was to run backward; else the saved values
+  replayed."""
+  params = dict(call=call, fwd=fwd, schedule=schedule)
+  if schedule.forward is not _plan.Forward.F or not ctx.custom_vjp_rules:
+    return _full_remat(rem_p, in_vals, params)
+  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
+  outs = ex.primal(ex.Bind(), call, fwd, in_vals[:n1], in_vals[n1:n2],
+                   in_vals[n2:], schedule.forward)
+  return list(outs), (), lambda _res, *rem_in: rem_p.bind(*rem_in, **params)
+
+
+register(rem_p, "remat3", _rem_remat3)
+
+
+# -- dead-code elimination ------------------------------------------------------------
+
+def _jvp_dce(used_outputs, eqn):
+  call, fwd, in_nz, schedule = (eqn.params[k]
+                                for k in ("call", "fwd", "in_nz", "schedule"))
+  n = call.num_outs
+  left = _plan.prune(_policy.facts_of(call, fwd), schedule,
+                     any(used_outputs[:n]), any(used_outputs[n:]))
+  if left.linear and left.primal is not None:
+    return [True] * len(eqn.invars), eqn
+  f_consts, fwd_consts, primals, tangents = call.split_jvp_args(eqn.invars,
+                                                                fwd)
+  emit = ex.Eqns(eqn)
+  if left.linear:   # the linear map alone, on inputs of the call
+    if schedule.runs_fwd_bwd:
+      ins, params = primals, ex.lin_params(call, None, in_nz)
+    else:
+      fwd_inputs = [*fwd_consts, *primals]
+      passed = _policy.passed_through(fwd)
+      ins = fwd.assemble_residuals(fwd_inputs, [fwd_inputs[i] for i in passed])
+      params = ex.lin_params(call, fwd, in_nz)
+    emit(lin_p, [*ins, *tangents], params, first=eqn.outvars[n:])
+  elif left.primal is None:
+    return [False] * len(eqn.invars), None
+  elif left.primal is _plan.Forward.FWD:   # fwd without its residuals
+    emit(rule_p, [*fwd_consts, *primals], ex.fwd_params(call, fwd),
+         first=[*eqn.outvars[:n], *(jx.drop_var(a)
+                                    for a in fwd.jaxpr.out_avals[n:])])
+  else:
+    ex.primal(emit, call, fwd, f_consts, fwd_consts, primals, left.primal,
+              first=eqn.outvars[:n])
+  return _reads(eqn, emit.eqn), emit.eqn
+
+
+def _reads(eqn, new_eqn):
+  read = {id(v) for v in new_eqn.invars}
+  return [id(v) in read for v in eqn.invars]
+
+
+replace_rule(jvp_p, "dce", _jvp_dce)
+
+
+def _call_dce(used_outputs, eqn):
+  """Per output, as JAX prunes ``jax.custom_vjp``'s ``f`` (every input
+  kept)."""
+  if all(used_outputs) or not any(used_outputs):
+    return dce_whole(used_outputs, eqn)
+  kept = tuple(i for i, u in enumerate(used_outputs) if u)
+  new_eqn = jx.eqn_with(
+      eqn, outvars=[eqn.outvars[i] for i in kept],
+      params=dict(eqn.params, call=pruned(eqn.params["call"], kept)))
+  return [True] * len(eqn.invars), new_eqn
+
+
+replace_rule(call_p, "dce", _call_dce)
+
+
+def _fwd_dce(used_outputs, eqn):
+  call, fwd = eqn.params["call"], eqn.params["fwd"]
+  n = call.num_outs
+  kept = used_outputs[n:]
+  if (any(kept) and not all(used_outputs[:n]) and fwd.jaxpr is not None
+      and eqn.params["offload"] is None):
+    # residuals read and some primal outputs not: fwd's traced code pruned
+    # as JAX prunes the inlined fwd of a jax.custom_vjp (a solver's unused
+    # state is not computed)
+    return _traced_dce(used_outputs, jx.eqn_with(eqn, params=dict(
+        call=call, which="fwd", jaxpr=fwd.jaxpr)))
+  if any(kept) and not all(kept) and fwd.jaxpr is not None:
+    # some residuals read, some not: fwd computes only those read
+    offload = eqn.params["offload"]
+    if offload is not None:
+      offload = tuple(o for o, k in zip(offload, kept) if k)
+    emit = ex.Eqns(eqn)
+    emit(rule_p, eqn.invars, ex.fwd_params(call, fwd.computing_only(kept),
+                                           offload),
+         first=[*eqn.outvars[:n], *(v for v, k in zip(eqn.outvars[n:], kept)
+                                    if k)])
+    return [True] * len(eqn.invars), emit.eqn
+  if any(used_outputs[n:]) or not any(used_outputs[:n]) or fwd.jaxpr is None:
+    return dce_whole(used_outputs, eqn)
+  by = _plan.prune(_policy.facts_of(call, fwd), None, True, False,
+                   carries_f=False).primal
+  if by is _plan.Forward.FWD:
+    return dce_whole(used_outputs, eqn)
+  fwd_consts, primals = eqn.invars[:fwd.num_consts], eqn.invars[fwd.num_consts:]
+  emit = ex.Eqns(eqn)
+  ex.primal(emit, call, fwd, [], fwd_consts, primals, by,
+            first=eqn.outvars[:n])
+  return _reads(eqn, emit.eqn), emit.eqn
+
+
+def _traced_dce(used_outputs, eqn):
+  """A traced rule loses its unread inputs (a residual ``bwd`` ignores) and
+  unused outputs, as the inlined rules of a ``jax.custom_vjp`` do."""
+  jaxpr = eqn.params["jaxpr"]
+  if not any(used_outputs) and not jx.effects_keep_alive(eqn.effects):
+    return [False] * len(eqn.invars), None
+  pruned_jaxpr, used_inputs = jx.dce_jaxpr(jaxpr.jaxpr, used_outputs)
+  if all(used_inputs) and all(used_outputs):
+    return used_inputs, eqn
+  emit = ex.Eqns(eqn)
+  emit(rule_p, [v for v, u in zip(eqn.invars, used_inputs) if u],
+       dict(eqn.params, jaxpr=jx.ClosedJaxpr(pruned_jaxpr, ())),
+       first=[v for v, u in zip(eqn.outvars, used_outputs) if u])
+  return used_inputs, emit.eqn
+
+
+def _rule_dce(used_outputs, eqn):
+  which, params = eqn.params["which"], eqn.params
+  if which == "fwd" and params.get("jaxpr") is None:
+    return _fwd_dce(used_outputs, eqn)
+  if which in ("bwd", "fwd_bwd", "fwd"):   # a traced rule
+    return _traced_dce(used_outputs, eqn)
+  return dce_whole(used_outputs, eqn)
+
+
+replace_rule(rule_p, "dce", _rule_dce)
