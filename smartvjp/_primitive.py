@@ -1,46 +1,7 @@
-"""smartvjp's five primitives, each defined by one call that derives its
-generic rules.
-
-All have multiple results and carry a ``CallSpec`` (``_spec.py``) as their
-``call`` param. Why each is a primitive of its own:
-
-================== ======================================================
-primitive          why
-================== ======================================================
-``smartvjp_call``  the undifferentiated call ``[*f_consts, *primals] ->
-                   outs``: the equation JAX's transformations meet first,
-                   whose JVP, linearization and remat3 rules decide the rest
-``smartvjp_rule``  one user rule's traced code (``which``: ``"f"``,
-                   ``"fwd"``, ``"bwd"`` or ``"fwd_bwd"``) where the plan
-                   placed it: partial evaluation places it and nothing turns
-                   it into another rule behind the user's back; jaxprs and
-                   HLO name the rule; higher-order AD differentiates the code
-                   JAX would have run (``fwd``'s for ``"f"``)
-``smartvjp_jvp``   primal and tangent outputs together, as
-                   ``jax.checkpoint`` partially evaluates them, so that its
-                   rules, not dead-code elimination, place the user's rules;
-                   its ``schedule`` says what each pass runs
-``smartvjp_lin``   the linear map the backward pass transposes: to ``bwd``
-                   on ``fwd``'s residuals, or to ``fwd_bwd`` on the primal
-                   inputs (``fwd=None``)
-``smartvjp_rem``   remat3's rematerialized side: the call not differentiated
-                   yet, carrying its decided schedule (and the values the
-                   forward pass saved) until the backward region
-                   differentiates it
-================== ======================================================
-
-:func:`define` makes a primitive and registers what follows from what it
-evaluates (``code``: a traced rule over some of its inputs, see
-:class:`Code`): evaluation and lowering under the rule's named scope,
-abstract evaluation, printing with the user's rule names, state discharge,
-``checkify`` of the rule's code, the JVP of that code (higher order) and
-dead-code elimination of the whole equation. Only what is specific to a
-primitive is given to it. The transformation rules specific to one
-primitive are registered beside their definitions in the module of their
-transformation (``_ad``, ``_remat``, ``_batching``,
-``_checkify``) with :func:`register`, right after their definitions, under
-names of the form ``_<primitive>_<rule>``.
-"""
+"""smartvjp's five primitives (``design/architecture.md`` says why each
+exists), each made by :func:`define`, which derives the generic rules from
+what the primitive evaluates (a :class:`Code`); the rules specific to one
+transformation are registered in its module with :func:`register`."""
 
 from __future__ import annotations
 
@@ -83,11 +44,9 @@ ROLE_NAMES = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd"}
 
 @dataclasses.dataclass(frozen=True)
 class Code:
-  """What an equation evaluates: ``jaxpr`` (a traced rule with no constants
-  of its own) on the equation's inputs at ``positions`` (``None``: all of
-  them), keeping its first ``num_outs`` outputs (``None``: all), then
-  ``post`` (a function of the output list) if given. ``role``: the user's
-  rule it is (``"fun"``, ``"fwd"``, ``"bwd"``, ``"fwd_bwd"``)."""
+  """A traced rule (no constants of its own) on the equation's inputs at
+  ``positions`` (``None``: all), keeping its first ``num_outs`` outputs, then
+  ``post``; ``role``: the user's rule it is."""
   jaxpr: Any
   role: str
   positions: tuple | None = None
@@ -104,24 +63,19 @@ class Code:
 
 
 def live_code(c: Code):
-  """``c``'s jaxpr without the code that none of its kept outputs needs, in
-  nested ``jit``s too (a traced rule is not dead-code eliminated, where
-  JAX's partial evaluation eliminates an inlined ``fwd``: the step
-  ``jnp.linspace`` computes and drops inside megablox's ``gmm`` would
-  otherwise be lowered once per call); its inputs all kept."""
+  """``c``'s jaxpr without code its kept outputs do not need, nested
+  ``jit``s too (a traced rule is not dead-code eliminated by JAX: megablox's
+  ``gmm`` would otherwise lower an unused ``jnp.linspace`` per call)."""
   n = len(c.jaxpr.jaxpr.outvars)
   keep = n if c.num_outs is None else c.num_outs
   return jx.dce_jaxpr_keep_inputs(c.jaxpr, [i < keep for i in range(n)])
 
 
 def scope(call, role: str) -> str:
-  """The named scope of a user's rule: ``smartvjp/<f>/<rule>``."""
   return f"smartvjp/{call.name}/{ROLE_NAMES.get(role, role)}"
 
 
 def eval_scoped(jaxpr, scope_name: str, args) -> list:
-  """A traced rule (no constants of its own) evaluated under a named scope,
-  so jaxprs and HLO name the user's rule."""
   with jax.named_scope(scope_name):
     return jx.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
@@ -132,18 +86,14 @@ def evaluate(code: Code, call, args) -> list:
 
 
 def dce_whole(used_outputs, eqn):
-  """Drops an equation none of whose outputs is used and that has no effect
-  JAX keeps; else keeps it whole (JAX's default rule)."""
   if not any(used_outputs) and not jx.effects_keep_alive(eqn.effects):
     return [False] * len(eqn.invars), None
   return [True] * len(eqn.invars), eqn
 
 
 def discharged(jaxpr, should, args, positions=None):
-  """A traced rule evaluated with its references at the ``should`` positions
-  discharged: ``(final value of each such reference or None, outs)``. With
-  ``positions``, the rule reads only ``args[i]`` for ``i`` there (the
-  equation's other inputs feed another rule)."""
+  """``(final value of each discharged reference or None, outs)``; the
+  rule reads only ``args[i]`` for ``i`` in ``positions``."""
   positions = list(range(len(args)) if positions is None else positions)
   sub_should = [should[i] for i in positions]
   outs = jx.eval_discharged(jaxpr, sub_should, *[args[i] for i in positions])
@@ -158,11 +108,9 @@ def discharged(jaxpr, should, args, positions=None):
 
 def rule_jvp(impl, role, primals, tangents, /, *,
              what: str = "higher-order differentiation", **params):
-  """JAX's JVP of a rule's code (higher order: grad of grad, hessian), with
-  respect to the inputs that move only (as ``jax.custom_vjp`` differentiates
-  its rules), so a nested call inside the rule sees its closed-over values
-  held fixed. JAX's own exception goes on (an opaque rule's, say), with a
-  note naming the rule and ``what`` differentiated it."""
+  """JAX's JVP of a rule's code with respect to the inputs that move only
+  (as ``jax.custom_vjp`` differentiates its rules); JAX's error gets a note
+  naming the rule."""
   call = params["call"]
   moving = [type(t) is not jx.Zero for t in tangents]
 
@@ -186,12 +134,8 @@ def rule_jvp(impl, role, primals, tangents, /, *,
 
 
 def checked_rule(ctx, error, enabled, fn, args, call, role):
-  """``jax.experimental.checkify`` of a rule's code: ``fn(*args)`` (the code
-  of the user's rule ``role``) traced, checked and bound as a
-  ``smartvjp_rule`` over the checked jaxpr, named after the rule; returns
-  ``(error, outs)``. ``checkify`` interprets a jaxpr equation by equation,
-  and smartvjp's primitives hide the user's code in their params, so each
-  interprets it here."""
+  """``checkify`` of a rule's code: ``fn(*args)`` traced, checked and bound
+  as a ``smartvjp_rule``; returns ``(error, outs)``."""
   what = f"smart_custom_vjp {ROLE_NAMES[role]}"
   err_vals, err_tree = tree_util.tree_flatten(error)
   n_err = len(err_vals)
@@ -217,53 +161,32 @@ def checked_rule(ctx, error, enabled, fn, args, call, role):
           list(outs[n_out_err:]))
 
 
-def pp_rule(eqn, context, settings):
-  """Prints an equation with the names of the user's rules it runs in place
-  of the spec objects (``smartvjp_rule`` under the role of its rule:
-  ``smartvjp_primal`` for ``f``, ``smartvjp_fwd``, ``smartvjp_bwd``), and
-  for a ``fwd`` that a remat policy split, which side it runs (``part=saved``
-  in the forward pass, ``part=rest`` in the backward region)."""
-  params = dict(eqn.params)
-  call = params.pop("call")
-  rules = call.rules
-  shown = {"f": call.name}
-  fwd = params.pop("fwd", None)
-  which = params.pop("which", None)
-  prim = eqn.primitive
-  name = prim.name
-  if prim is rule_p:
-    name = _PRINTED[which]
-  if (prim in (jvp_p, rem_p) or (prim is rule_p and which in ("f", "fwd"))
-      or (prim is lin_p and fwd)) and rules.fwd is not None:
-    shown["fwd"] = rules.rule_name("fwd")
-  if prim in (jvp_p, lin_p) and fwd is not None and rules.bwd is not None:
-    shown["bwd"] = rules.rule_name("bwd")
-  if (prim is jvp_p or (prim is lin_p and fwd is None)) and \
-      rules.fwd_bwd is not None:
-    shown["fwd_bwd"] = rules.rule_name("fwd_bwd")
-  if prim is rule_p and which in ("bwd", "fwd_bwd"):
-    shown[which] = rules.rule_name(which)
-  if prim is rule_p and which == "fwd" and fwd is not None and \
-      fwd.split_part is not None:
-    shown["part"] = fwd.split_part
-  params.pop("jaxpr", None)
-  if fwd is not None and fwd.num_new_res and prim is not rem_p:
+def _pp_rule(shows):
+  def pp(eqn, context, settings):
+    params = dict(eqn.params)
+    call = params.pop("call")
+    name, shown = shows(call, params)
+    for k in ("fwd", "which", "jaxpr"):
+      params.pop(k, None)
+    schedule = params.pop("schedule", None)
+    if schedule is not None:
+      shown.update(forward=schedule.forward.value,
+                   backward=schedule.backward.value)
+    shown.update((k, v) for k, v in params.items() if v is not None)
+    return jx.pp_eqn(jx.eqn_with(eqn, params=dict(shown, f=call.name)),
+                     context, settings, name=name or eqn.primitive.name)
+  return pp
+
+
+def _rule_names(call, *roles, fwd=None) -> dict:
+  shown = {r: call.rules.rule_name(r) for r in roles
+           if getattr(call.rules, r) is not None}
+  if fwd is not None and fwd.num_new_res:
     shown["num_res"] = fwd.num_new_res
-  schedule = params.pop("schedule", None)
-  if schedule is not None:   # the plan's, as forward=... backward=...
-    shown["forward"] = schedule.forward.value
-    shown["backward"] = schedule.backward.value
-  shown.update((k, v) for k, v in params.items() if v is not None)
-  return jx.pp_eqn(jx.eqn_with(eqn, params=shown), context, settings,
-                   name=name)
-
-
-_PRINTED = {"f": "smartvjp_primal", "fwd": "smartvjp_fwd",
-            "bwd": "smartvjp_bwd", "fwd_bwd": "smartvjp_bwd"}
+  return shown
 
 
 def register(prim, kind: str, fn: Callable) -> None:
-  """Registers one rule of ``prim`` with JAX and in :data:`RULES`."""
   if kind not in _KINDS:
     raise TypeError(f"{prim.name}: unknown rule kind {kind!r}; known: "
                     f"{sorted(_KINDS)}")
@@ -274,38 +197,25 @@ def register(prim, kind: str, fn: Callable) -> None:
 
 
 def replace_rule(prim, kind: str, fn: Callable) -> None:
-  """Registers ``fn`` as ``prim``'s ``kind`` rule in place of the one
-  :func:`define` derived (a primitive-specific dead-code elimination or
-  ``checkify``)."""
   del RULES[prim.name][kind]
   register(prim, kind, fn)
 
 
 def register_with_logs(prim, fn, collecting, merge) -> None:
-  """``fn`` (``prim``'s transpose rule) also where JAX's backward pass
-  collects logs (``_facade.register_transpose_with_logs``)."""
   RULES[prim.name]["transpose_with_logs"] = fn
   jx.register_transpose_with_logs(prim, fn, collecting, merge)
 
 
-def define(name: str, *, abstract_eval: Callable,
+def define(name: str, *, abstract_eval: Callable, shows: Callable,
            code: Callable | None = None, role: Callable = lambda p: "fun",
            jvp: Callable | str | None = None, bind: Callable | None = None):
-  """A new primitive with its generic rules registered.
-
-  ``abstract_eval`` is required; ``pp`` (:func:`pp_rule`) and ``dce``
-  (:func:`dce_whole`) are derived. ``code(**params) -> Code``: what an
-  equation evaluates, from which :func:`define_evaluation` derives the
-  rest (without it, the primitive's module calls that with its own
-  ``impl``). ``role(params)``: the user's rule that errors and notes name.
-  ``jvp``: the primitive's own JVP rule, where it is not the derivative of
-  its code (``"elsewhere"``: registered by its transformation's module). ``bind``: the primitive's own bind, given the default bind and
-  the arguments (every bind of it, JAX's evaluation of a jaxpr included).
-  Further rules are added with :func:`register`.
-  """
+  """A new primitive with its generic rules registered: ``pp`` (``shows``:
+  the printed name and rule names), ``dce``, and with ``code(**params) ->
+  Code`` the rest (:func:`define_evaluation`). ``jvp="elsewhere"``:
+  registered by its transformation's module; ``bind``: wraps every bind."""
   prim = _SmartPrimitive(name)
   register(prim, "abstract_eval", abstract_eval)
-  register(prim, "pp", pp_rule)
+  register(prim, "pp", _pp_rule(shows))
   register(prim, "dce", dce_whole)
   if code is not None:
     def impl(*args, **params):
@@ -335,11 +245,8 @@ def define_evaluation(prim, impl: Callable, role: Callable, *,
                       jvp: Callable | str | None = None,
                       discharge: Callable | None = None,
                       inline: Callable | None = None) -> None:
-  """Registers what follows from ``impl(*args, **params) -> outs``:
-  evaluation and lowering, ``checkify`` of it, its JVP (higher order:
-  ``impl`` differentiated, unless ``jvp`` is given) and, unless given, its
-  state discharge (``impl`` traced with the references as inputs, then
-  discharged)."""
+  """Registers what follows from ``impl``: evaluation, lowering, ``checkify``,
+  its JVP (unless given) and state discharge (unless given)."""
   def traced_discharge(should, *args, **params):
     avals = [jx.ref_aval(jx.get_aval(a)) if d else jx.get_aval(a)
              for a, d in zip(args, should)]
@@ -377,8 +284,6 @@ def _positional_effects(code_of, **params):
 
 
 def _code_abstract_eval(code_of, out_avals):
-  """Abstract evaluation from ``code``: ``out_avals(**params)`` and the
-  code's effects at the equation's input positions."""
   def abstract_eval(*avals, **params):
     return list(out_avals(**params)), _positional_effects(code_of, **params)
   return abstract_eval
@@ -394,15 +299,12 @@ _PROCESSING: list = []
 
 
 def set_call_processing(fn: Callable) -> None:
-  """``fn(leaves, call) -> outs``: how ``smartvjp_call`` processes a call
-  that ``smart_custom_vjp.__call__`` binds unprocessed (``_process.py``)."""
   _PROCESSING[:] = [fn]
 
 
 def _bind_call(default, *args, call):
-  """Every bind of ``smartvjp_call``: a call bound unprocessed goes to the
-  current trace's processing (as a ``jax.custom_vjp`` call goes to its
-  trace's ``process_custom_vjp_call``); a traced one is bound as it is."""
+  """A call bound unprocessed goes to the current trace's processing (as a
+  ``jax.custom_vjp`` call goes to ``process_custom_vjp_call``)."""
   if getattr(call, "unprocessed", False):
     return _PROCESSING[0](list(args), call)
   return default(*args, call=call)
@@ -410,6 +312,7 @@ def _bind_call(default, *args, call):
 
 # its JVP (the custom rule: a smartvjp_jvp) is _ad.py's
 call_p = define("smartvjp_call", code=_call_code,
+                shows=lambda call, p: (None, {}),
                 abstract_eval=_code_abstract_eval(
                     _call_code, lambda *, call: call.out_avals),
                 jvp="elsewhere", bind=_bind_call)
@@ -431,15 +334,9 @@ def _offloaded(call, offload):
 
 
 def _rule_code(*, call, which, fwd=None, offload=None, jaxpr=None):
-  """``smartvjp_rule``'s code per ``which``:
-
-  * ``"f"``: ``f`` on ``[*f_consts, *fwd_consts, *primals]`` (the
-    ``fwd_consts`` are there for its derivative, ``fwd``'s code);
-  * ``"fwd"``: ``fwd`` (``fwd.jaxpr``) on ``[*fwd_consts, *primals]``, its
-    computed residuals offloaded where ``offload`` says;
-  * ``"bwd"``, ``"fwd_bwd"``, and a rule ``checkify`` checked: the traced
-    rule ``jaxpr`` on all the inputs.
-  """
+  """``"f"``: ``f`` on ``[*f_consts, *fwd_consts, *primals]`` (``fwd_consts``
+  for its derivative); ``"fwd"``: ``fwd`` on ``[*fwd_consts, *primals]``;
+  otherwise the traced rule ``jaxpr``."""
   if jaxpr is not None:
     return Code(jaxpr, "fun" if which == "f" else which)
   if which == "f":
@@ -465,10 +362,8 @@ def _rule_out_avals(*, call, which, fwd=None, offload=None, jaxpr=None):
 
 
 def _rule_jvp(primals, tangents, **params):
-  """Higher order: the rule's code differentiated, except that the forward
-  pass's ``f`` differentiates as ``fwd``'s primal outputs, which JAX would
-  have run there (a straight-through estimator's ``floor`` differentiates to
-  zero); ``f`` itself where only ``fwd_bwd`` is given."""
+  """The forward pass's ``f`` differentiates as ``fwd``'s primal outputs,
+  which JAX would have run there (a straight-through estimator's ``floor``)."""
   call, fwd = params["call"], params.get("fwd")
   if params["which"] != "f" or fwd is None or params.get("jaxpr") is not None:
     return rule_jvp(rule_p.impl, _rule_role(params), list(primals),
@@ -487,10 +382,8 @@ def _rule_role(params) -> str:
 
 
 def _bind_named(default, *args, **params):
-  """A residual ``fwd`` named with ``checkpoint_name`` leaves ``fwd``'s
-  equation through a ``checkpoint_name`` equation, as it leaves
-  ``jax.custom_vjp``'s inlined ``fwd``, so that outer remat policies and
-  ``jax.ad_checkpoint.print_saved_residuals`` see the name."""
+  """A named residual leaves ``fwd``'s equation through ``checkpoint_name``,
+  as from ``jax.custom_vjp``'s inlined ``fwd``, so outer policies see it."""
   outs = default(*args, **params)
   if params["which"] != "fwd" or params.get("jaxpr") is not None:
     return outs
@@ -500,7 +393,20 @@ def _bind_named(default, *args, **params):
                                           params["fwd"].new_res_names))]
 
 
-rule_p = define("smartvjp_rule", code=_rule_code,
+def _rule_shows(call, p):
+  which, fwd = p["which"], p.get("fwd")
+  shown = _rule_names(call, *(("fwd",) if which in ("f", "fwd") else (which,)),
+                      fwd=fwd)
+  if which == "fwd" and fwd is not None and fwd.split_part is not None:
+    shown["part"] = fwd.split_part
+  return _PRINTED[which], shown
+
+
+_PRINTED = {"f": "smartvjp_primal", "fwd": "smartvjp_fwd",
+            "bwd": "smartvjp_bwd", "fwd_bwd": "smartvjp_bwd"}
+
+
+rule_p = define("smartvjp_rule", code=_rule_code, shows=_rule_shows,
                 abstract_eval=_code_abstract_eval(_rule_code, _rule_out_avals),
                 role=_rule_role, jvp=_rule_jvp, bind=_bind_named)
 # evaluated inline where a traced rule holds high-level primitives
@@ -509,9 +415,8 @@ register(rule_p, "to_lojax", rule_p.impl)
 
 
 def _rem_code(*, call, fwd, schedule):
-  """The rem side undifferentiated: ``f``'s outputs where ``fwd_bwd`` will
-  run, else ``fwd``'s primal outputs (``fwd`` is the rem side's: the user's,
-  the part of it a split rebuilds, or a pass-through of the saved values)."""
+  """``f`` where ``fwd_bwd`` will run, else ``fwd``'s primal outputs (the
+  rem side's ``fwd``)."""
   n1 = call.num_consts
   n2 = n1 + fwd.num_consts
   if schedule.runs_fwd_bwd:
@@ -533,6 +438,7 @@ def _rem_abstract_eval(*avals, call, fwd, schedule):
 
 # its JVP (a smartvjp_jvp with the rem side's fwd) is _ad.py's
 rem_p = define("smartvjp_rem", code=_rem_code, abstract_eval=_rem_abstract_eval,
+               shows=lambda call, p: (None, _rule_names(call, "fwd")),
                role=lambda p: "fwd_bwd" if p["schedule"].runs_fwd_bwd
                else "fwd", jvp="elsewhere")
 
@@ -540,13 +446,11 @@ rem_p = define("smartvjp_rem", code=_rem_code, abstract_eval=_rem_abstract_eval,
 # -- smartvjp_jvp and smartvjp_lin: evaluated by forward mode (_ad.py) -----------
 
 def tangent_avals(avals, nz) -> list:
-  """The tangent types of the avals where ``nz`` is true."""
   return [a.to_tangent_aval() for a, n in zip(avals, nz) if n]
 
 
 def lin_out_avals(call, fwd):
-  """The primal output types a linear map's tangents follow: ``fwd``'s (as
-  ``jax.custom_vjp``'s) where ``fwd`` ran, else ``f``'s."""
+  """``fwd``'s output types (as ``jax.custom_vjp``) where ``fwd`` ran, else ``f``'s."""
   if fwd is not None and fwd.out_avals:
     return fwd.out_avals
   return call.out_avals
@@ -569,11 +473,15 @@ def _lin_abstract_eval(*avals, call, fwd, in_nz, reload):
 
 
 def forward_role(params) -> str:
-  """The rule forward mode transposes: ``bwd``, or ``fwd_bwd`` without
-  ``fwd``."""
   return "bwd" if params["fwd"] is not None else "fwd_bwd"
 
 
 # evaluated by forward mode: _ad.py calls define_evaluation for them
-jvp_p = define("smartvjp_jvp", abstract_eval=_jvp_abstract_eval)
-lin_p = define("smartvjp_lin", abstract_eval=_lin_abstract_eval)
+jvp_p = define("smartvjp_jvp", abstract_eval=_jvp_abstract_eval,
+               shows=lambda call, p: (None, _rule_names(
+                   call, "fwd", "fwd_bwd",
+                   *(("bwd",) if p["fwd"] is not None else ()), fwd=p["fwd"])))
+lin_p = define("smartvjp_lin", abstract_eval=_lin_abstract_eval,
+               shows=lambda call, p: (None, _rule_names(
+                   call, *(("fwd", "bwd") if p["fwd"] is not None
+                           else ("fwd_bwd",)), fwd=p["fwd"])))
