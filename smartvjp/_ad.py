@@ -1,28 +1,6 @@
-"""Differentiation rules: JVP, linearization, transposition, forward mode.
-
-* ``smartvjp_call``'s linearization (``jax.grad``/``jax.vjp``, also in
-  ``jit``/``scan``/``cond`` bodies): the plan without a policy, carried
-  out: ``fwd`` now and ``smartvjp_lin`` staged (its transpose runs
-  ``bwd``); with ``fwd_bwd`` alone, ``f`` now and ``fwd_bwd`` in the
-  transpose.
-* ``smartvjp_call``'s JVP (``jax.checkpoint``'s ``remat_jvp``,
-  ``jax.jvp``): ``smartvjp_jvp``, which partial evaluation places
-  (``_remat.py``); ``smartvjp_rem``'s JVP: the same with the rem side's
-  ``fwd`` and schedule.
-* ``smartvjp_lin``'s transpose: ``bwd`` on the residuals, or ``fwd_bwd``
-  on the primal inputs; ``smartvjp_rule``'s (a ``bwd`` that forward mode
-  transposes): the transpose of its code; ``smartvjp_call``'s (a call JAX
-  found linear): the transpose of ``f``'s code.
-* Forward mode, beyond ``jax.custom_vjp`` (evaluating ``smartvjp_jvp`` and
-  ``smartvjp_lin``): the forward rule where the call has one
-  (``defvjp(..., jvp=...)``), else the transpose of ``g -> bwd(res, g)``
-  (or ``fwd_bwd``'s), so ``bwd`` must then be JAX code linear in ``g``.
-
-Values ``f`` closes over are its leading inputs. Differentiated with respect
-to those alone (an outer differentiation), the call differentiates ``f``
-itself; with respect to both them and the arguments, it is refused, as with
-``jax.custom_vjp``.
-"""
+"""Differentiation rules: JVP, linearization, transposition, forward mode
+(the forward rule ``defvjp(..., jvp=...)`` where given, else the transpose
+of ``g -> bwd(res, g)``)."""
 
 from __future__ import annotations
 
@@ -50,14 +28,9 @@ from smartvjp._spec import eager_f, eager_fwd, select_outputs
 
 
 def closure_error(call, where: str = "", where_made: bool = False):
-  """What ``jax.custom_vjp`` raises where a value the function closes over
-  is differentiated with its arguments (or, ``where`` says, in a context
-  smartvjp does not differentiate ``f`` itself in): its type, our words.
-  JAX's type depends on the path: differentiating the call where it is made
-  (``jax.grad``, ``jax.jvp``, through ``vmap``s too), ``fwd`` runs on the
-  closed-over tracer, which leaks (``UnexpectedTracerError``);
-  differentiating a staged call (``jit``, remat), JAX detects it
-  (``CustomVJPException``)."""
+  """``jax.custom_vjp``'s exception type for a differentiated closure:
+  ``UnexpectedTracerError`` where differentiated where made (``fwd``'s
+  tracer leaks), ``CustomVJPException`` for a staged call."""
   what = (f" {where}" if where else
           " and, by the same transformation, with respect to its arguments")
   message = (
@@ -119,8 +92,6 @@ register(call_p, "jvp", _call_jvp)
 # -- smartvjp_call: linearization (jax.grad, jax.vjp) --------------------------------
 
 def _linearized(call, in_nz, primal_outs, residuals, params):
-  """The four values of a linearization rule whose tangent map binds
-  ``smartvjp_lin`` with ``params`` on the residuals."""
   def linearized(residuals, *tangents):
     nz_t = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
     return call.expand_tangents(lin_p.bind(*residuals, *nz_t, **params))
@@ -177,9 +148,8 @@ register(call_p, "linearization", _call_linearization)
 # -- transposes ----------------------------------------------------------------------
 
 def _transposed(impl, args, params):
-  """``impl`` (a rule's code) as a linear function of the inputs JAX found
-  linear (undefined), the others held fixed, transposed (JAX checks the
-  linearity when the transpose runs); with which inputs those are."""
+  """``impl`` as a linear function of the inputs JAX found linear, the
+  others held fixed, transposed; with which inputs those are."""
   undefined = [jx.is_undefined_primal(a) for a in args]
   lin_avals = [a.aval for a, u in zip(args, undefined) if u]  # full types
 
@@ -196,9 +166,8 @@ def _apply_transposed(transposed, undefined, cts):
 
 
 def _call_transpose(cts, *args, call):
-  """A call JAX found linear in some of its inputs (a ``bwd`` calling
-  another smart function on its cotangent, transposed by forward mode): the
-  transpose of ``f``'s own code."""
+  """A call JAX found linear (a ``bwd`` calling another smart function on
+  its cotangent, transposed by forward mode): ``f``'s code transposed."""
   if call.full is not None:   # pruned by DCE: zero cotangents for the rest
     full_cts = [jx.Zero(a.to_tangent_aval()) for a in call.full.out_avals]
     for i, ct in zip(call.kept, cts):
@@ -218,9 +187,6 @@ register(call_p, "transpose", _call_transpose)
 
 
 def _rule_transpose(cts, *args, **params):
-  """``bwd``/``fwd_bwd`` are linear in the cotangent; forward mode
-  transposes them (which fails, and forward mode says so, when they are
-  opaque)."""
   return _apply_transposed(*_transposed(rule_p.impl, args, params), cts)
 
 
@@ -232,9 +198,8 @@ def _nz_inputs(cts_in, in_nz):
 
 
 def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
-  """``bwd`` on the residuals (or ``fwd_bwd`` on the primal inputs). ``bwd``
-  runs even when every output cotangent is zero, as with ``jax.custom_vjp``:
-  its result need not depend on them (flax's fp8 scales)."""
+  """``bwd`` runs even when every cotangent is zero, as with
+  ``jax.custom_vjp`` (flax's fp8 scales)."""
   n = ex.num_nonlinear(call, fwd)
   cts_out = call.expand_tangents(cts)
   if fwd is None:
@@ -260,10 +225,9 @@ register_with_logs(lin_p, _lin_transpose, _jax_api.collecting_logs,
 
 def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
                              out_avals):
-  """Tangent outputs: the transpose of ``g -> cotangent_map(g)`` at the
-  tangents. Cotangents are typed fully (sharding, varying manual axes): one
-  typed by shape and dtype only would be made varying inside ``shard_map``,
-  and that cast transposes into a ``psum``."""
+  """The transpose of ``g -> cotangent_map(g)`` at the tangents, cotangents
+  fully typed (one typed by shape only is made varying inside ``shard_map``,
+  which transposes into a ``psum``)."""
   ct_avals = tangent_avals(out_avals, call.out_nz)
   rule_failed = []
 
@@ -295,12 +259,9 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
 
 @functools.cache
 def _not_transposable_error(cause: type) -> type:
-  """The exception for a rule JAX cannot transpose: a ``TypeError`` (what
-  ``jax.custom_vjp`` raises for forward mode) that is also an instance of
-  the transposition's own error type, which is what ``jax.custom_vjp``
-  raises where it differentiates the rule instead (``jax.jvp`` of
-  ``jax.grad`` with a ``bwd`` that calls a ``jax.pure_callback``: its
-  ``ValueError``)."""
+  """A ``TypeError`` (``jax.custom_vjp``'s for forward mode) that is also
+  the transposition's own error type (what it raises where it
+  differentiates the rule instead)."""
   if issubclass(TypeError, cause) or issubclass(cause, TypeError):
     return TypeError
   try:
@@ -310,8 +271,6 @@ def _not_transposable_error(cause: type) -> type:
 
 
 def lin_forward(*args, call, fwd, in_nz, reload):
-  """Forward mode: the tangents, from the forward rule (on the primals the
-  residuals carry for it) or else the transpose of the cotangent map."""
   n = ex.num_nonlinear(call, fwd)
   nonlinear, nz_t = args[:n], args[n:]
   if call.rules.jvp is not None:
@@ -331,8 +290,7 @@ def lin_forward(*args, call, fwd, in_nz, reload):
 
 
 def _lin_jvp(primals, tangents, **params):
-  """When only the tangent inputs move, the JVP of a linear map is itself;
-  otherwise (higher order) the rule's code is differentiated."""
+  """Itself where only the tangents move; else (higher order) its code's."""
   n = ex.num_nonlinear(params["call"], params["fwd"])
   if all(type(t) is jx.Zero for t in tangents[:n]):
     lin_tangents = [jx.instantiate_zeros(t) for t in tangents[n:]]
@@ -346,11 +304,8 @@ define_evaluation(lin_p, lin_forward, forward_role, jvp=_lin_jvp)
 
 
 def jvp_forward(*args, call, fwd, in_nz, schedule):
-  """Forward mode: the forward rule where there is one; else ``fwd`` (or
-  ``f``, with ``fwd_bwd`` alone) for the primal outputs, then the linear
-  map's forward mode. The schedule is not read: it says where the reverse
-  passes run each rule, and forward mode has no reverse pass; it runs the
-  equation whole, ``fwd``'s residuals feeding the tangents."""
+  """Forward mode runs the equation whole (the schedule is for the reverse
+  passes): the forward rule, or ``fwd`` then the linear map's forward mode."""
   del schedule
   f_consts, fwd_consts, primals, nz_t = call.split_jvp_args(args, fwd)
   if call.rules.jvp is not None:   # the forward rule, instead of f and fwd
@@ -373,11 +328,8 @@ define_evaluation(jvp_p, jvp_forward, forward_role)
 # -- smartvjp_rem: JVP (remat3's rem side, differentiated) ----------------------------
 
 def _rem_jvp(primals, tangents, *, call, fwd, schedule):
-  """``smartvjp_jvp`` with the rem side's ``fwd`` and schedule. A tangent of
-  what ``f`` closes over is refused, with the error ``jax.custom_vjp``
-  raises under remat3, except where remat3 perturbs every input of the
-  checkpoint, closed-over values included (``_versions``): there such a
-  tangent says nothing and is ignored."""
+  """A closed-over value's tangent is refused as ``jax.custom_vjp`` refuses
+  it under remat3, except where remat3 perturbs every input (``_versions``)."""
   n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
   f_consts, fwd_consts, args = primals[:n1], primals[n1:n2], primals[n2:]
   in_nz = tuple(type(t) is not jx.Zero and possible

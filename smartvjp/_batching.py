@@ -1,12 +1,6 @@
-"""Batching rules (``jax.vmap``).
-
-A batched call is a new call whose rules are the user's rules under
-``vmap`` (``_vmap.py``), as ``jax.custom_vjp`` batches its rules; a traced
-``fwd`` or backward rule is batched by batching its jaxpr, which keeps its
-output layout; the linear map and the forward-mode rule batch their rules
-the same way. Nothing here decides where a rule runs: a batched
-``smartvjp_jvp`` or ``smartvjp_rem`` keeps its schedule.
-"""
+"""Batching rules (``jax.vmap``): a batched call is a new call whose
+rules are the user's under ``vmap`` (``_vmap.py``); a traced rule is
+batched by batching its jaxpr. A batched equation keeps its schedule."""
 
 from __future__ import annotations
 
@@ -53,10 +47,9 @@ register(call_p, "batching", _call_batching)
 
 
 def _output_batching(bcall, outs, f_batched):
-  """Which outputs of a batched call are mapped: ``f``'s answer, except when
-  the call was just differentiated (its outputs carry tangents), where
-  ``fwd`` ran and its mapped outputs decide, as for ``jax.custom_vjp``. With
-  ``generic_batching=True`` ``f`` always decides, as in JAX."""
+  """``f``'s mapped outputs, except for a call just differentiated, where
+  ``fwd`` ran and decides (as for ``jax.custom_vjp``), unless
+  ``generic_batching``."""
   if (all(f_batched) or bcall.rules.generic_batching
       or not any(jx.carries_tangent(o) for o in outs)):
     return f_batched
@@ -165,8 +158,6 @@ register(jvp_p, "batching", _jvp_batching)
 
 def _tangents_only(axis_data, call, fwd, in_nz, schedule, f_consts,
                    fwd_consts, primals, tangents, tdims):
-  """Only tangents mapped (``jacfwd``): the primal side once, the linear map
-  batched (with a forward rule: ``f`` once and the rule's tangent part)."""
   if call.rules.jvp is not None:
     outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals,
                      schedule.primal_by)
@@ -190,11 +181,8 @@ def _tangents_only(axis_data, call, fwd, in_nz, schedule, f_consts,
 # -- smartvjp_rem ----------------------------------------------------------------------
 
 def _rem_batching(axis_data, args, dims, *, call, fwd, schedule):
-  """A rem side still undifferentiated when a vmap batches it (a
-  ``jax.grad`` inside ``jax.vmap`` that does not differentiate the call's
-  inputs): the batched call with its batched rules, and the rem side's
-  ``fwd`` batched with every input and output mapped at axis 0, so that its
-  residuals are laid out as the batched ``bwd`` expects them."""
+  """Every input and output mapped at 0, so the residuals are laid out as
+  the batched ``bwd`` expects."""
   params = dict(call=call, fwd=fwd, schedule=schedule)
   if _vmap.unbatched(axis_data, dims,
                      rem_p.abstract_eval(*map(jx.get_aval, args),

@@ -1,14 +1,7 @@
-"""State that lives no longer than a trace: caches of traced rules, and the
-vmap whose batching rule is running.
-
-``jax.custom_vjp`` calls the user's ``f``, ``fwd`` and ``bwd`` afresh inside
-every new outer trace (a new ``jax.jit``, ``jax.make_jaxpr``, eager
-``jax.grad`` or ``jax.vmap``), so Python state they read (a config dict, a
-global) is read again each time. smartvjp traces each rule once per abstract
-signature to build its primitives; these caches keep a traced rule only for
-the outermost trace that made it, so repeated calls inside one program share
-it and a new program traces again.
-"""
+"""State that lives no longer than a trace. ``jax.custom_vjp`` calls the
+rules afresh in every new outer trace, so the caches here keep a traced
+rule only for the outermost trace that made it; and the vmap whose
+batching rule is running."""
 
 from __future__ import annotations
 
@@ -22,10 +15,6 @@ from smartvjp import _facade as jx
 
 
 def outermost_trace():
-  """The outermost transformation trace now active, or ``None`` under plain
-  evaluation. Each ``jax.jit``/``make_jaxpr``/eager ``grad``/``vmap`` call
-  starts a new one; nested traces (scan bodies, linearize inside jit) lead
-  back to it through their parents."""
   trace, outer = jx.current_trace(), None
   while trace is not None and not jx.is_eval_trace(trace):
     outer = trace
@@ -34,9 +23,8 @@ def outermost_trace():
 
 
 class TraceLocalCache:
-  """A mapping (LRU-bounded when ``maxsize`` is given) whose entries are valid
-  only while the outermost trace that stored them is the current one; under
-  plain evaluation nothing is cached."""
+  """Entries valid only while the outermost trace that stored them is
+  current; nothing cached under plain evaluation."""
 
   def __init__(self, maxsize: int | None = None):
     self.maxsize = maxsize
@@ -58,9 +46,8 @@ class TraceLocalCache:
     return value
 
   def put(self, key: Hashable, value: Any, consts=()) -> None:
-    """Stores ``value`` unless ``consts`` (the values it closes over) hold a
-    tracer: one of a nested trace (a scan body) must not leak into the
-    enclosing program."""
+    """Not stored where ``consts`` hold a tracer (of a nested trace, which
+    must not leak)."""
     outer = outermost_trace()
     if outer is None or any(isinstance(c, jx.Tracer) for c in consts):
       return
@@ -80,8 +67,6 @@ _BATCHING: contextvars.ContextVar = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def batching(key):
-  """Notes ``key``, ``(tag, axis_data)`` of a vmap, while its batching rule
-  for one of smartvjp's primitives runs."""
   token = _BATCHING.set(key)
   try:
     yield
@@ -90,8 +75,6 @@ def batching(key):
 
 
 def batching_tag(axis_data):
-  """The trace tag of the vmap over ``axis_data`` whose batching rule is
-  running, else ``None``."""
   now = _BATCHING.get()
   return now[0] if now is not None and now[1] is axis_data else None
 
@@ -109,8 +92,6 @@ made_where_differentiated: contextvars.ContextVar = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def differentiated_where_made(call):
-  """Marks ``call`` as bound directly under a differentiation (see
-  above)."""
   token = made_where_differentiated.set(call)
   try:
     yield

@@ -1,14 +1,6 @@
-"""Opt-in numerics check: under remat the forward pass uses ``f``'s value and
-the backward region ``fwd``'s, so they had better agree.
-
-Enable with ``smartvjp.check_primals("warn"|"raise", rtol=..., atol=...)`` (a
-context manager), or globally with ``jax.config.update("smartvjp_check_primals",
-"raise:1e-5:1e-6")`` (mode, rtol, atol; ``"warn"`` or ``"raise"`` alone use the
-default tolerances). It is read when a program is traced and is part of JAX's trace
-context, so jitted functions retrace when it changes. When on, the
-rematerialized backward region also runs ``f`` and compares its outputs with
-``fwd``'s primal outputs on the host.
-"""
+"""Opt-in numerics check (``check_primals``): under remat the forward pass
+uses ``f``'s value and the backward region ``fwd``'s, so they had better
+agree."""
 
 from __future__ import annotations
 
@@ -28,7 +20,6 @@ _option = jx.define_string_option(
 
 
 def _settings():
-  """``(mode, rtol, atol)`` from the option; mode is off, warn or raise."""
   value = _option.value
   if not value or value == "off":
     return "off", 0.0, 0.0
@@ -143,9 +134,6 @@ jx.quiet_callback_failures(PrimalMismatchError)
 
 
 def maybe_check(call, f_outputs: Callable, fwd_outs) -> None:
-  """Where both ran (remat), compares ``f``'s outputs (``f_outputs()``
-  binds ``f`` again, only when the check is on) with ``fwd``'s primal
-  outputs ``fwd_outs`` on the host, as the option says."""
   mode, rtol, atol = _settings()
   if mode == "off":
     return

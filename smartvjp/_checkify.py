@@ -1,10 +1,5 @@
-"""``jax.experimental.checkify`` of a ``smart_custom_vjp`` call.
-
-The other primitives' checkify rules (``_primitive.checked_rule``, derived
-by ``define``) check the rule code they evaluate. ``smartvjp_call``'s makes a
-new smart call whose ``f`` is checked, so that the result stays
-differentiable with the user's rules, as with ``jax.custom_vjp``.
-"""
+"""``checkify`` of a call: a new smart call whose ``f`` is checked and
+whose other rules are the user's, so it stays differentiable."""
 
 from __future__ import annotations
 
@@ -17,13 +12,8 @@ from smartvjp._spec import Rules, trace_call
 
 
 def _call_checkify(ctx, error, enabled, *args, call):
-  """``f`` checked inside a new smart call over ``[*error_leaves,
-  *primals]`` whose ``fwd``/``bwd``/``fwd_bwd`` are the user's around it,
-  so the result stays differentiable with the same rules. As with
-  ``jax.custom_vjp``, ``fwd`` is not checked: where the call is
-  differentiated after ``checkify`` (``jax.vjp`` of a checkified function),
-  the error that comes out is the one that went in, with none of ``f``'s
-  checks added."""
+  """As with ``jax.custom_vjp``, ``fwd`` is not checked: differentiated
+  after ``checkify``, the error that comes out is the one that went in."""
   err_vals, err_tree = tree_util.tree_flatten(error)
   f_consts, primals = args[:call.num_consts], args[call.num_consts:]
   leaves = [*err_vals, *primals]
@@ -46,9 +36,6 @@ def _value(x):
 
 
 def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
-  """The user's rules over ``[*error_leaves, *primal_leaves]``: ``f``
-  checked, ``fwd`` passing the incoming error through, the errors'
-  cotangents ``None``."""
   user = call.rules
 
   def fun(*leaves):

@@ -1,43 +1,10 @@
-"""The checks: what the user's rules must satisfy, and the errors that say so.
-
-Every error names the user's function and rule, the pytree path, and the
-expected against the actual type (:func:`rule_error`); an internal invariant
-that fails is a ``RuntimeError`` asking for a report (:func:`expect_used_up`),
-never a bare ``assert``.
-
-The types of the rules' outputs, checked where it matters:
-
-* ``fwd``'s primal output has ``f``'s pytree structure, shapes and dtypes
-  (where ``fwd`` is traced and ``f`` has been: :func:`check_primal_out`).
-* Where ``f`` runs in one place and ``fwd`` in another (remat: ``f``
-  forward, ``fwd`` in the backward region), they agree in full types,
-  sharding and varying manual axes included (:func:`check_fwd_output_types`).
-* Where a derivative follows a rule's output type, inside
-  ``jax.shard_map(check_vma=True)``, that type is honest: an output invariant
-  along a mesh axis its inputs vary along was made so by a collective, not
-  declared so by a kernel whose result type carries no varying axes
-  (:func:`unjustified_invariance`), or the gradient would silently be summed
-  over that axis.
-* On the error path of a call differentiated without tracing ``f``, ``fwd``
-  is named when its primal output was the cause (:func:`blame_fwd`).
-* A ``bwd`` or ``fwd_bwd`` returns what ``jax.custom_vjp`` accepts
-  (``_flatten_bwd`` in ``jax/_src/custom_derivatives.py``;
-  ``tests/test_cotangents.py`` runs a table of outputs through both): one
-  entry per differentiable argument, ``None`` or a single value for a whole
-  subtree, the shapes of the corresponding inputs, any float precision
-  (passed on as returned), and cotangents of integer inputs ignored (they
-  are ``float0``) (:func:`flatten_cotangents`).
-
-What ``jax.custom_vjp`` refuses about mutable array references (JAX's
-``jax_mutable_array_checks``, on by default), refused here with a
-``ValueError``: one mutable array passed through two differentiable arguments
-(``bwd`` would return two cotangents for it); ``f`` returning a reference
-(its outputs are values); ``fwd`` returning a reference among its primal
-outputs, or one among its residuals that is not one of its own arguments (a
-residual reference is forwarded from the arguments to ``bwd``, never
-created). The messages name each argument by its parameter name with the
-pytree path inside it, and the reference's type.
-"""
+"""What the user's rules must satisfy, and the errors that say so: each
+names the function and rule, the pytree path, and the expected against the
+actual type; an internal invariant that fails is a ``RuntimeError``
+(:func:`expect_used_up`). Cotangents are accepted as ``jax.custom_vjp``
+accepts them (``tests/test_cotangents.py`` runs a table through both);
+mutable array references are refused where ``jax.custom_vjp`` refuses
+them."""
 
 from __future__ import annotations
 
@@ -62,15 +29,10 @@ _ROLE = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd",
 
 
 def function_name(fn) -> str:
-  """The name errors give a user's function: its ``__name__``, else its
-  type's (never an object's address)."""
   return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def function_location(fn) -> str | None:
-  """``file:line`` where a user's function is defined (through
-  ``functools.partial`` and ``__wrapped__``), or ``None`` (a builtin, a
-  callable object without Python code)."""
   for _ in range(8):
     code = getattr(fn, "__code__", None)
     if code is not None:
@@ -85,9 +47,6 @@ def function_location(fn) -> str | None:
 
 
 def rule_error(exc_type, rules, which: str, message: str) -> Exception:
-  """``exc_type`` whose message starts with the rule's role and user name
-  and ends with where the rule is defined (a ``lambda``'s name alone does
-  not find it)."""
   fn_name = rules.rule_name(which)
   where = (f"smart_custom_vjp function {rules.name}"
            if which == "fun" else
@@ -106,7 +65,6 @@ def describe_tree(x) -> str:
 
 
 def check_jax_leaves(tree, rules, which: str, what: str) -> None:
-  """Raises ``TypeError`` naming the path of the first non-JAX leaf."""
   for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
     try:
       jx.get_aval(leaf)
@@ -129,8 +87,6 @@ _FIX = {
 
 
 def expect_used_up(it, what: str) -> None:
-  """Raises ``RuntimeError`` (a smartvjp bug, never the user's) when the
-  iterator ``it`` still has items; a check that ``python -O`` keeps."""
   end = object()
   if next(it, end) is not end:
     raise RuntimeError(
@@ -146,15 +102,9 @@ def _leaf_paths(tree) -> list:
 
 
 def blame_fwd(call, error: Exception) -> None:
-  """On the error path of a call linearized where it was made, eagerly or
-  not, so that ``f`` was never traced (``error`` raised while its ``bwd``
-  ran): when ``fwd``'s primal output differs from ``f``'s
-  in structure, shape or dtype, the cotangents ``bwd`` received had
-  ``fwd``'s wrong types, so ``fwd`` is named as at fault: a ``TypeError`` or
-  ``ValueError`` is raised again, same type, from ``error``, in words naming
-  ``fwd``, the output path and both types; any other exception gets that
-  text as a note. ``f`` is evaluated abstractly (``jax.eval_shape``), and
-  only here: the happy path never traces it. Returns when they agree."""
+  """Where ``f`` was never traced and ``bwd`` failed: names ``fwd`` when its
+  primal output's types differ from ``f``'s (found with ``jax.eval_shape``,
+  only on this error path)."""
   rules = call.rules
   if (call.eager is None and call.fwd_only is None) or rules.fwd is None:
     return
@@ -193,11 +143,8 @@ def blame_fwd(call, error: Exception) -> None:
 
 
 def fwd_output_type_mismatches(call, fwd) -> list:
-  """``(path, f's type, fwd's type)`` for each primal output of the same
-  shape and dtype whose full type (varying manual axes, sharding, memory
-  space; not weak type) differs between ``f`` and ``fwd``. (Shapes and
-  dtypes are checked where ``fwd`` is traced; a batched ``fwd`` keeps the
-  unbatched call's types beside its own.)"""
+  """Outputs of the same shape and dtype whose full types (sharding, varying
+  manual axes) differ between ``f`` and ``fwd``."""
   if fwd is None or not fwd.out_avals:
     return []
   paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
@@ -208,10 +155,6 @@ def fwd_output_type_mismatches(call, fwd) -> list:
 
 
 def check_fwd_output_types(call, fwd) -> None:
-  """Raises ``TypeError`` where ``f`` and ``fwd`` disagree on an output's
-  full type: differentiation that runs ``f`` in one place and ``fwd`` in
-  another (remat, forward mode) would mix the two types, as jax.custom_vjp
-  refuses there too."""
   bad = fwd_output_type_mismatches(call, fwd)
   if bad:
     path, want, got = bad[0]
@@ -227,8 +170,6 @@ def check_fwd_output_types(call, fwd) -> None:
 
 
 def _axis_names_in(value, out: set) -> None:
-  """Collects the strings (axis names of collectives) in equation params,
-  looking into nested tuples and jaxprs."""
   if isinstance(value, str):
     out.add(value)
   elif isinstance(value, (tuple, list, frozenset, set)):
@@ -242,11 +183,9 @@ def _axis_names_in(value, out: set) -> None:
 
 
 def unjustified_invariance(jaxpr) -> list:
-  """Per output of ``jaxpr``, the manual mesh axes its type is invariant
-  along although the values it is computed from vary along them and no
-  collective over those axes (an equation naming them) made it invariant:
-  what a kernel whose result type carries no varying axes (a
-  ``jax.pure_callback``) declares inside ``jax.shard_map(check_vma=True)``."""
+  """Per output, the manual mesh axes its type is invariant along although
+  its inputs vary along them and no collective over them produced it (a
+  ``pure_callback``'s result inside ``shard_map(check_vma=True)``)."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   honest = {}
 
@@ -268,11 +207,6 @@ def unjustified_invariance(jaxpr) -> list:
 
 
 def check_fwd_output_invariance(call, fwd) -> None:
-  """Raises ``TypeError`` where forward mode follows ``fwd``'s primal output
-  types and an output claims to be invariant along manual mesh axes its
-  inputs vary along with no collective to make it so (an opaque kernel's
-  result): the tangent would be summed over those axes. (Reverse mode follows
-  the same types, as ``jax.custom_vjp`` does, and is left as it.)"""
   if fwd is None or fwd.jaxpr is None:
     return
   outs = fwd.jaxpr.jaxpr.outvars[:call.num_outs]
@@ -294,12 +228,8 @@ def check_fwd_output_invariance(call, fwd) -> None:
 
 
 def check_f_output_invariance(call) -> None:
-  """Raises ``TypeError`` when ``f``'s output type is the one its derivative
-  follows (only ``fwd_bwd`` given: no ``fwd`` gives a type to compare with)
-  and an output claims to be invariant along manual mesh axes its inputs
-  vary along with no collective to make it so. With ``check_vma=True`` the
-  cotangent of such an output is summed over those axes before ``fwd_bwd``
-  sees it, so the gradient would silently be wrong."""
+  """Only ``fwd_bwd`` given, the cotangent follows ``f``'s output type:
+  an unjustified invariant output would have it summed over those axes."""
   while call.origin is not None:
     call = call.origin
   if call.rules.fwd is not None or call.jaxpr is None:
@@ -355,15 +285,12 @@ def check_primal_out(call, primal_out) -> None:
 # -- the cotangents a bwd or fwd_bwd rule returns ---------------------------------
 
 def bwd_checks_disabled() -> bool:
-  """``jax_disable_bwd_checks``: cotangents are passed on unchecked."""
   return bool(getattr(jax.config, "jax_disable_bwd_checks", False))
 
 
 def _custom_vjp3() -> bool:
-  """``jax_custom_vjp3``: JAX's upgraded ``custom_vjp`` takes cotangents as
-  a tuple or a list of any length and refuses one of the wrong length with
-  ``ValueError`` (the default path takes a list only of the right length,
-  and raises ``TypeError``)."""
+  """``jax_custom_vjp3`` takes cotangents as a list of any length, refusing
+  a wrong length with ``ValueError``."""
   return bool(getattr(jax.config, "jax_custom_vjp3", False))
 
 
@@ -371,13 +298,8 @@ _NO_CT = object()   # a None cotangent: no contribution to the input
 
 
 def _spread(call, out, which) -> list:
-  """One cotangent (or ``_NO_CT``) per primal leaf, in ``in_tree`` order.
-
-  Each entry of ``out`` covers the argument subtree at its position: ``None``
-  means zeros for all its leaves, and any other value (an array, a
-  ``SymbolicZero``) stands for every leaf below it, as ``jax.custom_vjp``
-  allows. The user's pytrees are only flattened, never rebuilt.
-  """
+  """One cotangent (or ``_NO_CT``) per primal leaf: ``None`` or one value
+  may stand for a whole argument subtree."""
   rules = call.rules
   arg_trees = tree_util.treedef_children(call.in_tree)
   if isinstance(out, list) and (len(out) == len(arg_trees)
@@ -414,10 +336,8 @@ def _spread(call, out, which) -> list:
 
 
 def _same_but_dtype(want, got) -> bool:
-  """jax.custom_vjp's tolerance for a cotangent of another dtype: same shape
-  (and sharding), and either the input's cotangent is inexact (a float or
-  complex of any precision, even an integer array, passes through as
-  returned) or the cotangent has an extended dtype."""
+  """``jax.custom_vjp`` passes a cotangent of another dtype through where
+  the input's cotangent is inexact or the dtype is extended."""
   if not (isinstance(want, jx.ShapedArray) and isinstance(got, jx.ShapedArray)):
     return False
   if want.shape != got.shape:
@@ -439,14 +359,6 @@ def _accepts(want, got) -> bool:
 
 
 def flatten_cotangents(call, out, which: str) -> list:
-  """Checks a rule's cotangent output; returns arrays or ``Zero`` per leaf.
-
-  Matches what ``jax.custom_vjp`` accepts: a list for the tuple, ``None``
-  for any subtree, one value for a whole subtree, a ``SymbolicZero`` of the
-  input's cotangent type, cotangents of integer inputs ignored, and a
-  cotangent of another dtype passed on unchanged (not cast) when the input's
-  cotangent is inexact. ``jax_disable_bwd_checks`` passes any array on.
-  """
   rules = call.rules
   flat = _spread(call, out, which)
   paths = [tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(
@@ -501,9 +413,6 @@ def _checks_on() -> bool:
 
 
 def argument_leaf_names(rules, num_args: int, in_tree) -> list[str]:
-  """The name of each differentiable argument leaf, as the user wrote the
-  call: the parameter name, then the path inside it (``x_ref``,
-  ``params['w']``, ``args[2]`` for a ``*args`` position)."""
   params = _parameter_names(rules.fun, num_args)
   dyn = [i for i in range(num_args) if i not in rules.nondiff_argnums]
   skeleton = tree_util.tree_unflatten(in_tree, [0] * in_tree.num_leaves)
@@ -530,9 +439,6 @@ def _parameter_names(fun, num_args: int) -> list[str]:
 
 
 def aliased_refs(leaves) -> list:
-  """Pairs ``(i, j)``, ``i < j``, of positions in ``leaves`` holding
-  references to one mutable array, when JAX's mutable array checks are on;
-  empty otherwise."""
   if not _checks_on():
     return []
   first, pairs = {}, []
@@ -547,9 +453,6 @@ def aliased_refs(leaves) -> list:
 
 def check_aliased_arguments(rules, role: str, num_args: int, in_tree,
                             primals) -> None:
-  """Raises ``ValueError`` naming ``role`` and both arguments when two of
-  ``primals`` (the differentiable argument leaves) are references to one
-  mutable array (only with JAX's mutable array checks on)."""
   pairs = aliased_refs(primals)
   if not pairs:
     return
@@ -567,7 +470,6 @@ def check_aliased_arguments(rules, role: str, num_args: int, in_tree,
 
 
 def check_aliased_refs(call, primals) -> None:
-  """:func:`check_aliased_arguments` for ``fwd`` of a traced or eager call."""
   check_aliased_arguments(call.rules, "fwd", call.num_args, call.in_tree,
                           primals)
 
@@ -584,7 +486,6 @@ def _at(what: str, path: str) -> str:
 
 
 def check_f_output(rules, out) -> None:
-  """Raises ``ValueError`` when ``f``'s output holds a reference."""
   if not _checks_on():
     return
   hit = _first_ref(out)
@@ -598,9 +499,6 @@ def check_f_output(rules, out) -> None:
 
 
 def check_fwd_output(rules, primal_out, res, primals) -> None:
-  """Raises ``ValueError`` when ``fwd``'s primal output holds a reference,
-  or its residuals one that is not among ``primals`` (its differentiable
-  arguments, possibly wrapped as ``CustomVJPPrimal``)."""
   if _checks_on():
     hit = _first_ref(primal_out)
     if hit is not None:
@@ -626,9 +524,6 @@ def check_fwd_output(rules, primal_out, res, primals) -> None:
 
 
 def argument_position(leaf, primals):
-  """For a residual leaf that is a reference, its position among
-  ``primals`` (:func:`check_fwd_output` has made sure it is there);
-  ``None`` for any other residual."""
   leaf = leaf.value if isinstance(leaf, jx.CustomVJPPrimal) else leaf
   if not jx.is_ref(leaf):
     return None

@@ -1,21 +1,6 @@
-"""Carrying out the plan: what each pass of a differentiated call runs.
-
-``_plan.plan`` decides (a pure function of facts and a policy's answers);
-this module carries the decision out, once, for every place JAX asks:
-
-* :func:`decide`: the plan for one call, with the ``defremat`` rules
-  swapped in where the plan says so (the only place they are);
-* :func:`forward`: what the forward pass runs for a plan (``f``, ``fwd``,
-  or the part of ``fwd`` a split keeps), emitted through an *emitter*:
-  :class:`Bind` binds primitives on the current trace (remat3, the
-  trace-time partial evaluation of the rematerialized region,
-  linearization), :class:`Eqns` writes equations (the policy-driven partial
-  evaluation of ``jax.checkpoint``, which returns equations);
-* :func:`linear`: the linear map's inputs and params, where the residuals
-  are kept (or ``fwd_bwd`` runs on the primal inputs);
-* :func:`run_bwd`, :func:`run_fwd_bwd`: the backward rules, traced once per
-  signature and bound as ``smartvjp_rule`` where the transpose runs.
-"""
+"""Carrying out the plan: what each pass of a differentiated call runs,
+emitted by binding (:class:`Bind`) or as equations (:class:`Eqns`, for
+the rules that return equations)."""
 
 from __future__ import annotations
 
@@ -37,7 +22,6 @@ from smartvjp._spec import remat_call
 # -- emitters --------------------------------------------------------------------
 
 class Bind:
-  """Emits by binding on the current trace; returns the output values."""
 
   def __call__(self, prim, ins, params, first=None):
     del first
@@ -45,8 +29,7 @@ class Bind:
 
 
 class Eqns:
-  """Emits equations with the source information of ``like``; returns the
-  output variables (``first``: variables to use for the leading outputs)."""
+  """``first``: variables for the leading outputs."""
 
   def __init__(self, like):
     self.like = like
@@ -70,8 +53,6 @@ class Eqns:
 # -- what the forward pass runs ---------------------------------------------------
 
 def primal_params(call, fwd) -> dict:
-  """``f`` for a differentiated call (``fwd`` its rule, whose code an outer
-  derivative differentiates; ``None`` with ``fwd_bwd`` alone)."""
   return dict(call=call, which="f", fwd=fwd)
 
 
@@ -80,10 +61,8 @@ def fwd_params(call, fwd, offload=None) -> dict:
 
 
 def primal(emit, call, fwd, f_consts, fwd_consts, primals, by, first=None):
-  """``f``'s outputs for a differentiated call, computed ``by`` ``f`` or by
-  the part of ``fwd`` producing them (``_plan.Forward``). Where references
-  are involved a plain ``smartvjp_call`` stands in for ``f`` (its rules
-  handle them, and nothing differentiates it here)."""
+  """``f``'s outputs computed ``by`` ``f`` or the part of ``fwd`` producing
+  them; with references, a plain ``smartvjp_call`` (its rules handle them)."""
   if by is _plan.Forward.PART_OF_FWD:
     part = fwd.computing_only([False] * fwd.num_new_res)
     return emit(rule_p, [*fwd_consts, *primals], fwd_params(call, part),
@@ -96,10 +75,7 @@ def primal(emit, call, fwd, f_consts, fwd_consts, primals, by, first=None):
 
 def forward(emit, call, fwd, plan, f_consts, fwd_consts, primals,
             first=None) -> tuple[list, list]:
-  """Emits what the forward pass runs for ``plan``; returns ``(primal_outs,
-  kept)``: ``kept`` are the values it computes for the backward side (the
-  residuals ``fwd`` computes, or the values a split saves; none where ``f``
-  runs)."""
+  """``(primal_outs, kept)``: ``kept`` is what the backward side reads."""
   n = call.num_outs
   if plan.kind is _plan.Kind.SPLIT:
     outs = emit(rule_p, [*fwd_consts, *primals],
@@ -115,10 +91,7 @@ def forward(emit, call, fwd, plan, f_consts, fwd_consts, primals,
 
 
 def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
-  """Binds what computes the residuals on ``schedule``'s backward side:
-  ``fwd``, or ``f`` (for the primal outputs) where the schedule runs ``f``
-  and ``bwd`` alone, ``fwd`` computing nothing more. Returns
-  ``(primal_outs, residuals)``."""
+  """``fwd``, or ``f`` where the schedule runs ``bwd`` alone."""
   fwd_inputs = [*fwd_consts, *primals]
   if (schedule.forward is _plan.Forward.F
       and schedule.backward is _plan.Backward.BWD):
@@ -133,21 +106,14 @@ def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
 # -- the linear map ------------------------------------------------------------------
 
 def num_nonlinear(call, fwd) -> int:
-  """How many of ``smartvjp_lin``'s inputs are residuals (or, for the
-  fused form, primal inputs) before its tangents."""
   return len(fwd.res_avals) if fwd is not None else call.num_primals
 
 
 def lin_params(call, fwd, in_nz, reload=None) -> dict:
-  """``smartvjp_lin``'s params; ``fwd=None`` for the fused form."""
   return dict(call=call, fwd=fwd, in_nz=tuple(in_nz), reload=reload)
 
 
 def linear(call, fwd, plan, in_nz, fwd_inputs, primals, kept):
-  """``(inputs, params)`` of the linear map after the forward pass of
-  ``plan`` (``kept``: what :func:`forward` returned): the residuals (those
-  a policy offloaded reloaded by the map), or the primal inputs where
-  ``fwd_bwd`` runs."""
   if plan.schedule.runs_fwd_bwd:
     return list(primals), lin_params(call, None, in_nz)
   reload = None
@@ -160,10 +126,7 @@ def linear(call, fwd, plan, in_nz, fwd_inputs, primals, kept):
 
 def backward_region(call, fwd, schedule, in_nz, f_consts, fwd_consts,
                     primals):
-  """In the backward region (or a linearization), with the primal inputs
-  known: binds what ``schedule``'s backward side starts with (the ``fwd``
-  side, or ``f`` where ``fwd_bwd`` runs) and returns ``(primal_outs,
-  linear inputs, linear params)``."""
+  """``(primal_outs, linear inputs, linear params)``."""
   if schedule.runs_fwd_bwd:
     outs = primal(Bind(), call, fwd, f_consts, fwd_consts, primals,
                   schedule.primal_by)
@@ -179,12 +142,9 @@ def backward_region(call, fwd, schedule, in_nz, f_consts, fwd_consts,
 # -- deciding --------------------------------------------------------------------------
 
 def decide(call, fwd, in_nz, policy, answers):
-  """The plan for a call under a remat ``policy`` (its ``answers``), asked
-  again with what it needs: the policy's split of ``fwd``, or whether the
-  ``defremat`` rules can be used. Where the plan turns to them, they are
-  swapped in here: returns ``(call, fwd, plan, swapped)``, the call and
-  ``fwd`` to carry out (``swapped``: the ``defremat`` ones, whose ``fwd``
-  closes over nothing)."""
+  """The plan, asked again with the policy's split or the ``defremat``
+  rules' usability where it needs them; returns ``(call, fwd, plan,
+  swapped)``, ``swapped`` where the ``defremat`` rules are swapped in."""
   facts = _policy.facts_of(call, fwd)
   plan = _plan.plan(facts, answers)
   if plan.asks_split:
@@ -213,8 +173,6 @@ def _prepare_cts(call, cts_out):
 
 
 def run_bwd(call, fwd, residuals, cts_out) -> list:
-  """``bwd(*nondiff, res, g)``, one cotangent (array or ``Zero``) per primal
-  leaf."""
   rules = call.rules
 
   def user(res, cts):
@@ -227,8 +185,6 @@ def run_bwd(call, fwd, residuals, cts_out) -> list:
 
 
 def run_fwd_bwd(call, primals, in_nz, cts_out) -> list:
-  """``fwd_bwd(*args, g)``, one cotangent (array or ``Zero``) per primal
-  leaf."""
   rules = call.rules
 
   def user(primals, cts):
@@ -240,10 +196,8 @@ def run_fwd_bwd(call, primals, in_nz, cts_out) -> list:
 
 
 def _bind_rule(call, which, key, user, inputs, cts):
-  """Traces ``user`` (a backward rule) once per signature and binds it as
-  ``smartvjp_rule``. Only nonzero cotangents are inputs of the traced rule;
-  ``SymbolicZero`` ones (``symbolic_zeros=True``) are part of the
-  signature."""
+  """Traced once per signature and bound as ``smartvjp_rule``;
+  ``SymbolicZero`` cotangents are part of the signature, not inputs."""
   zero_in = tuple(type(c) is jx.SymbolicZero for c in cts)
   args = [*inputs, *(c for c, z in zip(cts, zero_in) if not z)]
   if jx.stages_nothing():
@@ -285,8 +239,6 @@ def _bind_rule(call, which, key, user, inputs, cts):
 
 
 def with_offload_reloaded(res, reload):
-  """Residuals a policy offloaded (``reload[i]`` true) back in device
-  memory, where ``bwd`` expects them, as ``fwd`` returned them."""
   if reload is None:
     return list(res)
   return [jax.device_put(r, jx.memory_space("device")) if back else r
@@ -294,10 +246,8 @@ def with_offload_reloaded(res, reload):
 
 
 def passthrough(call, fwd, out_avals):
-  """A ``fwd`` for remat3's rem side whose leading inputs are the forward
-  pass's primal outputs (of types ``out_avals``) and computed residuals,
-  returned as they are (residuals that are inputs keep coming from the
-  inputs)."""
+  """remat3's rem side ``fwd`` when everything is kept: the saved primal
+  outputs and residuals, returned as they are."""
   avals = [*out_avals, *fwd.jaxpr.out_avals[call.num_outs:]]
   num_saved = len(avals)
 

@@ -1,18 +1,8 @@
-"""The optional forward rule ``defvjp(..., jvp=...)``: called, checked, and
-batched.
-
-``jvp(*nondiff_args, primals, tangents) -> (primal_out, tangent_out)``, the
-signature of a ``jax.custom_jvp`` rule. Where a call has one, forward mode
-(``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) runs it instead of
-transposing ``bwd``; reverse mode never runs it. ``jax.custom_jvp`` and
-``jax.custom_vjp`` cannot both be put on one function, so an opaque kernel
-(a ``pure_callback``, an FFI call, a Tesseract's endpoints) gets forward mode
-only through this rule.
-
-To give the linear map (``smartvjp_lin``) what the rule needs, ``fwd``'s
-residuals carry the call's primal inputs after its own ones
-(``FwdSpec.jvp_primals``): forwarded inputs, so nothing is computed for them.
-"""
+"""The optional forward rule ``defvjp(..., jvp=...)``, with a
+``jax.custom_jvp`` rule's signature: forward mode runs it instead of
+transposing ``bwd`` (an opaque kernel's only way to forward mode). The
+linear map gets the primals it needs as residuals after ``fwd``'s own
+(``FwdSpec.jvp_primals``)."""
 
 from __future__ import annotations
 
@@ -29,7 +19,6 @@ from smartvjp._checks import describe_tree, function_name, rule_error
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class JvpRule:
-  """The user's forward rule ``fn`` for one ``smart_custom_vjp``."""
   fn: Callable
 
   @property
@@ -37,13 +26,8 @@ class JvpRule:
     return function_name(self.fn)
 
   def run(self, call, primals, in_nz, nz_tangents) -> tuple[list, list]:
-    """The rule on flat leaves: ``primals`` (one per leaf of ``call``'s
-    differentiable arguments) and the tangents of the leaves where ``in_nz``
-    is true; the others get zero tangents (``SymbolicZero`` with
-    ``symbolic_zeros=True``, else zeros; ``float0`` for integer inputs).
-    Returns ``(primal_out_leaves, nz_tangent_out_leaves)``: a tangent for
-    each output of ``call.out_nz``. Raises ``TypeError`` naming the rule and
-    the output path where what it returns does not fit ``f``'s output."""
+    """On flat leaves; a tangent per ``call.out_nz`` output; raises
+    ``TypeError`` naming the rule and path where the result does not fit."""
     rules = call.rules
     it = iter(nz_tangents)
     tangents = [next(it) if nz else _zero(a, rules.symbolic_zeros)
@@ -109,12 +93,8 @@ def _checked(call, pair) -> tuple[list, list]:
 
 
 def tangents_only(call, primals, in_nz, nz_tangents, rule=None) -> list:
-  """The rule's tangent outputs alone (the linear map's forward mode,
-  ``jax.linearize`` and ``jax.jacfwd``): the rule traced on the types of
-  its inputs and its primal part removed, so an opaque primal kernel inside
-  it (a Tesseract's ``apply``) does not run again. Traced once per signature
-  (``call.rule_cache``); ``rule``, another form of the call's rule (one
-  batched by a batching rule), is traced at each use."""
+  """The rule's tangent part alone, traced and its primal part removed, so
+  an opaque primal kernel does not run again."""
   args = [*primals, *nz_tangents]
   avals = tuple(jx.get_aval(a) for a in args)
   n = len(primals)
@@ -138,9 +118,6 @@ def tangents_only(call, primals, in_nz, nz_tangents, rule=None) -> list:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BatchedJvpRule:
-  """``inner`` (the rule of ``call``, the unbatched call) under ``vmap``:
-  primal leaves mapped at ``in_dims`` (0 or None), a nonzero tangent as its
-  primal (every batching rule maps them alike), every output at 0 (``vmapped`` is the batching rule's ``vmap``)."""
   inner: "JvpRule | BatchedJvpRule"
   call: object
   in_dims: tuple

@@ -1,29 +1,10 @@
-"""``jax.custom_vjp``'s newer definition methods, in terms of ``defvjp``.
-
-Each method exists on ``smart_custom_vjp`` exactly where the installed
-``jax.custom_vjp`` has it (``_versions``); elsewhere it
-raises ``NotImplementedError`` naming the JAX release that introduced it.
-
-* ``defvjp_with_accums(fwd, bwd)``: ``bwd(res, g, *accums)`` pushes each
-  cotangent into one accumulator per differentiable argument. smartvjp hands
-  it value accumulators (what ``jax.custom_vjp`` hands a rule that a
-  transformation wraps) and reads the cotangents back from them.
-* ``defremat(fwd, rem, bwd)``: the forward pass runs ``fwd`` and keeps its
-  residuals ``res`` whatever the remat policy says; the backward pass runs
-  ``rem(res, *args)`` for the residuals ``res2`` of ``bwd(res2, g)``. When
-  ``defvjp``'s rules are also given, they are used wherever the policy keeps
-  their residuals (and without remat), the ``defremat`` rules elsewhere.
-* ``defvjp_with_logs`` / ``defremat_with_logs``: ``bwd`` returns
-  ``(cotangents, logs)``. The logs leave the backward pass as JAX's do
-  (``VJP.with_logs``): the wrapped ``bwd`` drops them into the innermost
-  :func:`collecting_logs` sink, the traced rule (``_execute._bind_rule``)
-  makes their leaves outputs of its ``smartvjp_bwd`` equation, and the
-  transpose of ``smartvjp_lin``, registered where JAX's backward pass
-  collects logs, returns them as a dict.
-* ``generic_batching`` where JAX accepts it, with JAX's meaning: under
-  ``vmap`` ``f`` alone decides which outputs are mapped (see
-  ``_batching._output_batching``).
-"""
+"""``jax.custom_vjp``'s newer definition methods in terms of ``defvjp``,
+each where the installed JAX has it. ``defvjp_with_accums``: value
+accumulators, read back. ``defremat``: ``fwd`` keeps its residuals, ``rem``
+then ``bwd`` backward. Logs leave the backward pass as JAX's do: the
+wrapped ``bwd`` drops them into the innermost :func:`collecting_logs`
+sink, the traced rule makes them outputs, and ``smartvjp_lin``'s transpose
+returns them."""
 
 from __future__ import annotations
 
@@ -66,8 +47,6 @@ NEWER_JAX_NEEDS_PYTHON = (3, 12)
 
 
 def upgrade_advice(release: str, python=None) -> str:
-  """How to get jax ``release`` on this Python (``python``: a version tuple,
-  ``sys.version_info`` by default)."""
   python = tuple((python or sys.version_info)[:2])
   if python < NEWER_JAX_NEEDS_PYTHON:
     need = ".".join(map(str, NEWER_JAX_NEEDS_PYTHON))
@@ -78,8 +57,6 @@ def upgrade_advice(release: str, python=None) -> str:
 
 
 def require_method(fun, method: str) -> None:
-  """Raises ``NotImplementedError`` unless the installed ``jax.custom_vjp``
-  has ``method``."""
   if not _HAS[method]:
     import jax
     raise NotImplementedError(
@@ -90,8 +67,6 @@ def require_method(fun, method: str) -> None:
 
 
 def check_generic_batching(fun, method: str, value) -> None:
-  """``generic_batching``: ``None`` (not given) or a bool where JAX has it
-  (its meaning: ``_batching._output_batching``)."""
   if value is None:
     return
   if not isinstance(value, (bool, int)) or callable(value):
@@ -118,9 +93,6 @@ _SINK: contextvars.ContextVar = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def collecting_logs():
-  """A list that receives the logs of every ``bwd`` run inside the block
-  (the innermost block only); outside any block logs are dropped, as a plain
-  ``f_vjp(ct)`` drops them in JAX."""
   sink: list = []
   token = _SINK.set(sink)
   try:
@@ -130,15 +102,13 @@ def collecting_logs():
 
 
 def deposit_logs(logs) -> None:
-  """Hands a ``bwd``'s logs (a dict) to the innermost sink, if any."""
   sink = _SINK.get()
   if sink is not None and logs:
     sink.append(logs)
 
 
 def merged_logs(sink) -> dict | None:
-  """The logs in ``sink`` as one dict (``None`` when there are none); a key
-  given twice is a ``ValueError``, as in JAX's backward pass."""
+  """One dict (``None`` where none); a key logged twice is an error."""
   if not sink:
     return None
   out: dict = {}
@@ -153,7 +123,6 @@ def merged_logs(sink) -> dict | None:
 
 
 def _check_logs(fun, rule, method, logs):
-  """``None`` or a dict, as JAX requires."""
   if logs is not None and type(logs) is not dict:
     raise TypeError(
         f"smart_custom_vjp function {function_name(fun)}: bwd rule {function_name(rule)} "
@@ -162,7 +131,6 @@ def _check_logs(fun, rule, method, logs):
 
 
 def without_logs(fun, bwd: Callable, method: str) -> Callable:
-  """``bwd`` returning ``(cotangents, logs)`` as a plain ``bwd``."""
   @functools.wraps(bwd)
   def plain_bwd(*args):
     out = bwd(*args)
@@ -186,22 +154,18 @@ def _split(nondiff_argnums, args):
 
 
 def _merge(nondiff_argnums, nondiff, dyn):
-  """All arguments in place from the nondiff ones and the others."""
   fixed, rest = dict(zip(nondiff_argnums, nondiff)), iter(dyn)
   return [fixed[i] if i in fixed else next(rest)
           for i in range(len(fixed) + len(dyn))]
 
 
 def _values(args):
-  """``fwd``'s arguments without ``CustomVJPPrimal`` wrappers."""
   return tree_util.tree_map(
       lambda x: x.value if isinstance(x, jx.CustomVJPPrimal) else x, args,
       is_leaf=lambda x: isinstance(x, jx.CustomVJPPrimal))
 
 
 def with_arguments(fwd: Callable, nondiff_argnums) -> Callable:
-  """``fwd`` whose residuals are ``(res, differentiable arguments)``; the
-  arguments are inputs, so smartvjp forwards them without copies."""
   @functools.wraps(fwd)
   def fwd_and_args(*args):
     out, res = fwd(*args)
@@ -212,8 +176,6 @@ def with_arguments(fwd: Callable, nondiff_argnums) -> Callable:
 # -- defvjp_with_accums -----------------------------------------------------------
 
 def accums_bwd(fun, bwd: Callable, num_nondiff: int) -> Callable:
-  """``bwd(*nondiff, res, g, *accums) -> logs`` as a plain ``bwd``, for a
-  ``fwd`` wrapped by :func:`with_arguments`."""
   @functools.wraps(bwd)
   def plain_bwd(*args):
     nondiff, (res, dyn), g = args[:num_nondiff], args[num_nondiff], args[-1]
@@ -232,8 +194,6 @@ def accums_bwd(fun, bwd: Callable, num_nondiff: int) -> Callable:
 
 def remat_bwd(fun, rem: Callable, bwd: Callable, nondiff_argnums,
               with_logs: bool) -> Callable:
-  """``bwd`` for residuals ``(res, dyn_args)``: ``rem(res, *args)`` gives the
-  residuals ``res2``, then ``bwd(*nondiff, res2, g)``."""
   rule = without_logs(fun, bwd, "defremat_with_logs") if with_logs else bwd
   k = len(nondiff_argnums)
 

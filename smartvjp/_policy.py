@@ -1,33 +1,11 @@
-"""What the decision (``_plan.py``) is told about a call: its facts, a remat
-policy's answers, and the split of a JAX-coded ``fwd`` by the policy.
+"""What the plan is told about a call: its facts, a remat policy's answers,
+and the split of a JAX-coded ``fwd`` by the policy.
 
-Facts (:func:`facts`) come from the traced rules: effects, references, types.
-Answers (:func:`answers`): the policy is asked about the call's own
-``smartvjp_jvp`` equation (so ``everything_saveable`` saves it and
-``nothing_saveable`` recomputes it) and, for each residual ``fwd`` computes,
-about the equation of ``fwd``'s jaxpr producing it, through
-``checkpoint_name`` (so ``save_only_these_names`` works; under
-``jax_remat3`` the high-level name primitive is asked about as JAX's
-``name_p``), as it would be asked inside ``fwd`` inlined: a ``dot_general``
-output is saveable under ``dots_saveable``, a kernel's output is not.
-
-Splitting (:func:`split_fwd`). When ``fwd`` is JAX code, a remat policy can save some of the values it
-computes and not others, exactly as ``jax.checkpoint`` would if ``fwd`` were
-inlined into its body. :func:`plan_split` asks JAX's own partial evaluator
-to split ``fwd``'s jaxpr that way and decides whether the split is worth it:
-
-* the forward pass runs the part of ``fwd`` that produces the primal outputs
-  and the saved values (``known``);
-* the backward region rebuilds ``fwd``'s residuals (and the primal outputs,
-  which then follow the policy like any other value) from the saved values
-  and the call's inputs (``staged``), and runs ``bwd`` on them.
-
-The split is refused (and the whole call recomputed: ``f`` forward, ``fwd``
-or ``fwd_bwd`` backward) when it saves nothing that ``fwd`` computes, when an
-opaque kernel would run in both passes (saving only some outputs of a kernel
-still needs the kernel again), or when what runs in both passes is estimated
-to cost more than ``f``, which the whole recomputation runs instead.
-"""
+The policy is asked about the call's own ``smartvjp_jvp`` equation and, for
+each residual ``fwd`` computes, about the equation producing it (through
+``checkpoint_name``), as if ``fwd`` were inlined. A split (JAX's partial
+evaluator on ``fwd``'s jaxpr) is refused where it saves nothing computed,
+an opaque kernel would run twice, or it costs more than ``f``."""
 
 from __future__ import annotations
 
@@ -43,10 +21,8 @@ from smartvjp import _plan
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-  """``known``: a spec for ``smartvjp_fwd``, ``[*fwd_consts, *primals] ->
-  [*primal_outs, *saved]``; ``staged``: a spec for ``smartvjp_jvp`` whose
-  ``fwd`` is ``[*saved, *fwd_consts, *primals] -> [*primal_outs, *new_res]``
-  (the saved values are its leading constants)."""
+  """``known``: ``[*fwd_consts, *primals] -> [*primal_outs, *saved]``;
+  ``staged``: ``fwd`` from ``[*saved, *fwd_consts, *primals]``."""
   known: object
   staged: object
   # per saved value, the primal output it is (saved as itself), or None
@@ -54,7 +30,6 @@ class Split:
 
 
 def split_fwd(saveable, call, fwd) -> Split | None:
-  """The split of ``fwd`` by ``saveable``, or ``None`` to recompute whole."""
   if fwd is None or fwd.jaxpr is None or not fwd.num_new_res:
     return None
   jaxpr = fwd.jaxpr.jaxpr
@@ -93,11 +68,8 @@ def split_fwd(saveable, call, fwd) -> Split | None:
 
 
 def _an_input(v, jaxpr) -> bool:
-  """``v`` is one of ``jaxpr``'s inputs passed through ``jit``s that return
-  it unchanged (``jnp.atleast_2d`` of a matrix): JAX's partial evaluator
-  keeps such a value as a residual when a ``while_loop`` reads it (a loop's
-  inputs are residuals whatever the policy), but saving it keeps nothing
-  ``fwd`` computed."""
+  """``v`` is an input passed through ``jit``s unchanged: saving it keeps
+  nothing ``fwd`` computed (a ``while_loop`` makes its inputs residuals)."""
   producers = {o: e for e in jaxpr.eqns for o in e.outvars}
   inputs = set(jaxpr.invars)
   while v not in inputs:
@@ -113,11 +85,9 @@ def _an_input(v, jaxpr) -> bool:
 
 
 def _without_saved_outputs(staged, n_out, saved):
-  """``(staged, fillers)``: a primal output that the policy saves is read
-  from the forward pass,
-  not from the backward region: its place among the staged outputs gets a
-  zero array (unused, so XLA drops it) instead of the saved value, so that
-  the backward region does not keep it alive for nothing."""
+  """A primal output the policy saves is read from the forward pass: its
+  staged place gets a zero array (unused, dropped by XLA); returns
+  ``(staged, fillers)``."""
   outvars, eqns = list(staged.outvars), list(staged.eqns)
   fillers = 0
   for i in range(n_out):
@@ -131,9 +101,8 @@ def _without_saved_outputs(staged, n_out, saved):
 
 
 def _worth_it(known, staged, call) -> bool:
-  """True when what runs in both passes has no opaque kernel and costs no
-  more than ``f`` (the alternative runs ``f`` forward and all of ``fwd``
-  backward, so the split costs ``fwd + twice``, recomputation ``fwd + f``)."""
+  """What runs in both passes has no opaque kernel and costs no more than
+  ``f`` (the recompute's alternative)."""
   produced = {v for e in known.eqns for v in e.outvars}
   twice = [e for e in staged.eqns if any(v in produced for v in e.outvars)]
   if any(is_opaque(e) for e in twice):
@@ -151,9 +120,7 @@ def _sub_jaxprs(eqn):
 
 
 def is_opaque(eqn) -> bool:
-  """One equation producing several values that JAX cannot look into (a
-  ``pallas_call``, a custom call, a callback): part of its outputs costs the
-  whole kernel."""
+  """Several outputs JAX cannot look into: part of them costs the whole kernel."""
   return (eqn.primitive.multiple_results and len(eqn.outvars) > 1
           and not any(True for _ in _sub_jaxprs(eqn)))
 
@@ -163,9 +130,7 @@ def _size(aval) -> int:
 
 
 def cost(eqns) -> float:
-  """A rough operation count: matrix products by their multiply-adds, loops
-  by their trip count, other operations by their output size, an opaque
-  kernel as unbounded."""
+  """A rough operation count; an opaque kernel is unbounded."""
   total = 0.0
   for e in eqns:
     subs = list(_sub_jaxprs(e))
@@ -188,30 +153,24 @@ def cost(eqns) -> float:
 # -- facts and answers --------------------------------------------------------------
 
 def uses_references(call) -> bool:
-  """References are involved: an input, or an effect on one, whose position
-  follows ``f``'s own inputs (so the call is kept whole wherever it goes)."""
   return ((call.jaxpr is not None and jx.has_input_effects(call.jaxpr))
           or any(jx.is_ref_aval(a) for a in call.in_avals))
 
 
 def has_effects(call, fwd) -> bool:
-  """``f`` or ``fwd`` (traced) has effects that JAX would not remove (a
-  debug print, a reference written)."""
   return ((call.jaxpr is not None and jx.effects_keep_alive(call.jaxpr.effects))
           or (fwd is not None and fwd.jaxpr is not None
               and jx.effects_keep_alive(fwd.jaxpr.effects)))
 
 
 def f_matches_fwd(call, fwd) -> bool:
-  """``f``'s primal outputs have ``fwd``'s full types."""
   return fwd is None or not fwd.out_avals or all(
       jx.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
 
 
 def passed_through(fwd):
-  """For a ``fwd`` each of whose computed residuals is one of its inputs
-  (through ``checkpoint_name`` at most: the backward side of a split whose
-  residuals were all saved), the input position of each; else ``None``."""
+  """The input position of each computed residual of a ``fwd`` that only
+  passes inputs through (``checkpoint_name`` at most), else ``None``."""
   jaxpr = fwd.jaxpr.jaxpr
   named = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
            if jx.checkpoint_name_of(e.primitive, e.params) is not None}
@@ -227,8 +186,7 @@ def passed_through(fwd):
 
 
 def facts_of(call, fwd) -> _plan.Facts:
-  """The facts of a call whose ``fwd`` is ``fwd`` (``None`` without one),
-  computed once and kept on ``fwd`` (on the call without one)."""
+  """Computed once and kept on ``fwd`` (on the call without one)."""
   holder = call if fwd is None else fwd
   kept = holder.__dict__.get("_facts")
   if kept is None or kept[0] is not call:
@@ -238,8 +196,6 @@ def facts_of(call, fwd) -> _plan.Facts:
 
 
 def facts(call, fwd) -> _plan.Facts:
-  """The facts of a call whose ``fwd`` is ``fwd`` (``None`` without one);
-  :func:`facts_of` keeps them."""
   traced = fwd is not None and fwd.jaxpr is not None
   return _plan.Facts(
       has_fwd=call.rules.fwd is not None,
@@ -261,16 +217,11 @@ def facts(call, fwd) -> _plan.Facts:
 
 
 def schedule_without_policy(call, fwd) -> _plan.Schedule:
-  """The schedule of a call no remat policy has been asked about yet (a
-  ``smartvjp_jvp`` as ``jax.jvp`` or ``jax.checkpoint``'s JVP binds it):
-  ``fwd`` then ``bwd``, or ``f`` then ``fwd_bwd`` where it is the only
-  rule."""
   return _plan.plan(facts_of(call, fwd), None).schedule
 
 
 def named_policy(policy):
-  """``policy`` asked about a remat3 ``checkpoint_name`` (a high-level
-  primitive) as about JAX's ``name_p`` equation, as the default path asks."""
+  """A remat3 ``checkpoint_name`` asked about as JAX's ``name_p``."""
   def asked(prim, *avals, **params):
     name = jx.checkpoint_name_of(prim, params)
     if name is not None and prim is not jx.name_p:
@@ -289,12 +240,8 @@ def _asked(policy, prim, avals, params) -> _plan.Asked:
 
 
 def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers:
-  """The policy's answers for a call: asked about its ``smartvjp_jvp``
-  equation (``jvp_prim`` over ``jvp_avals`` with ``jvp_params``), then for
-  each residual ``fwd`` computes about its producers (see the module); the
-  split is left to :func:`split`, where the plan asks for it. ``policy``
-  ``None`` (a plain ``jax.checkpoint`` under remat3) recomputes
-  everything; so does a call without ``fwd`` (only ``fwd_bwd`` given)."""
+  """``policy`` ``None`` (remat3's plain checkpoint) or no ``fwd``:
+  recompute everything; the split is asked for later (:func:`split`)."""
   if fwd is None:
     return _plan.Answers(_plan.RECOMPUTE)
   if policy is None:
@@ -314,16 +261,11 @@ def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers
 
 
 def split(policy, call, fwd) -> Split | None:
-  """The split of ``fwd`` by ``policy`` (asked as :func:`answers` asks it)
-  when one is worth doing."""
   return split_fwd(named_policy(policy), call, fwd)
 
 
 def producers(v, producers_of) -> tuple:
-  """The equations a policy is asked about for the value ``v`` of a traced
-  ``fwd``: its producer and, through ``checkpoint_name`` equations, the
-  named value's producer (``producers_of`` maps a variable to the equation
-  producing it)."""
+  """A value's producer and, through ``checkpoint_name``, the named value's."""
   chain = []
   while type(v) is jx.Var and v in producers_of:
     eqn = producers_of[v]

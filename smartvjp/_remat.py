@@ -183,7 +183,6 @@ def _call_remat3(ctx, *in_vals, call):
 
 
 def _rebuilding(split):
-  """The rest of a split ``fwd``, a saved primal output read, not rebuilt."""
   staged = split.staged
   jaxpr = staged.jaxpr.jaxpr
   outvars = list(jaxpr.outvars)
@@ -257,8 +256,7 @@ replace_rule(jvp_p, "dce", _jvp_dce)
 
 
 def _call_dce(used_outputs, eqn):
-  """Per output, as JAX prunes ``jax.custom_vjp``'s ``f`` (every input
-  kept)."""
+  """Per output, as JAX prunes ``jax.custom_vjp``'s ``f``."""
   if all(used_outputs) or not any(used_outputs):
     return dce_whole(used_outputs, eqn)
   kept = tuple(i for i, u in enumerate(used_outputs) if u)

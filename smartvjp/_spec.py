@@ -1,11 +1,7 @@
-"""Traced forms of the user's rules, one per abstract signature.
-
-A :class:`CallSpec` is what the primitives carry as a parameter: ``f`` traced
-to a jaxpr for one abstract signature, plus the user's ``fwd``/``bwd``/
-``fwd_bwd`` callables. ``fwd`` is traced lazily, the first time
-differentiation needs it, into a :class:`FwdSpec`. Both are compared by
-identity, so equations that share a spec share compiled code.
-"""
+"""Traced forms of the user's rules: :class:`CallSpec` (``f`` for one
+abstract signature, with the rules; the primitives' ``call`` param) and
+:class:`FwdSpec` (``fwd`` traced lazily per perturbation pattern). Both
+compare by identity, so equations sharing a spec share compiled code."""
 
 from __future__ import annotations
 
@@ -29,7 +25,6 @@ from smartvjp._policy import producers as policy_producers
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Rules:
-  """The user's functions for one ``smart_custom_vjp`` after ``defvjp``."""
   fun: Callable
   fwd: Callable | None
   bwd: Callable | None
@@ -58,10 +53,8 @@ class Rules:
 
 @dataclasses.dataclass(frozen=True)
 class StaticResidual:
-  """A residual leaf that is a Python scalar (an int such as a shape, a
-  float, a bool such as equinox's ``perturbed`` flags): it reaches ``bwd`` as
-  the value ``fwd`` returned, never as a traced array, as with
-  ``jax.custom_vjp`` (where such values become literals of the jaxpr)."""
+  """A Python scalar residual: it reaches ``bwd`` as ``fwd`` returned it, as
+  with ``jax.custom_vjp``."""
   value: Any
 
 
@@ -73,16 +66,10 @@ def is_static_residual(leaf) -> bool:
 @jx.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class FwdSpec:
-  """``fwd`` traced for one perturbation pattern.
-
-  ``jaxpr`` maps ``[*consts, *primals]`` to ``[*primal_outs, *new_res]``,
-  where ``new_res`` are the residual leaves that ``fwd`` computes.
-  ``res_src[i]`` says where residual leaf ``i`` comes from: the position in
-  ``[*consts, *primals]`` that it forwards, ``None`` when it is the next of
-  ``new_res``, or a :class:`StaticResidual`. The residuals that the
-  linear primitive carries (``res_avals``) are all but the static ones.
-  ``jaxpr`` is ``None`` for a ``fwd`` that ran eagerly (see ``eager_fwd``).
-  """
+  """``jaxpr``: ``[*consts, *primals] -> [*primal_outs, *new_res]``
+  (``None`` where ``fwd`` ran eagerly). ``res_src[i]``: the input position
+  residual leaf ``i`` forwards, ``None`` for the next of ``new_res``, or a
+  :class:`StaticResidual`."""
   jaxpr: jx.ClosedJaxpr | None
   num_consts: int
   res_tree: Any
@@ -114,8 +101,6 @@ class FwdSpec:
     return len(self.new_res_names)
 
   def assemble_residuals(self, fwd_inputs, new_res):
-    """The residual leaves the linear primitive carries, in ``res_tree``
-    order (static ones left out)."""
     it = iter(new_res)
     res = [fwd_inputs[s] if type(s) is int else next(it)
            for s in self.res_src if type(s) is not StaticResidual]
@@ -123,8 +108,6 @@ class FwdSpec:
     return res
 
   def residual_tree(self, residuals):
-    """``fwd``'s residual pytree from the carried leaves (statics put back;
-    the primals carried for a forward rule left out)."""
     residuals = list(residuals)
     k = self.jvp_primals
     it = iter(residuals[:len(residuals) - k])
@@ -135,11 +118,8 @@ class FwdSpec:
     return tree_util.tree_unflatten(self.res_tree, leaves)
 
   def computing_only(self, kept) -> "FwdSpec":
-    """For ``fwd``'s own equation after dead-code elimination: ``fwd``
-    computing its primal outputs and only the new residuals ``kept`` marks
-    (what a traced ``bwd`` reads), every input kept, as JAX prunes the
-    inlined ``fwd`` of a ``jax.custom_vjp``. Residual leaves left out become
-    ``StaticResidual(None)``: no rule reads them."""
+    """``fwd`` computing only the new residuals ``kept`` marks (as JAX prunes
+    an inlined ``fwd``); those left out become ``StaticResidual(None)``."""
     kept = list(kept)
     n_out = len(self.jaxpr.out_avals) - self.num_new_res
     jaxpr = jx.dce_jaxpr_keep_inputs(self.jaxpr, [True] * n_out + kept)
@@ -162,16 +142,12 @@ class FwdSpec:
         new_res_eqns=pick(self.new_res_eqns) if self.new_res_eqns else ())
 
   def shifted(self, jaxpr, shift: int) -> "FwdSpec":
-    """The same residuals for a jaxpr with ``shift`` more leading inputs."""
     return dataclasses.replace(
         self, jaxpr=jaxpr, num_consts=self.num_consts + shift,
         res_src=tuple(s + shift if type(s) is int else s
                       for s in self.res_src))
 
   def reading_saved(self, jaxpr, num_saved: int) -> "FwdSpec":
-    """The backward side of this ``fwd``: ``jaxpr`` rebuilds what it
-    returns from ``num_saved`` values the forward pass saved, its leading
-    inputs (:attr:`reads_saved`)."""
     return dataclasses.replace(self.shifted(jaxpr, num_saved),
                                reads_saved=True)
 
@@ -179,12 +155,8 @@ class FwdSpec:
 @jx.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class CallSpec:
-  """``f`` traced for one abstract signature, with the user's rules.
-
-  ``jaxpr`` maps ``[*consts, *primals]`` to the flat primal outputs; the
-  primals are the leaves of the differentiable arguments (``in_tree`` is the
-  tree of their tuple) and ``nondiff`` holds the static arguments.
-  """
+  """``jaxpr``: ``[*consts, *primals] -> outs``; the primals are the leaves
+  of the differentiable arguments (their tuple's tree: ``in_tree``)."""
   rules: Rules
   nondiff: tuple
   num_args: int
@@ -229,7 +201,6 @@ class CallSpec:
 
   @property
   def out_nz(self) -> tuple[bool, ...]:
-    """Which outputs carry tangents (integer outputs have float0 tangents)."""
     return tuple(_has_tangent(a) for a in self.out_avals)
 
   @property
@@ -237,7 +208,6 @@ class CallSpec:
     return tuple(_has_tangent(a) for a in self.in_avals)
 
   def full_args(self, dyn_leaves) -> list:
-    """Positional arguments for ``fwd``/``fwd_bwd``: nondiff ones in place."""
     dyn = iter(tree_util.tree_unflatten(self.in_tree, list(dyn_leaves)))
     nondiff = dict(zip(self.rules.nondiff_argnums, self.nondiff))
     return [nondiff[i] if i in nondiff else next(dyn)
@@ -249,15 +219,11 @@ class CallSpec:
     return list(primals)
 
   def with_rules(self, rules: Rules) -> "CallSpec":
-    """The same traced ``f`` with other rules (``defremat``'s, checked ones)."""
     return dataclasses.replace(self, rules=rules, fwd_cache=TraceLocalCache(),
                                batch_cache=TraceLocalCache(),
                                rule_cache=TraceLocalCache())
 
   def split_jvp_args(self, args, fwd) -> tuple[list, list, list, list]:
-    """``[*f_consts, *fwd_consts, *primals, *nz_tangents]`` (the inputs of
-    ``smartvjp_jvp``) as four lists; ``fwd_consts`` is empty without
-    ``fwd``."""
     n1 = self.num_consts
     n2 = n1 + (fwd.num_consts if fwd is not None else 0)
     n3 = n2 + self.num_primals
@@ -265,7 +231,6 @@ class CallSpec:
         list(args[n3:])
 
   def expand_tangents(self, nz_outs) -> list:
-    """One tangent per output: the nonzero ones given, ``Zero`` elsewhere."""
     it = iter(nz_outs)
     outs = [next(it) if nz else jx.Zero(a.to_tangent_aval())
             for a, nz in zip(self.out_avals, self.out_nz)]
@@ -273,7 +238,6 @@ class CallSpec:
     return outs
 
   def fwd_for(self, in_nz) -> tuple[FwdSpec | None, list]:
-    """``fwd`` traced for this perturbation pattern: ``(spec, consts)``."""
     if self.rules.fwd is None:
       return None, []
     key = tuple(in_nz) if self.rules.symbolic_zeros else None
@@ -286,10 +250,8 @@ class CallSpec:
 
 
 def pruned(call: CallSpec, kept: tuple) -> CallSpec:
-  """``call`` keeping only outputs ``kept`` (indices into its outputs): its
-  jaxpr computes only those (so ``f(x, y)[0]`` does no work for output 1),
-  while differentiating or batching it goes through the whole call and its
-  rules, then selects (``full``/``kept``)."""
+  """``call`` keeping only outputs ``kept``: its jaxpr computes only those,
+  while differentiating or batching it goes through ``full`` and selects."""
   base = call.full if call.full is not None else call
   base_kept = (tuple(call.kept[i] for i in kept) if call.kept is not None
                else tuple(kept))
@@ -305,10 +267,7 @@ def pruned(call: CallSpec, kept: tuple) -> CallSpec:
 @dataclasses.dataclass(eq=False)
 class Unprocessed:
   """A call as ``smart_custom_vjp.__call__`` binds it, before the current
-  trace has processed it (``_process.py``): the rules, the nondiff values,
-  the number of positional arguments, the tree and types of the
-  differentiable leaves, and the owner's cache of traced rules.
-  ``out_tree``: ``f``'s output tree, set by the processing."""
+  trace processes it (``_process.py``)."""
   rules: Rules
   nondiff: tuple
   num_args: int
@@ -324,8 +283,6 @@ class Unprocessed:
 
 
 def remat_call(call: CallSpec) -> CallSpec | None:
-  """``call`` with its ``defremat`` rules in place of its ``defvjp`` ones
-  (the same traced ``f``), or ``None`` when it has none; cached on it."""
   if call.rules.remat is None:
     return None
   hit = call.batch_cache.get(("defremat",))
@@ -336,7 +293,6 @@ def remat_call(call: CallSpec) -> CallSpec | None:
 
 
 def select_outputs(call: CallSpec, outs) -> list:
-  """The outputs of ``call.full`` that the pruned ``call`` has."""
   return [outs[i] for i in call.kept]
 
 
@@ -349,7 +305,6 @@ def _has_tangent(aval) -> bool:
 
 def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
                in_avals: tuple) -> tuple[CallSpec, list]:
-  """Traces ``f`` for one abstract signature."""
   store = {}
   nondiff_map = dict(zip(rules.nondiff_argnums, nondiff))
 
@@ -377,8 +332,6 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
 
 def _call_fwd(call: CallSpec, in_nz, primals, pair=None):
-  """Calls the user's ``fwd`` (unless ``pair`` is what it returned); checks
-  it; returns ``(outs, res, res_tree)``."""
   rules = call.rules
   if pair is None:
     check_aliased_refs(call, primals)
@@ -399,16 +352,14 @@ def _call_fwd(call: CallSpec, in_nz, primals, pair=None):
 
 
 class EagerClosureError(Exception):
-  """fwd (or f) returned a tracer it closed over during eager differentiation."""
+  ...
 
 
 def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
                in_avals: tuple, primals, nonzero) -> CallSpec:
-  """A call differentiated eagerly (``jax.grad`` without ``jit``, concrete
-  primal values): like ``jax.custom_vjp``, run ``fwd`` (or, given only
-  ``fwd_bwd``, ``f``) on the concrete values now, and never trace ``f``, so
-  Python control flow on values works in every rule. The result is kept in
-  the spec for the linearization rule."""
+  """Differentiated eagerly: ``fwd`` (or ``f`` with only ``fwd_bwd``) runs
+  on the concrete values now, as with ``jax.custom_vjp``; ``f`` is never
+  traced."""
   call = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
                   in_tree=in_tree, in_avals=in_avals, out_tree=None,
                   out_avals=(), jaxpr=None, num_consts=0)
@@ -439,13 +390,9 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
 def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
                     in_avals: tuple, in_nz: tuple, own_tracer) -> tuple:
-  """A call linearized where it is made (``jax.grad``/``jax.vjp`` innermost,
-  over ``jit``, ``vmap`` or another trace), as ``jax.custom_vjp`` does: only
-  ``fwd`` is traced, never ``f``, which does not run. Returns ``(spec,
-  consts)``: ``spec.fwd_only`` is ``fwd`` traced for ``in_nz``, its
-  constants (``consts``) the call's leading inputs; or ``None`` where ``f``
-  must be traced after all: ``fwd`` closes over a value this linearization
-  differentiates (``own_tracer(x)`` is true for one), or fails to trace."""
+  """Linearized where made (``jax.grad`` innermost): only ``fwd`` traced;
+  ``None`` where ``fwd`` closes over a value this linearization
+  differentiates, or fails to trace."""
   base = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
                   in_tree=in_tree, in_avals=in_avals, out_tree=None,
                   out_avals=(), jaxpr=None, num_consts=0)
@@ -461,7 +408,6 @@ def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
 
 def eager_f(call: CallSpec, primals) -> list:
-  """``f`` called on concrete values (flat outputs)."""
   with jax.named_scope(f"smartvjp/{call.name}/f"):
     out = call.rules.fun(*call.full_args(primals))
   check_f_output(call.rules, out)
@@ -469,12 +415,7 @@ def eager_f(call: CallSpec, primals) -> list:
 
 
 def eager_fwd(call: CallSpec, in_nz, primals, pair=None):
-  """``fwd`` called on concrete values, as ``jax.custom_vjp`` does eagerly
-  (or ``pair``, what it already returned, checked).
-
-  Returns ``(primal_outs, residuals, spec)``; ``spec`` has no jaxpr and
-  describes the residuals for ``bwd``.
-  """
+  """``(primal_outs, residuals, spec)``; ``spec`` has no jaxpr."""
   with jax.named_scope(f"smartvjp/{call.name}/fwd"):
     outs, out_tree, res, res_tree = _call_fwd(call, tuple(in_nz), primals,
                                               pair)

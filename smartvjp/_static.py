@@ -1,11 +1,6 @@
-"""Cache keys for static (nondiff) values.
-
-Python's ``==`` conflates values that trace differently (``True == 1 == 1.0``,
-``0.0 == -0.0``, a dataclass of either), so a key is built from types and
-values for the builtin scalars and tuples, and from identity for any other
-hashable object (kept alive by the cache entry that holds it). Unhashable
-values get no key: they may be mutated, so they are traced at every call.
-"""
+"""Cache keys for nondiff values: ``==`` conflates values that trace
+differently (``True == 1 == 1.0``, ``0.0 == -0.0``), so builtins key by type
+and value, other hashables by identity; unhashable ones get no key."""
 
 from __future__ import annotations
 
@@ -16,8 +11,6 @@ _SCALARS = (type(None), bool, int, str, bytes, complex)
 
 
 def static_key(v: Any):
-  """A hashable key that equals another only for interchangeable values, or
-  ``None`` when ``v`` is unhashable."""
   try:
     hash(v)
   except TypeError:

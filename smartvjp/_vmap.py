@@ -1,14 +1,8 @@
-"""What the batching rules of smartvjp's primitives share: the user's rules
-under ``jax.vmap``.
-
-A batched call is a new smartvjp call whose rules are the user's rules under
-``vmap``, as ``jax.custom_vjp`` batches its rules: ``f`` and ``fwd`` map
-every output to axis 0; ``bwd`` and ``fwd_bwd`` run under ``vmap`` and the
-cotangent of an argument that was not batched is summed over the batch. The
-rules run as part of the vmap being batched (its trace tag), so values they
-close over from that vmap are batched too. A traced ``fwd`` is batched by
-batching its jaxpr, which keeps its output layout.
-"""
+"""The user's rules under ``jax.vmap``, as ``jax.custom_vjp`` batches
+them: ``f`` and ``fwd`` map every output to axis 0 (a residual ``fwd``
+leaves unmapped stays so); ``bwd`` and ``fwd_bwd`` run under ``vmap`` and
+an unbatched argument's cotangent is summed. They run as part of the vmap
+being batched (its trace tag), so values closed over from it are batched."""
 
 from __future__ import annotations
 
@@ -27,11 +21,8 @@ from smartvjp._spec import (
     CallSpec, Rules, is_static_residual, remat_call, trace_call)
 
 def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None, may_stay=None):
-  """``jax.vmap(fn, in_axes)`` over ``axis_data`` (every output at axis 0);
-  with the trace ``tag`` of the vmap being batched, as part of that vmap.
-  ``report``, if given, receives which output leaves ``fn`` mapped.
-  ``may_stay(i)``: output leaf ``i`` that ``fn`` leaves unmapped stays
-  unmapped (as ``jax.custom_vjp`` leaves a residual ``fwd`` does not map)."""
+  """``report`` receives which output leaves ``fn`` mapped; ``may_stay(i)``:
+  an unmapped output leaf ``i`` stays unmapped."""
   if report is not None:
     fn = _reporting(fn, report)
   size, name, spmd_name, _ = jx.vmap_axis(axis_data)
@@ -62,7 +53,6 @@ def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None, may_stay=None):
 
 
 def _reporting(fn, report):
-  """``fn`` that passes ``report`` which of its output leaves are mapped."""
   def run(*args):
     out = fn(*args)
     report([jx.is_mapped_here(x) for x in tree_util.tree_leaves(out)])
@@ -71,7 +61,6 @@ def _reporting(fn, report):
 
 
 def _flat_axes(in_axes, args):
-  """One axis per leaf of ``args`` from the prefix tree ``in_axes``."""
   out = []
   tree_util.tree_map(
       lambda ax, sub: out.extend([ax] * len(tree_util.tree_leaves(sub))),
@@ -94,7 +83,6 @@ def _sum_unbatched(cts, in_dims):
 
 
 def _split_symbolic(g_leaves):
-  """Array leaves to map over, and a function rebuilding the full leaves."""
   zeros = [type(g) is jx.SymbolicZero for g in g_leaves]
   arrays = [g for g, z in zip(g_leaves, zeros) if not z]
   unbatched = [jx.SymbolicZero(jx.mapped_aval(g.aval.shape[0], 0, g.aval))
@@ -114,11 +102,8 @@ def _fwd_values(rules, leaves, n):
 
 def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
                   res_mapped=None):
-  """The user's rules under vmap, over flat leaves (batched ones at axis 0);
-  every output is batched (per-example values and cotangents), except the
-  residuals ``fwd`` does not map, which stay unmapped, as ``jax.custom_vjp``
-  keeps them, and reach ``bwd`` unmapped (``res_mapped``: which residual
-  leaves ``bwd`` is given mapped, where no ``fwd`` of these rules ran)."""
+  """``res_mapped``: which residual leaves ``bwd`` gets mapped, where no
+  ``fwd`` of these rules ran."""
   rules = call.rules
   n = call.num_primals
   tag = batching_tag(axis_data)
@@ -135,7 +120,6 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
     seen["res"] = tuple(mapped[k:])
 
   def out_tree():
-    """``f``'s output tree (``fwd``'s, where ``f`` was not traced)."""
     return call.out_tree if call.out_tree is not None else seen["out_tree"]
 
   def fun(*leaves):
@@ -223,9 +207,8 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
 
 
 def jvp_rule_over_tangents(call, num_tangents, axis_data):
-  """``call``'s forward rule under ``vmap`` with only its tangents mapped
-  (at 0), its primals not (``jax.jacfwd``): a rule whose primal part sees
-  one example, so a kernel inside it may serve the whole batch."""
+  """The forward rule with only its tangents mapped (``jax.jacfwd``), so a
+  kernel in its primal part serves the whole batch."""
   tag = batching_tag(axis_data)
   return BatchedJvpRule(
       call.rules.jvp, call, (None,) * call.num_primals,
@@ -244,7 +227,6 @@ def tuple_tree(n):
 
 
 def batched_call(call, consts, const_dims, in_dims, axis_data):
-  """``(batched CallSpec, its consts)``; ``in_dims`` are 0 or None."""
   key = (tuple(const_dims), tuple(in_dims), axis_data)
   hit = call.batch_cache.get(key)
   if hit is not None:
@@ -258,8 +240,6 @@ def batched_call(call, consts, const_dims, in_dims, axis_data):
 
 
 def linear_only_call(call, in_dims, axis_data, res_mapped=None):
-  """A batched CallSpec for the linear primitive: rules only, no ``f``
-  (``res_mapped``: which residual leaves its ``bwd`` gets mapped)."""
   key = ("linear", tuple(in_dims), axis_data,
          None if res_mapped is None else tuple(res_mapped))
   hit = call.batch_cache.get(key)
@@ -278,9 +258,6 @@ def linear_only_call(call, in_dims, axis_data, res_mapped=None):
 
 
 def batched_fwd(call, fwd, axis_data, dims, out_dims):
-  """``(bfwd, extra, out_batched)``: ``fwd``'s jaxpr batched (inputs at
-  ``dims``, outputs as ``out_dims`` asks), its new constants ``extra`` as
-  leading inputs, and its primal output types the batched ones."""
   batched, out_batched = jx.batch_jaxpr_axes(fwd.jaxpr, axis_data, dims,
                                              out_dims)
   extra = list(batched.consts)
@@ -293,8 +270,6 @@ def batched_fwd(call, fwd, axis_data, dims, out_dims):
 
 
 def batched_jaxpr(jaxpr, axis_data, dims):
-  """``(jaxpr batched with new constants as leading inputs, constants,
-  out_batched)`` for a traced rule, each output mapped where it must be."""
   n_out = len(jaxpr.out_avals)
   batched, out_batched = jx.batch_jaxpr_axes(
       jaxpr, axis_data, dims, [jx.zero_if_mapped] * n_out)
@@ -303,13 +278,11 @@ def batched_jaxpr(jaxpr, axis_data, dims):
 
 
 def front(axis_data, x, d):
-  """``x`` with its mapped axis ``d`` at 0 (``None``: a new axis 0)."""
   size, _, _, mesh_axis = jx.vmap_axis(axis_data)
   return jx.bdim_at_front(x, d, size, mesh_axis)
 
 
 def to_front_or_none(axis_data, xs, dims):
-  """Mapped values to axis 0; ``"broadcast"`` ones get a new axis 0."""
   return ([x if d is None else
            front(axis_data, x, None if d == "broadcast" else d)
            for x, d in zip(xs, dims)],
@@ -317,9 +290,8 @@ def to_front_or_none(axis_data, xs, dims):
 
 
 def unbatched(axis_data, dims, effects) -> bool:
-  """No input is mapped and the rule names no collective over the mapped
-  axis: the primitive can run once, outside the vmap (a ``psum`` over the
-  axis must see the axis even when its operand is not mapped)."""
+  """No input is mapped and no collective names the axis (a ``psum`` must
+  see the axis even on an unmapped operand)."""
   _, name, _, _ = jx.vmap_axis(axis_data)
   return (all(d is None for d in dims)
           and not jx.uses_axis_name(effects, name))
