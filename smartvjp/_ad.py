@@ -48,8 +48,7 @@ def _classify(call, nonzeros) -> str:
   """``"args"``, ``"closure"`` (only closed-over values move) or ``"none"``;
   raises when both move."""
   const_nz = any(nonzeros[:call.num_consts])
-  arg_nz = any(nz and possible for nz, possible in
-               zip(nonzeros[call.num_consts:], call.in_nz_possible))
+  arg_nz = any(_in_nz(call, nonzeros))
   if const_nz and arg_nz:
     raise closure_error(call,
                         where_made=made_where_differentiated.get() is call)
@@ -57,8 +56,7 @@ def _classify(call, nonzeros) -> str:
 
 
 def _in_nz(call, nonzeros) -> tuple:
-  return tuple(nz and possible for nz, possible in
-               zip(nonzeros[call.num_consts:], call.in_nz_possible))
+  return call.perturbed(nonzeros[call.num_consts:])
 
 
 # -- smartvjp_call: JVP (jax.checkpoint, jax.jvp) ------------------------------------
@@ -332,8 +330,7 @@ def _rem_jvp(primals, tangents, *, call, fwd, schedule):
   it under remat3, except where remat3 perturbs every input (``_versions``)."""
   n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
   f_consts, fwd_consts, args = primals[:n1], primals[n1:n2], primals[n2:]
-  in_nz = tuple(type(t) is not jx.Zero and possible
-                for t, possible in zip(tangents[n2:], call.in_nz_possible))
+  in_nz = call.perturbed([type(t) is not jx.Zero for t in tangents[n2:]])
   if (any(type(t) is not jx.Zero for t in tangents[:n1])
       and not _versions.REMAT3_PERTURBS_EVERY_INPUT):
     raise closure_error(call, "inside jax.checkpoint under JAX's jax_remat3 "

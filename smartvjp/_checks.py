@@ -24,8 +24,14 @@ from smartvjp import _facade as jx
 # the user's source line.
 jx.hide_frames_under(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
-_ROLE = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd",
-         "jvp": "jvp"}
+# the user's rule each role names (the role "fun" is f)
+ROLE_NAMES = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd",
+              "jvp": "jvp"}
+
+
+def scope(call, role: str) -> str:
+  """The named scope of a user's rule in jaxprs and HLO."""
+  return f"smartvjp/{call.name}/{ROLE_NAMES.get(role, role)}"
 
 
 def function_name(fn) -> str:
@@ -50,10 +56,10 @@ def rule_error(exc_type, rules, which: str, message: str) -> Exception:
   fn_name = rules.rule_name(which)
   where = (f"smart_custom_vjp function {rules.name}"
            if which == "fun" else
-           f"the {_ROLE[which]} rule {fn_name} of smart_custom_vjp function "
+           f"the {ROLE_NAMES[which]} rule {fn_name} of smart_custom_vjp function "
            f"{rules.name}")
   loc = function_location(getattr(rules, which, None))
-  at = "" if loc is None else f" ({_ROLE[which]} is defined at {loc})"
+  at = "" if loc is None else f" ({ROLE_NAMES[which]} is defined at {loc})"
   return exc_type(f"{where} {message}{at}")
 
 

@@ -13,6 +13,7 @@ from jax import tree_util
 
 from smartvjp import _cache
 from smartvjp import _facade as jx
+from smartvjp._checks import ROLE_NAMES, scope
 
 _SmartPrimitive = jx.new_primitive_class(_cache.batching)
 
@@ -37,9 +38,6 @@ _KINDS = {
     "remat3": jx.register_remat3,
     "to_lojax": jx.register_to_lojax,
 }
-
-# the user's rule each role names, and how an error or a scope calls it
-ROLE_NAMES = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +67,6 @@ def live_code(c: Code):
   n = len(c.jaxpr.jaxpr.outvars)
   keep = n if c.num_outs is None else c.num_outs
   return jx.dce_jaxpr_keep_inputs(c.jaxpr, [i < keep for i in range(n)])
-
-
-def scope(call, role: str) -> str:
-  return f"smartvjp/{call.name}/{ROLE_NAMES.get(role, role)}"
 
 
 def eval_scoped(jaxpr, scope_name: str, args) -> list:

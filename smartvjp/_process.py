@@ -93,7 +93,7 @@ def _linearized(call, trace, primals, nonzero):
       return None    # a rule closes over a tracer: trace f to find it
   if rules.fwd is None or any(jx.is_ref_aval(a) for a in avals):
     return None
-  in_nz = _perturbed(nonzero, avals)
+  in_nz = _spec.perturbed(nonzero, avals)
   if not any(in_nz):
     return None
   static = tuple(static_key(v) for v in nondiff)
@@ -162,7 +162,7 @@ def _linearized_batched(brules, vals, bavals, lin):
   if linearizing is None:
     return None
   _, primals, nonzero = linearizing
-  in_nz = _perturbed(nonzero, bavals)
+  in_nz = _spec.perturbed(nonzero, bavals)
   if not any(in_nz):
     return None
   hit = linearized_call(brules, (), len(vals), _vmap.tuple_tree(len(vals)),
@@ -206,13 +206,6 @@ def _linearizing(leaves):
     primals.append(x if parts is None else parts[0])
     nonzero.append(parts is not None and parts[1])
   return (trace, primals, nonzero) if any(nonzero) else None
-
-
-def _perturbed(nonzero, avals) -> tuple:
-  """Which inputs are perturbed: a nonzero tangent, on an input that can
-  carry one (integer inputs have float0 tangents)."""
-  return tuple(nz and a.to_tangent_aval().dtype != jx.float0
-               for nz, a in zip(nonzero, avals))
 
 
 def _rebuilt_args(nondiff_argnums, nondiff, in_tree, leaves, num_args):

@@ -18,7 +18,7 @@ from smartvjp._cache import TraceLocalCache
 from smartvjp._checks import (
     argument_position, check_aliased_refs, check_f_output, check_fwd_output,
     check_jax_leaves, check_primal_out, describe_tree, expect_used_up,
-    function_name, rule_error)
+    function_name, rule_error, scope)
 from smartvjp._policy import facts_of
 from smartvjp._policy import producers as policy_producers
 
@@ -205,7 +205,10 @@ class CallSpec:
 
   @property
   def in_nz_possible(self) -> tuple[bool, ...]:
-    return tuple(_has_tangent(a) for a in self.in_avals)
+    return self.perturbed((True,) * self.num_primals)
+
+  def perturbed(self, nonzero) -> tuple[bool, ...]:
+    return perturbed(nonzero, self.in_avals)
 
   def full_args(self, dyn_leaves) -> list:
     dyn = iter(tree_util.tree_unflatten(self.in_tree, list(dyn_leaves)))
@@ -296,6 +299,11 @@ def select_outputs(call: CallSpec, outs) -> list:
   return [outs[i] for i in call.kept]
 
 
+def perturbed(nonzero, avals) -> tuple[bool, ...]:
+  """Which inputs carry a tangent: nonzero and not ``float0``."""
+  return tuple(bool(nz) and _has_tangent(a) for nz, a in zip(nonzero, avals))
+
+
 def _has_tangent(aval) -> bool:
   try:
     return aval.to_tangent_aval().dtype != jx.float0
@@ -363,11 +371,10 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
   call = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
                   in_tree=in_tree, in_avals=in_avals, out_tree=None,
                   out_avals=(), jaxpr=None, num_consts=0)
-  in_nz = tuple(nz and possible for nz, possible in
-                zip(nonzero, call.in_nz_possible))
+  in_nz = call.perturbed(nonzero)
   eager_plan = _plan.plan(facts_of(call, None), None)
   if eager_plan.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
-    with jax.named_scope(f"smartvjp/{call.name}/f"):
+    with jax.named_scope(scope(call, "f")):
       out = rules.fun(*call.full_args(primals))
     check_jax_leaves(out, rules, "fun", "output")
     check_f_output(rules, out)
@@ -375,7 +382,7 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
     result = (in_nz, out_leaves, list(primals), None)
   else:
     check_aliased_refs(call, primals)
-    with jax.named_scope(f"smartvjp/{call.name}/fwd"):
+    with jax.named_scope(scope(call, "fwd")):
       pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
     out_leaves, res, fwd = eager_fwd(call, in_nz, primals, pair)
     out_tree = fwd.out_tree
@@ -408,7 +415,7 @@ def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
 
 def eager_f(call: CallSpec, primals) -> list:
-  with jax.named_scope(f"smartvjp/{call.name}/f"):
+  with jax.named_scope(scope(call, "f")):
     out = call.rules.fun(*call.full_args(primals))
   check_f_output(call.rules, out)
   return tree_util.tree_leaves(out)
@@ -416,7 +423,7 @@ def eager_f(call: CallSpec, primals) -> list:
 
 def eager_fwd(call: CallSpec, in_nz, primals, pair=None):
   """``(primal_outs, residuals, spec)``; ``spec`` has no jaxpr."""
-  with jax.named_scope(f"smartvjp/{call.name}/fwd"):
+  with jax.named_scope(scope(call, "fwd")):
     outs, out_tree, res, res_tree = _call_fwd(call, tuple(in_nz), primals,
                                               pair)
   res_src = tuple(StaticResidual(r) if is_static_residual(r) else None
