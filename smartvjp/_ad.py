@@ -24,7 +24,7 @@ from smartvjp._primitive import (
     call_p, define_evaluation, forward_role, jvp_p, lin_out_avals, lin_p,
     register, register_with_logs, rem_p, rule_jvp, rule_p,
     tangent_avals)
-from smartvjp._spec import eager_f, eager_fwd, select_outputs
+from smartvjp._spec import eager_f, eager_fwd
 
 
 def closure_error(call, where: str = "", where_made: bool = False):
@@ -62,9 +62,6 @@ def _in_nz(call, nonzeros) -> tuple:
 # -- smartvjp_call: JVP (jax.checkpoint, jax.jvp) ------------------------------------
 
 def _call_jvp(primals, tangents, *, call):
-  if call.full is not None:   # pruned by DCE: the whole call's rule, selected
-    outs, out_tangents = _call_jvp(primals, tangents, call=call.full)
-    return select_outputs(call, outs), select_outputs(call, out_tangents)
   nonzeros = [type(t) is not jx.Zero for t in tangents]
   if _classify(call, nonzeros) == "closure":   # f itself differentiated
     return rule_jvp(call_p.impl, "fun", primals, tangents, call=call,
@@ -97,11 +94,6 @@ def _linearized(call, in_nz, primal_outs, residuals, params):
 
 
 def _call_linearization(is_vjp, nonzeros, *primals_in, call):
-  if call.full is not None:   # pruned by DCE: the whole call's rule, selected
-    outs, nzs, res, linearized = _call_linearization(
-        is_vjp, nonzeros, *primals_in, call=call.full)
-    return (select_outputs(call, outs), select_outputs(call, nzs), res,
-            lambda res, *t: select_outputs(call, linearized(res, *t)))
   if call.eager is not None:   # fwd (or f) already ran on concrete values
     in_nz, primal_outs, residuals, fwd = call.eager
     return _linearized(call, in_nz, primal_outs, residuals,
@@ -166,11 +158,6 @@ def _apply_transposed(transposed, undefined, cts):
 def _call_transpose(cts, *args, call):
   """A call JAX found linear (a ``bwd`` calling another smart function on
   its cotangent, transposed by forward mode): ``f``'s code transposed."""
-  if call.full is not None:   # pruned by DCE: zero cotangents for the rest
-    full_cts = [jx.Zero(a.to_tangent_aval()) for a in call.full.out_avals]
-    for i, ct in zip(call.kept, cts):
-      full_cts[i] = ct
-    return _call_transpose(full_cts, *args, call=call.full)
   try:
     transposed, undefined = _transposed(call_p.impl, args, dict(call=call))
   except Exception as e:  # noqa: BLE001 - re-raised naming f

@@ -14,15 +14,11 @@ from smartvjp._cache import differentiated_where_made, made_where_differentiated
 from smartvjp._forward import tangents_only
 from smartvjp._primitive import (
     call_p, jvp_p, lin_p, register, rem_p, rule_p)
-from smartvjp._spec import select_outputs
 
 
 # -- smartvjp_call -------------------------------------------------------------------
 
 def _call_batching(axis_data, args, dims, *, call):
-  if call.full is not None:   # pruned by DCE: the whole call, selected
-    outs, out_dims = _call_batching(axis_data, args, dims, call=call.full)
-    return select_outputs(call, outs), select_outputs(call, out_dims)
   if _vmap.unbatched(axis_data, dims, call.jaxpr.effects):
     return call_p.bind(*args, call=call), [None] * call.num_outs
   consts, primals = args[:call.num_consts], args[call.num_consts:]

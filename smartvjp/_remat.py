@@ -30,7 +30,7 @@ from smartvjp import _policy
 from smartvjp._checks import check_fwd_output_types
 from smartvjp._primitive import (
     call_p, dce_whole, jvp_p, lin_p, register, rem_p, replace_rule, rule_p)
-from smartvjp._spec import pruned, select_outputs
+from smartvjp._spec import pruned
 
 
 @dataclasses.dataclass
@@ -149,12 +149,8 @@ def _handled(ctx, call) -> bool:
 
 
 def _call_remat3(ctx, *in_vals, call):
-  if call.full is not None and _handled(ctx, call.full):
-    outs, res, rem = _call_remat3(ctx, *in_vals, call=call.full)
-    return (select_outputs(call, outs), res,
-            lambda res, *rem_in: select_outputs(call, rem(res, *rem_in)))
   in_nz = call.in_nz_possible
-  if call.full is not None or not _handled(ctx, call) or not any(in_nz):
+  if not _handled(ctx, call) or not any(in_nz):
     return _full_remat(call_p, in_vals, dict(call=call))
   fwd, fwd_consts = call.fwd_for(in_nz)
   check_fwd_output_types(call, fwd)   # f and fwd may both run

@@ -170,10 +170,6 @@ class CallSpec:
   # and the concrete primal leaves it ran on
   eager: Any = None
   eager_primals: tuple = ()
-  # a call of which dead-code elimination kept only some outputs (see
-  # ``pruned``): the whole call, and which of its outputs this one has
-  full: Any = None
-  kept: tuple | None = None
   # a batched spec for the linear primitives (no f of its own): the call it
   # batches, whose f's output types its derivative follows
   origin: Any = None
@@ -253,18 +249,74 @@ class CallSpec:
 
 
 def pruned(call: CallSpec, kept: tuple) -> CallSpec:
-  """``call`` keeping only outputs ``kept``: its jaxpr computes only those,
-  while differentiating or batching it goes through ``full`` and selects."""
-  base = call.full if call.full is not None else call
-  base_kept = (tuple(call.kept[i] for i in kept) if call.kept is not None
-               else tuple(kept))
-  used = [i in base_kept for i in range(base.num_outs)]
-  out_avals = tuple(base.out_avals[i] for i in base_kept)
+  """``call`` keeping only outputs ``kept``, with its rules pruned to match,
+  as JAX's dead-code elimination prunes a ``jax.custom_vjp`` call."""
+  out_avals = tuple(call.out_avals[i] for i in kept)
   return dataclasses.replace(
-      base.with_rules(base.rules),
-      jaxpr=jx.dce_jaxpr_keep_inputs(base.jaxpr, used), out_avals=out_avals,
-      out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))),
-      full=base, kept=base_kept)
+      call.with_rules(_pruned_rules(call, call.rules, kept)),
+      jaxpr=jx.dce_jaxpr_keep_inputs(
+          call.jaxpr, [i in kept for i in range(call.num_outs)]),
+      out_avals=out_avals,
+      out_tree=tree_util.tree_structure(tuple(range(len(out_avals)))))
+
+
+class _Selecting:
+  """A user's rule seen through ``how``; errors still name and locate the
+  rule (``__wrapped__``)."""
+
+  def __init__(self, rule, how):
+    self.__wrapped__, self.__name__, self._how = rule, function_name(rule), how
+
+  def __call__(self, *args):
+    return self._how(self.__wrapped__, *args)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _PrunedJvp:
+  inner: Any
+  full: Any
+  kept: tuple
+
+  @property
+  def __name__(self) -> str:
+    return self.inner.__name__
+
+  @property
+  def fn(self):
+    return self.inner.fn
+
+  def run(self, call, primals, in_nz, nz_tangents):
+    del call
+    outs, touts = self.inner.run(self.full, primals, in_nz, nz_tangents)
+    touts = self.full.expand_tangents(touts)
+    return ([outs[i] for i in self.kept],
+            [touts[i] for i in self.kept if self.full.out_nz[i]])
+
+
+def _pruned_rules(full: CallSpec, rules: Rules, kept: tuple) -> Rules:
+  pick = lambda out: tuple(tree_util.tree_leaves(out)[i] for i in kept)
+
+  def pair(fwd, *args):
+    out = fwd(*args)
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+      return pick(out[0]), out[1]
+    return out   # not a pair: _call_fwd says so
+
+  def cotangents(bwd, *args):   # zeros for the outputs no longer there
+    cts = [jx.Zero(a.to_tangent_aval()) for a in full.out_avals]
+    cts = [jx.SymbolicZero(c.aval) if rules.symbolic_zeros else
+           jx.instantiate_zeros(c) for c in cts]
+    for i, c in zip(kept, args[-1]):
+      cts[i] = c
+    return bwd(*args[:-1], tree_util.tree_unflatten(full.out_tree, cts))
+
+  wrap = lambda rule, how: None if rule is None else _Selecting(rule, how)
+  return dataclasses.replace(
+      rules, fun=wrap(rules.fun, lambda f, *args: pick(f(*args))),
+      fwd=wrap(rules.fwd, pair), bwd=wrap(rules.bwd, cotangents),
+      fwd_bwd=wrap(rules.fwd_bwd, cotangents),
+      remat=rules.remat and _pruned_rules(full, rules.remat, kept),
+      jvp=rules.jvp and _PrunedJvp(rules.jvp, full, kept))
 
 
 @dataclasses.dataclass(eq=False)
@@ -293,10 +345,6 @@ def remat_call(call: CallSpec) -> CallSpec | None:
     hit = call.with_rules(call.rules.remat)
     call.batch_cache.put(("defremat",), hit)
   return hit
-
-
-def select_outputs(call: CallSpec, outs) -> list:
-  return [outs[i] for i in call.kept]
 
 
 def perturbed(nonzero, avals) -> tuple[bool, ...]:
