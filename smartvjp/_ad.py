@@ -44,30 +44,25 @@ def closure_error(call, where: str = "", where_made: bool = False):
   return jx.custom_vjp_exception(message)
 
 
-def _classify(call, nonzeros) -> str:
+def _classify(call, nonzeros, in_nz) -> str:
   """``"args"``, ``"closure"`` (only closed-over values move) or ``"none"``;
   raises when both move."""
   const_nz = any(nonzeros[:call.num_consts])
-  arg_nz = any(_in_nz(call, nonzeros))
-  if const_nz and arg_nz:
+  if const_nz and any(in_nz):
     raise closure_error(call,
                         where_made=made_where_differentiated.get() is call)
-  return "closure" if const_nz else ("args" if arg_nz else "none")
-
-
-def _in_nz(call, nonzeros) -> tuple:
-  return call.perturbed(nonzeros[call.num_consts:])
+  return "closure" if const_nz else ("args" if any(in_nz) else "none")
 
 
 # -- smartvjp_call: JVP (jax.checkpoint, jax.jvp) ------------------------------------
 
 def _call_jvp(primals, tangents, *, call):
   nonzeros = [type(t) is not jx.Zero for t in tangents]
-  if _classify(call, nonzeros) == "closure":   # f itself differentiated
+  in_nz = call.perturbed(nonzeros[call.num_consts:])
+  if _classify(call, nonzeros, in_nz) == "closure":   # f differentiated
     return rule_jvp(call_p.impl, "fun", primals, tangents, call=call,
                     what="differentiation with respect to values it closes "
                     "over")
-  in_nz = _in_nz(call, nonzeros)
   f_consts, primals = primals[:call.num_consts], primals[call.num_consts:]
   if not any(in_nz):
     return call_p.bind(*f_consts, *primals, call=call), call.expand_tangents([])
@@ -98,11 +93,12 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
     in_nz, primal_outs, residuals, fwd = call.eager
     return _linearized(call, in_nz, primal_outs, residuals,
                        ex.lin_params(call, fwd, in_nz))
-  if call.fwd_only is None and _classify(call, nonzeros) == "closure":
+  in_nz = call.perturbed(nonzeros[call.num_consts:])
+  if (call.fwd_only is None
+      and _classify(call, nonzeros, in_nz) == "closure"):
     return jx.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
                                  call=call)
   f_consts, primals = primals_in[:call.num_consts], primals_in[call.num_consts:]
-  in_nz = _in_nz(call, nonzeros)
   if not any(in_nz):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return (outs, [False] * call.num_outs, [],

@@ -40,8 +40,9 @@ class _Placed:
   plan: _plan.Plan
   fwd_consts: list
   outs: list
-  saved: list          # what the backward side reads from the forward pass
-  back: object = None  # the backward side's fwd; None: the residuals kept
+  saved: list        # what the backward side reads from the forward pass
+  back: object       # the backward side's fwd (where the jvp is staged again)
+  kept: bool         # the residuals kept: the linear map is what is staged
 
 
 def _place(emit, policy, call, fwd, in_nz, f_consts, fwd_consts, primals,
@@ -52,15 +53,15 @@ def _place(emit, policy, call, fwd, in_nz, f_consts, fwd_consts, primals,
     fwd_consts = []
   outs, kept = ex.forward(emit, call, fwd, plan, f_consts, fwd_consts,
                           primals, first)
-  placed = _Placed(call, fwd, plan, fwd_consts, outs, kept)
   if plan.kind is _plan.Kind.RECOMPUTE:
-    placed.saved, placed.back = [], fwd
-  elif plan.kind is _plan.Kind.SPLIT:
+    return _Placed(call, fwd, plan, fwd_consts, outs, [], fwd, False)
+  if plan.kind is _plan.Kind.SPLIT:
     it = iter(kept)
-    placed.saved = [next(it) if o is None else outs[o]
-                    for o in plan.split.saved_outputs]
-    placed.back = plan.split.staged
-  return placed
+    saved = [next(it) if o is None else outs[o]
+             for o in plan.split.saved_outputs]
+    return _Placed(call, fwd, plan, fwd_consts, outs, saved,
+                   plan.split.staged, False)
+  return _Placed(call, fwd, plan, fwd_consts, outs, kept, None, True)
 
 
 # -- smartvjp_jvp: policy-driven partial evaluation (jax.checkpoint) ------------------
@@ -92,23 +93,28 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
              first=eqn.outvars[:n_out])
   known = emit.eqn
   unks_out = [False] * n_out + [True] * (n_all - n_out)
-  staged = ex.Eqns(eqn)
-  if p.back is None:   # the residuals kept, the linear map staged
+  if p.kept:   # the linear map staged
     ins, params = ex.linear(p.call, p.fwd, p.plan, in_nz,
                             [*p.fwd_consts, *primals], primals, p.saved)
-    staged(lin_p, [*ins, *tangents], params, first=eqn.outvars[n_out:])
+    staged = jx.new_eqn([*ins, *tangents], eqn.outvars[n_out:], lin_p, params,
+                        set(), eqn)
     inst_out = [False] * n_out + [True] * (n_all - n_out)
   else:   # the jvp again, its fwd the whole one or the rest of a split
-    read = {o for o in (p.plan.split.saved_outputs if p.plan.split else ())
-            if o is not None}   # primal outputs read from the forward pass
-    staged(jvp_p, [*f_consts, *p.saved, *p.fwd_consts, *primals, *tangents],
-           dict(eqn.params, call=p.call, fwd=p.back,
-                schedule=p.plan.schedule),
-           first=[jx.Var(v.aval) if i in read else v
-                  for i, v in enumerate(eqn.outvars)])
+    ins = [*f_consts, *p.saved, *p.fwd_consts, *primals, *tangents]
+    params = dict(eqn.params, call=p.call, fwd=p.back,
+                  schedule=p.plan.schedule)
+    if p.plan.split is None:   # recomputed: the same equation, decided
+      staged = jx.eqn_with(eqn, invars=ins, params=params)
+      read = ()
+    else:   # a primal output the policy saves is read from the forward pass
+      read = {o for o in p.plan.split.saved_outputs if o is not None}
+      emit = ex.Eqns(eqn)
+      emit(jvp_p, ins, params, first=[jx.Var(v.aval) if i in read else v
+                                      for i, v in enumerate(eqn.outvars)])
+      staged = emit.eqn
     inst_out = [i not in read for i in range(n_all)]
-  return (known, staged.eqn, unks_out, inst_out,
-          _residuals(eqn, inst_in, staged.eqn, p.saved))
+  return (known, staged, unks_out, inst_out,
+          _residuals(eqn, inst_in, staged, p.saved))
 
 
 register(jvp_p, "partial_eval_custom", _jvp_partial_eval_custom)
@@ -165,7 +171,7 @@ def _call_remat3(ctx, *in_vals, call):
   back, saved, schedule, spaces = p.back, p.saved, p.plan.schedule, ()
   if p.plan.kind is _plan.Kind.SPLIT:
     back = _rebuilding(p.plan.split)
-  elif back is None:   # the rem side hands the kept outputs to bwd
+  elif p.kept:   # the rem side hands the kept outputs to bwd
     back = ex.passthrough(p.call, p.fwd, [jx.get_aval(x) for x in p.outs])
     saved, schedule = [*p.outs, *saved], p.plan.rem_schedule
     spaces = (None,) * p.call.num_outs + (p.plan.spaces or ())
