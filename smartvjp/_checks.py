@@ -213,24 +213,12 @@ def unjustified_invariance(jaxpr) -> list:
 
 
 def check_fwd_output_invariance(call, fwd) -> None:
-  if fwd is None or fwd.jaxpr is None:
-    return
-  outs = fwd.jaxpr.jaxpr.outvars[:call.num_outs]
-  missing = unjustified_invariance(fwd.jaxpr)[:call.num_outs]
-  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
-  for path, v, axes in zip(paths, outs, missing):
-    if axes:
-      axes = tuple(sorted(axes))
-      raise rule_error(
-          TypeError, call.rules, "fwd",
-          f"returns at output{path} a primal output of type "
-          f"{v.aval.str_short()}, invariant along the manual mesh axes "
-          f"{axes} of jax.shard_map, although it is computed from arguments "
-          "that vary along them and no collective over those axes produced "
-          "it (a jax.pure_callback result inside shard_map(check_vma=True) "
-          "is typed this way). Forward-mode differentiation follows that "
-          "type, so the tangent would be summed over those axes. Make the "
-          f"output varying with jax.lax.pcast(out, {axes!r}, to='varying').")
+  if fwd is not None and fwd.jaxpr is not None:
+    _check_invariance(
+        call, fwd.jaxpr, "fwd", "a primal output",
+        "Forward-mode differentiation follows that type, so the tangent would "
+        "be summed over those axes. Make the output varying with "
+        "jax.lax.pcast(out, {axes!r}, to='varying').")
 
 
 def check_f_output_invariance(call) -> None:
@@ -238,26 +226,29 @@ def check_f_output_invariance(call) -> None:
   an unjustified invariant output would have it summed over those axes."""
   while call.origin is not None:
     call = call.origin
-  if call.rules.fwd is not None or call.jaxpr is None:
-    return
+  if call.rules.fwd is None and call.jaxpr is not None:
+    _check_invariance(
+        call, call.jaxpr, "fun", "a value",
+        "Only fwd_bwd was given, so the derivative follows f's output type, "
+        "and the cotangent of that output would be summed over those axes: "
+        "the gradient would be wrong. Make f's output varying with "
+        "jax.lax.pcast(out, {axes!r}, to='varying'), or give fwd and bwd.")
+
+
+def _check_invariance(call, jaxpr, role, what, consequence) -> None:
+  outs = jaxpr.jaxpr.outvars[:call.num_outs]
   paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
-  for path, aval, missing in zip(paths, call.out_avals,
-                                 unjustified_invariance(call.jaxpr)):
+  for path, v, missing in zip(paths, outs, unjustified_invariance(jaxpr)):
     if missing:
       axes = tuple(sorted(missing))
       raise rule_error(
-          TypeError, call.rules, "fun",
-          f"returns at output{path} a value of type {aval.str_short()}, "
+          TypeError, call.rules, role,
+          f"returns at output{path} {what} of type {v.aval.str_short()}, "
           f"invariant along the manual mesh axes {axes} of jax.shard_map, "
           "although it is computed from arguments that vary along them and "
           "no collective over those axes produced it (a jax.pure_callback "
-          "result inside shard_map(check_vma=True) is typed this way). Only "
-          "fwd_bwd was given, so the derivative follows f's output type, and "
-          "the cotangent of that output would be summed over those axes: the "
-          "gradient would be wrong. Make f's output varying with "
-          f"jax.lax.pcast(out, {axes!r}, to='varying'), or give fwd and bwd.")
-
-
+          "result inside shard_map(check_vma=True) is typed this way). "
+          + consequence.format(axes=axes))
 
 
 def check_primal_out(call, primal_out) -> None:

@@ -387,11 +387,10 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
   return spec, consts
 
 
-def _call_fwd(call: CallSpec, in_nz, primals, pair=None):
+def _call_fwd(call: CallSpec, in_nz, primals):
   rules = call.rules
-  if pair is None:
-    check_aliased_refs(call, primals)
-    pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
+  check_aliased_refs(call, primals)
+  pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
   if not isinstance(pair, (tuple, list)) or len(pair) != 2:
     raise rule_error(
         TypeError, rules, "fwd",
@@ -411,14 +410,19 @@ class EagerClosureError(Exception):
   ...
 
 
+def untraced(rules: Rules, nondiff: tuple, num_args: int, in_tree,
+             in_avals: tuple) -> CallSpec:
+  return CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
+                  in_tree=in_tree, in_avals=in_avals, out_tree=None,
+                  out_avals=(), jaxpr=None, num_consts=0)
+
+
 def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
                in_avals: tuple, primals, nonzero) -> CallSpec:
   """Differentiated eagerly: ``fwd`` (or ``f`` with only ``fwd_bwd``) runs
   on the concrete values now, as with ``jax.custom_vjp``; ``f`` is never
   traced."""
-  call = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
-                  in_tree=in_tree, in_avals=in_avals, out_tree=None,
-                  out_avals=(), jaxpr=None, num_consts=0)
+  call = untraced(rules, nondiff, num_args, in_tree, in_avals)
   in_nz = call.perturbed(nonzero)
   eager_plan = _plan.plan(facts_of(call, None), None)
   if eager_plan.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
@@ -429,10 +433,7 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
     out_leaves, out_tree = tree_util.tree_flatten(out)
     result = (in_nz, out_leaves, list(primals), None)
   else:
-    check_aliased_refs(call, primals)
-    with jax.named_scope(scope(call, "fwd")):
-      pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
-    out_leaves, res, fwd = eager_fwd(call, in_nz, primals, pair)
+    out_leaves, res, fwd = eager_fwd(call, in_nz, primals)
     out_tree = fwd.out_tree
     result = (in_nz, out_leaves, res, fwd)
   if any(isinstance(x, jx.Tracer) for x in (*result[1], *result[2])):
@@ -448,9 +449,7 @@ def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
   """Linearized where made (``jax.grad`` innermost): only ``fwd`` traced;
   ``None`` where ``fwd`` closes over a value this linearization
   differentiates, or fails to trace."""
-  base = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
-                  in_tree=in_tree, in_avals=in_avals, out_tree=None,
-                  out_avals=(), jaxpr=None, num_consts=0)
+  base = untraced(rules, nondiff, num_args, in_tree, in_avals)
   try:
     fwd, consts = _trace_fwd(base, in_nz)
   except UnexpectedTracerError:
@@ -469,11 +468,10 @@ def eager_f(call: CallSpec, primals) -> list:
   return tree_util.tree_leaves(out)
 
 
-def eager_fwd(call: CallSpec, in_nz, primals, pair=None):
+def eager_fwd(call: CallSpec, in_nz, primals):
   """``(primal_outs, residuals, spec)``; ``spec`` has no jaxpr."""
   with jax.named_scope(scope(call, "fwd")):
-    outs, out_tree, res, res_tree = _call_fwd(call, tuple(in_nz), primals,
-                                              pair)
+    outs, out_tree, res, res_tree = _call_fwd(call, tuple(in_nz), primals)
   res_src = tuple(StaticResidual(r) if is_static_residual(r) else None
                   for r in res)
   dynamic = [r for r in res if not is_static_residual(r)]
