@@ -52,10 +52,6 @@ class Eqns:
 
 # -- what the forward pass runs ---------------------------------------------------
 
-def primal_params(call, fwd) -> dict:
-  return dict(call=call, which="f", fwd=fwd)
-
-
 def fwd_params(call, fwd, offload=None) -> dict:
   return dict(call=call, which="fwd", fwd=fwd, offload=offload)
 
@@ -70,7 +66,7 @@ def primal(emit, call, fwd, f_consts, fwd_consts, primals, by, first=None):
   if _policy.uses_references(call):
     return emit(call_p, [*f_consts, *primals], dict(call=call), first)
   return emit(rule_p, [*f_consts, *fwd_consts, *primals],
-              primal_params(call, fwd), first)
+              dict(call=call, which="f", fwd=fwd), first)
 
 
 def forward(emit, call, fwd, plan, f_consts, fwd_consts, primals,
