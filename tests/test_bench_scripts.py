@@ -244,3 +244,31 @@ def test_counts_debug_row_prints_nothing(capfd):
   jax.effects_barrier()
   out, err = capfd.readouterr()
   assert out == "" and "fwd ran" not in err, (out, err)
+
+
+def test_accel_profile_smoke(tmp_path, capsys):
+  """The profile of the stack on the CPU: every row's ops found in the trace,
+  the step's matmuls charged to a dot class, and the HLO written beside."""
+  bench = load("accel_profile")
+  out = tmp_path / "p.json"
+  doc = bench.main(["--smoke", "--steps", "1", "--workload", "gelu_matmul",
+                    "--impls", "xla", "smartvjp", "--out", str(out)])
+  assert not doc["errors"], doc["errors"]
+  assert [r["impl"] for r in doc["results"]] == ["xla", "smartvjp"]
+  for r in doc["results"]:
+    assert r["busy_ms"] > 0 and r["top"]
+  hlo = sorted(p.name for p in (tmp_path / "p_hlo").iterdir())
+  assert hlo == ["gelu_matmul_32_smartvjp.hlo.txt.gz",
+                 "gelu_matmul_32_xla.hlo.txt.gz"]
+
+
+def test_accel_profile_reads_optimized_hlo():
+  bench = load("accel_profile")
+  f = jax.jit(lambda a, b: jnp.tanh(a @ b) + 1)
+  text = f.lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compile().as_text()
+  index = bench.hlo_index(text)
+  classes = {bench.op_class(i) for i in index.values()}
+  assert classes & {"dot (XLA matmul)", "fusion with dot (XLA matmul)"}
+  assert bench.op_class(None) == "unknown"
+  assert bench.op_class(dict(opcode="custom-call", target="tpu_custom_call",
+                             kernel="gelu_matmul_f")) == "kernel gelu_matmul_f"
