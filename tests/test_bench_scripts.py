@@ -272,3 +272,21 @@ def test_accel_profile_reads_optimized_hlo():
   assert bench.op_class(None) == "unknown"
   assert bench.op_class(dict(opcode="custom-call", target="tpu_custom_call",
                              kernel="gelu_matmul_f")) == "kernel gelu_matmul_f"
+
+
+def test_tpu_tiles_ranks_candidates_by_their_rules():
+  bench = load("tpu_tiles")
+  t = lambda s: dict(median_s=s)
+  search = dict(hidden=2048, candidates=[
+      dict(kind="fwd", tiles=[1, 1, 1], f=t(3.0), fwd=t(1.0)),
+      dict(kind="fwd", tiles=[2, 2, 2], f=t(1.5), fwd=t(2.0)),
+      dict(kind="fwd", tiles=[3, 3, 3], error="VMEM"),
+      dict(kind="dx", tiles=[4, 4, 4], bwd=t(2.0)),
+      dict(kind="dx", tiles=[5, 5, 5], bwd=t(1.0))])
+  assert [c["tiles"] for c in bench.ranked(search, "fwd")] == [[2, 2, 2],
+                                                                [1, 1, 1]]
+  assert [c["tiles"] for c in bench.ranked(search, "dx")] == [[5, 5, 5],
+                                                               [4, 4, 4]]
+  assert bench.ranked(search, "dw") == []
+  for kind, default in bench.PG.TPU_TILES.items():   # always a candidate
+    assert kind in bench.MM_CANDIDATES and len(default) == 3
