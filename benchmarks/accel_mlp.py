@@ -164,14 +164,17 @@ def xla_layer(workload):
   return RG.reference
 
 
-def build(workload, impl, interpret, block=None, block_k=None, target=None):
-  """One layer ``op(x, p)`` of ``workload`` under implementation ``impl``."""
+def build(workload, impl, interpret, block=None, block_k=None, target=None,
+          tpu_tiles=None):
+  """One layer ``op(x, p)`` of ``workload`` under implementation ``impl``;
+  ``tpu_tiles``: the matmul's TPU tiles (``make_gelu_matmul``'s)."""
   if impl == XLA:
     return xla_layer(workload)
   maker = PG.make_gelu_matmul if workload == "gelu_matmul" else RG.make_rmsnorm_gelu
-  op, rules = maker(fused=impl == "smartvjp+fused",
-                    **kernel_options(workload, interpret, block, block_k,
-                                     target))
+  kw = kernel_options(workload, interpret, block, block_k, target)
+  if tpu_tiles and workload == "gelu_matmul":
+    kw["tpu_tiles"] = tpu_tiles
+  op, rules = maker(fused=impl == "smartvjp+fused", **kw)
   if impl.startswith("smartvjp"):
     return op
   F = jax.custom_vjp(rules["f"])
@@ -281,8 +284,9 @@ class BatchSearch:
     return min(self.bracket()[0], self.max_k) * self.g
 
   def model(self):
-    """(a, b) of ``bytes = a + b * batch``, or None."""
-    pts = sorted(self.points.items())
+    """(a, b) of ``bytes = a + b * batch``, or None. Probes that XLA refused
+    to compile (out of memory: ``inf``) bound the answer but give no line."""
+    pts = sorted(p for p in self.points.items() if math.isfinite(p[1]))
     below = [p for p in pts if p[1] <= self.budget]
     above = [p for p in pts if p[1] > self.budget]
     if below and above:
@@ -327,7 +331,8 @@ class BatchSearch:
         capped=lo >= self.max_k, monotonic=hi is None or lo < hi,
         fit=None if fit is None else dict(a_bytes=fit[0],
                                           b_bytes_per_row=fit[1]),
-        probes=[[b, v] for b, v in sorted(self.points.items())])
+        probes=[[b, v if math.isfinite(v) else "out of memory at compile"]
+                for b, v in sorted(self.points.items())])
 
   def partial(self):
     """``summary()`` of a search that has not finished: its answer so far is
@@ -521,6 +526,11 @@ def tables(doc):
         lines.append(f"\n{workload}/{hidden} rule kernels alone (ms, median): "
                      + ", ".join(f"{k} {v['median_s'] * 1e3:.3f}"
                                  for k, v in rt.items()))
+      tiles = cfg.get("tpu_tiles", {}).get(str(hidden))
+      if tiles and workload == "gelu_matmul":
+        lines.append(f"{workload}/{hidden} TPU tiles (from "
+                     f"{cfg.get('tiles_source')}): " + ", ".join(
+                         f"{k} {tuple(v)}" for k, v in tiles.items()))
     lines.append(f"\n{workload} ({unit} of the useful work; "
                  "grad diff: max |g - g_custom_vjp| / max |g_custom_vjp|)")
     head = (f"{'hidden':>6s} {'implementation':15s} {'step ms':>9s} "
@@ -636,14 +646,18 @@ class Bench:
     self.log(f"{_name(key)} {what}: ERROR {msg[:300]}")
 
   # compiling
+  def tiles(self, workload, hidden):
+    return self.cfg["tpu_tiles"].get(str(hidden)) if workload == "gelu_matmul" \
+        else None
+
   def lower(self, key, batch):
     workload, hidden, impl = key
-    if (workload, impl) not in self.fns:
+    if key not in self.fns:
       block = self.cfg["kernel_block"][workload]
-      self.fns[workload, impl] = stack_grad(build(
+      self.fns[key] = stack_grad(build(
           workload, impl, self.cfg["interpret"], block, self.cfg["block_k"],
-          self.cfg["target"]))
-    return self.fns[workload, impl].lower(*arg_shapes(
+          self.cfg["target"], self.tiles(workload, hidden)))
+    return self.fns[key].lower(*arg_shapes(
         workload, self.cfg["layers"], batch, hidden, self.dtype))
 
   def submit(self, key, batch):
@@ -717,9 +731,12 @@ class Bench:
         if self.out_of_time():
           return
         try:
-          _, rules = maker(fused=True, **kernel_options(
-              workload, cfg["interpret"], cfg["kernel_block"][workload],
-              cfg["block_k"], cfg["target"]))
+          kw = kernel_options(workload, cfg["interpret"],
+                              cfg["kernel_block"][workload], cfg["block_k"],
+                              cfg["target"])
+          if self.tiles(workload, hidden):
+            kw["tpu_tiles"] = self.tiles(workload, hidden)
+          _, rules = maker(fused=True, **kw)
           params, x = make_inputs(workload, 1, cfg["batch"], hidden, self.dtype)
           p = params[0]
           g = (0.5 * jax.random.normal(jax.random.key(9), x.shape)
@@ -884,6 +901,13 @@ class Bench:
         try:
           _, parts, _, compile_s = fut.result()
         except Exception as e:   # noqa: BLE001
+          if "RESOURCE_EXHAUSTED" in str(e):   # XLA: does not fit at this batch
+            s.add(batch, math.inf)
+            self.log(f"probe {_name(key)} batch {batch}: over (out of memory "
+                     f"at compile)")
+            launch(key)
+            fill()
+            continue
           self.fail(key, "largest_batch", e)
           self.records[key]["largest_batch"].update(s.partial())
           self.save()
@@ -957,6 +981,9 @@ def parse(argv):
                  "a temporary file)")
   p.add_argument("--from-json", metavar="PATH",
                  help="only print the tables from a saved JSON")
+  p.add_argument("--tiles-json", metavar="PATH",
+                 help="the matmul's TPU tiles per hidden size: the 'chosen' "
+                 "of a tpu_tiles.py run (default: the example's TPU_TILES)")
   p.add_argument("--markdown", action="store_true",
                  help="also print a markdown table (for the README)")
   return p.parse_args(argv)
@@ -1014,7 +1041,13 @@ def main(argv=None):
       largest_batch=not args.no_largest_batch, budget_bytes=budget,
       budget_source=source, granule=pick(args.granule, 256, 16),
       max_batch=args.max_batch, compile_workers=max(1, args.compile_workers),
-      deadline_s=args.deadline)
+      deadline_s=args.deadline, tpu_tiles={}, tiles_source="TPU_TILES")
+  if args.tiles_json:
+    with open(args.tiles_json) as fh:
+      chosen = json.load(fh).get("chosen", {})
+    cfg["tpu_tiles"] = {h: {k: tuple(v) for k, v in c["tiles"].items()}
+                        for h, c in chosen.items()}
+    cfg["tiles_source"] = args.tiles_json
   cfg["kernel_kwargs"] = {
       w: {k: v for k, v in kernel_options(w, cfg["interpret"],
                                           cfg["kernel_block"][w],

@@ -15,7 +15,18 @@ with ``target="tpu"`` (Mosaic kernels), on the TPU JAX runs on:
   (``f``, ``fwd``, ``bwd``, ``fwd_bwd``: median of ``--rounds`` rounds of
   ``--inner`` calls), beside XLA's time for the same math in ``jax.numpy``.
   The fastest candidate per rule is printed and recorded; the tables
-  ``TPU_TILES`` / ``TPU_TILE_BYTES`` in the examples are set from it.
+  ``TPU_TILES`` / ``TPU_TILE_BYTES`` in the examples are set from it. The
+  example's own ``TPU_TILES`` are always among the candidates, so a choice
+  is never slower than them in the same run;
+* **chosen tiles, checked in the step** (``chosen`` in the JSON, by hidden
+  size): per kind the fastest candidate (``fwd`` by ``f + fwd``, ``dx`` and
+  ``dw`` by ``bwd``), then the checkpointed 8-layer step of
+  ``accel_mlp.py`` compiled with them for every kernel row; where XLA's
+  fusions around a kernel run out of VMEM there (alone the kernel fits),
+  the kind falls back to the next candidate, then to ``TPU_TILES``.
+  ``accel_mlp.py --tiles-json`` runs with them.
+
+``--matmul-only`` skips the accuracy checks and the RMSNorm search.
 
 Run on a TPU:  python benchmarks/tpu_tiles.py --out FILE.json
 Elsewhere it stops, saying so (the kernels' CPU checks are in tests/).
@@ -39,17 +50,22 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(1, HERE)
 sys.path.insert(2, ROOT)
 import _report as R  # noqa: E402
+import accel_mlp as A  # noqa: E402
 import pallas_gelu_matmul as PG  # noqa: E402
 import pallas_rmsnorm_gelu as RG  # noqa: E402
 
+# Whole-K / whole-N blocks keep an operand's block index fixed along the
+# grid, so Pallas fetches it once (weight-stationary dx: all of w in VMEM).
 MM_CANDIDATES = {
-    "fwd": [(512, 1024, 512), (512, 512, 1024), (1024, 1024, 512),
-            (256, 512, 2048), (512, 512, 512)],
-    "dx": [(512, 4096, 512), (512, 2048, 512), (256, 4096, 512),
-           (512, 1024, 1024), (1024, 1024, 512)],
-    "dw": [(4096, 512, 512), (2048, 512, 512), (4096, 256, 1024),
-           (1024, 1024, 512), (1024, 1024, 1024)],
+    "fwd": [(512, 1024, 512), (1024, 1024, 512), (1024, 1024, 2048),
+            (512, 2048, 2048)],
+    "dx": [(512, 4096, 512), (512, 2048, 2048), (1024, 2048, 1024),
+           (256, 2048, 2048), (1024, 1024, 1024)],
+    "dw": [(4096, 512, 512), (1024, 1024, 1024), (2048, 1024, 512),
+           (2048, 2048, 256), (1024, 2048, 512), (2048, 1024, 1024)],
 }
+# the rules whose time ranks a kind's candidates
+RANK_BY = {"fwd": ("f", "fwd"), "dx": ("bwd",), "dw": ("bwd",)}
 RMS_TILE_BYTES = [2**19, 2**20, 2**21, 2**22]
 
 
@@ -132,7 +148,8 @@ def search_matmul(d, rounds, inner, m=8192):
       fwd=R.timed(jax.jit(xla["fwd"]), x, w, rounds=rounds, inner=inner),
       bwd=R.timed(jax.jit(xla["bwd"]), x, w, y, g, rounds=rounds, inner=inner))
   for kind, cands in MM_CANDIDATES.items():
-    for tiles in cands:
+    default = tuple(PG.TPU_TILES[kind])
+    for tiles in cands + ([default] if default not in cands else []):
       rec = dict(kind=kind, tiles=tiles)
       try:
         _, rules = PG.make_gelu_matmul(target="tpu", tpu_tiles={kind: tiles})
@@ -189,6 +206,56 @@ def search_rmsnorm(d, rounds, inner, m=8192):
   return out
 
 
+def ranked(search, kind):
+  """``kind``'s candidates that ran, fastest first (by ``RANK_BY``)."""
+  ok = [c for c in search["candidates"] if c["kind"] == kind
+        and all(r in c for r in RANK_BY[kind])]
+  return sorted(ok, key=lambda c: sum(c[r]["median_s"] for r in RANK_BY[kind]))
+
+
+def step_compiles(d, tiles, m=8192, layers=8):
+  """Whether accel_mlp's checkpointed step at hidden ``d`` compiles for every
+  kernel row with ``tiles`` (None, or the first error)."""
+  for impl in A.IMPLS:
+    if impl == A.XLA:
+      continue
+    try:
+      fn = A.stack_grad(A.build("gelu_matmul", impl, False, tpu_tiles=tiles))
+      fn.lower(*A.arg_shapes("gelu_matmul", layers, m, d, jnp.bfloat16)
+               ).compile()
+    except Exception as e:  # noqa: BLE001 -- the answer is the error
+      return f"{impl}: {type(e).__name__}: {str(e)[:300]}"
+  return None
+
+
+def choose(search):
+  """Per kind the fastest candidate whose step compiles (see the module
+  docstring); ``{"tiles": {kind: tiles}, "rejected": [...]}``."""
+  d = search["hidden"]
+  default = {k: tuple(PG.TPU_TILES[k]) for k in MM_CANDIDATES}
+  order = {k: [tuple(c["tiles"]) for c in ranked(search, k)]
+           for k in MM_CANDIDATES}
+  fastest = {k: (order[k] or [default[k]])[0] for k in MM_CANDIDATES}
+  err = step_compiles(d, fastest)
+  if err is None:          # the usual case: one check
+    return dict(tiles={k: list(v) for k, v in fastest.items()}, rejected=[])
+  print(f"  d={d} {fastest}: the step does not compile: {err[:200]}",
+        flush=True)
+  rejected = [dict(kind="all", tiles=fastest, error=err)]
+  chosen = default
+  for kind in MM_CANDIDATES:
+    for tiles in order[kind]:
+      trial = dict(chosen, **{kind: tiles})
+      err = step_compiles(d, trial)
+      if err is None:
+        chosen = trial
+        break
+      rejected.append(dict(kind=kind, tiles=tiles, error=err))
+      print(f"  d={d} {kind} {tiles}: the step does not compile: {err[:200]}",
+            flush=True)
+  return dict(tiles={k: list(v) for k, v in chosen.items()}, rejected=rejected)
+
+
 def best(search, rule):
   ok = [c for c in search["candidates"] if rule in c]
   return min(ok, key=lambda c: c[rule]["median_s"]) if ok else None
@@ -199,6 +266,8 @@ def main(argv=None):
   p.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--inner", type=int, default=5)
+  p.add_argument("--matmul-only", action="store_true",
+                 help="no accuracy checks, no RMSNorm search")
   p.add_argument("--out")
   args = p.parse_args(argv)
   if jax.default_backend() != "tpu":
@@ -217,20 +286,26 @@ def main(argv=None):
   print(f"peaks: bf16 matmul {doc['peaks']['TFLOP/s']:.1f} TFLOP/s, "
         f"copy {doc['peaks']['GB/s']:.1f} GB/s", flush=True)
   save()
-  doc["accuracy"] = accuracy()
-  bad = [r for r in doc["accuracy"] if not r["ok"]]
-  print(f"accuracy: {len(doc['accuracy']) - len(bad)} of "
-        f"{len(doc['accuracy'])} within tolerance; worst "
-        + ", ".join(f"{r['kernel']} {r['dtype']} {r['shape']} fused={r['fused']} "
-                    f"remat={r['remat']}: {r['value']:.1e}/{r['grad']:.1e}"
-                    for r in bad[:6]), flush=True)
-  save()
-  doc["gelu_matmul"], doc["rmsnorm_gelu"] = [], []
+  if not args.matmul_only:
+    doc["accuracy"] = accuracy()
+    bad = [r for r in doc["accuracy"] if not r["ok"]]
+    print(f"accuracy: {len(doc['accuracy']) - len(bad)} of "
+          f"{len(doc['accuracy'])} within tolerance; worst "
+          + ", ".join(f"{r['kernel']} {r['dtype']} {r['shape']} "
+                      f"fused={r['fused']} remat={r['remat']}: "
+                      f"{r['value']:.1e}/{r['grad']:.1e}" for r in bad[:6]),
+          flush=True)
+    save()
+  doc["gelu_matmul"], doc["rmsnorm_gelu"], doc["chosen"] = [], [], {}
   for d in args.hidden:
     doc["gelu_matmul"].append(search_matmul(d, args.rounds, args.inner))
     save()
-    doc["rmsnorm_gelu"].append(search_rmsnorm(d, args.rounds, args.inner))
+    doc["chosen"][str(d)] = choose(doc["gelu_matmul"][-1])
+    print(f"chosen at d={d}: {doc['chosen'][str(d)]['tiles']}", flush=True)
     save()
+    if not args.matmul_only:
+      doc["rmsnorm_gelu"].append(search_rmsnorm(d, args.rounds, args.inner))
+      save()
   for workload, what in (("gelu_matmul", lambda b: f"{b['kind']} {b['tiles']}"),
                          ("rmsnorm_gelu", lambda b: f"tile {b['tile_bytes']}")):
     for s in doc[workload]:

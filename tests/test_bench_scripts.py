@@ -244,3 +244,49 @@ def test_counts_debug_row_prints_nothing(capfd):
   jax.effects_barrier()
   out, err = capfd.readouterr()
   assert out == "" and "fwd ran" not in err, (out, err)
+
+
+def test_accel_profile_smoke(tmp_path, capsys):
+  """The profile of the stack on the CPU: every row's ops found in the trace,
+  the step's matmuls charged to a dot class, and the HLO written beside."""
+  bench = load("accel_profile")
+  out = tmp_path / "p.json"
+  doc = bench.main(["--smoke", "--steps", "1", "--workload", "gelu_matmul",
+                    "--impls", "xla", "smartvjp", "--out", str(out)])
+  assert not doc["errors"], doc["errors"]
+  assert [r["impl"] for r in doc["results"]] == ["xla", "smartvjp"]
+  for r in doc["results"]:
+    assert r["busy_ms"] > 0 and r["top"]
+  hlo = sorted(p.name for p in (tmp_path / "p_hlo").iterdir())
+  assert hlo == ["gelu_matmul_32_smartvjp.hlo.txt.gz",
+                 "gelu_matmul_32_xla.hlo.txt.gz"]
+
+
+def test_accel_profile_reads_optimized_hlo():
+  bench = load("accel_profile")
+  f = jax.jit(lambda a, b: jnp.tanh(a @ b) + 1)
+  text = f.lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compile().as_text()
+  index = bench.hlo_index(text)
+  classes = {bench.op_class(i) for i in index.values()}
+  assert classes & {"dot (XLA matmul)", "fusion with dot (XLA matmul)"}
+  assert bench.op_class(None) == "unknown"
+  assert bench.op_class(dict(opcode="custom-call", target="tpu_custom_call",
+                             kernel="gelu_matmul_f")) == "kernel gelu_matmul_f"
+
+
+def test_tpu_tiles_ranks_candidates_by_their_rules():
+  bench = load("tpu_tiles")
+  t = lambda s: dict(median_s=s)
+  search = dict(hidden=2048, candidates=[
+      dict(kind="fwd", tiles=[1, 1, 1], f=t(3.0), fwd=t(1.0)),
+      dict(kind="fwd", tiles=[2, 2, 2], f=t(1.5), fwd=t(2.0)),
+      dict(kind="fwd", tiles=[3, 3, 3], error="VMEM"),
+      dict(kind="dx", tiles=[4, 4, 4], bwd=t(2.0)),
+      dict(kind="dx", tiles=[5, 5, 5], bwd=t(1.0))])
+  assert [c["tiles"] for c in bench.ranked(search, "fwd")] == [[2, 2, 2],
+                                                                [1, 1, 1]]
+  assert [c["tiles"] for c in bench.ranked(search, "dx")] == [[5, 5, 5],
+                                                               [4, 4, 4]]
+  assert bench.ranked(search, "dw") == []
+  for kind, default in bench.PG.TPU_TILES.items():   # always a candidate
+    assert kind in bench.MM_CANDIDATES and len(default) == 3

@@ -5,7 +5,7 @@ process at a time holds the chip), with its JSON written to ``--out`` (the
 device tool's ``$OUT``) as soon as it ends and its output appended to
 ``--out``/session.log, so a run cut short keeps every part it finished.
 
-Parts (``--parts``, in this order by default):
+Parts (``--parts``; by default the first four, in this order):
 
 * ``tiles``: ``benchmarks/tpu_tiles.py``: the chip's measured peaks, the
   example kernels' accuracy against plain JAX in f32 and bf16, and the tile
@@ -18,7 +18,13 @@ Parts (``--parts``, in this order by default):
   with JAX's Pallas flash attention and the two kernels
   (``benchmarks/results/tpu_lm.json``);
 * ``attention``: ``benchmarks/tpu_attention.py`` (shipped vs swapped flash
-  attention).
+  attention);
+* ``profile``: ``benchmarks/accel_profile.py``: where the stack's step time
+  goes, op by op, from a profiler trace (and each row's optimized HLO);
+* ``megablox``: ``tools/megablox_tpu.py``: JAX's megablox ``gmm`` swapped,
+  its compiled program against the shipped one (``megablox_tpu.json``);
+* ``figure``: ``design/upstream/tpu_figure.py``: the accelerator figure of
+  ``design/upstream.md`` (``tpu_figure.json``).
 
 Run (through the device tool, from the repository root):
     SMARTVJP_COMMIT=<commit> python3 tools/tpu_session.py --out "$OUT"
@@ -38,13 +44,18 @@ PARTS = {
     "mlp": ("benchmarks/accel_mlp.py", "accel_mlp_tpu.json"),
     "lm": ("benchmarks/tpu_lm.py", "tpu_lm.json"),
     "attention": ("benchmarks/tpu_attention.py", "tpu_attention.json"),
+    "profile": ("benchmarks/accel_profile.py", "accel_profile.json"),
+    "megablox": ("tools/megablox_tpu.py", None),   # writes $OUT/megablox_tpu.json
+    "figure": ("design/upstream/tpu_figure.py", "tpu_figure.json"),
 }
+DEFAULT_PARTS = ("tiles", "mlp", "lm", "attention")
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True, help="folder for the JSON and log")
-  p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+  p.add_argument("--parts", nargs="+", default=list(DEFAULT_PARTS),
+                 choices=PARTS)
   p.add_argument("--timeout", type=float, default=540,
                  help="seconds for all parts together")
   p.add_argument("--extra", action="append", default=[],
@@ -57,7 +68,7 @@ def main(argv=None):
     extra[part] = rest.split()
   log = os.path.join(args.out, "session.log")
   t_end = time.monotonic() + args.timeout
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  env = dict(os.environ, PYTHONUNBUFFERED="1", OUT=args.out)
   status = 0
   for part in args.parts:
     script, out = PARTS[part]
@@ -65,8 +76,9 @@ def main(argv=None):
     if left < 20:
       print(f"== {part}: skipped (time)", flush=True)
       continue
-    cmd = [sys.executable, os.path.join(ROOT, script), "--out",
-           os.path.join(args.out, out), *extra.get(part, [])]
+    cmd = [sys.executable, os.path.join(ROOT, script),
+           *(["--out", os.path.join(args.out, out)] if out else []),
+           *extra.get(part, [])]
     print(f"== {part}: {' '.join(cmd[1:])} (at most {left:.0f} s)", flush=True)
     t0 = time.monotonic()
     with open(log, "a") as fh:
