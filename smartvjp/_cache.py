@@ -57,10 +57,8 @@ class TraceLocalCache:
       self._entries.popitem(last=False)
 
 
-# The vmap (trace tag, axis data) whose batching rule for one of smartvjp's
-# primitives is running (entered by the primitives' bind on a vmap's trace,
-# see _primitive.py): the user's rules, run again by a batching rule, run as
-# part of that vmap, so values they close over from it are batched too.
+# The vmap (trace tag, axis data) whose batching rule is running: the user's
+# rules run again there run as part of that vmap.
 _BATCHING: contextvars.ContextVar = contextvars.ContextVar(
     "smartvjp_batching", default=None)
 
@@ -79,13 +77,9 @@ def batching_tag(axis_data):
   return now[0] if now is not None and now[1] is axis_data else None
 
 
-# The call being bound by ``smart_custom_vjp.__call__`` while the current
-# trace differentiates it where it is made (``jax.grad``, ``jax.vjp`` or
-# ``jax.jvp`` applied directly, perhaps through ``vmap``s: ``grad(vmap(F))``,
-# ``jacfwd``), or the batched call a ``vmap`` there binds for it: there
-# ``jax.custom_vjp`` runs ``fwd`` on a closed-over tracer, which leaks, while a
-# staged call (a ``jit``, ``scan`` or ``cond`` body, ``jax.checkpoint``)
-# differentiated later is refused by its rule; the two raise different types.
+# The call bound while the current trace differentiates it where it is made
+# (its closure error is UnexpectedTracerError there, as jax.custom_vjp's
+# leaked tracer; a staged call's is CustomVJPException).
 made_where_differentiated: contextvars.ContextVar = contextvars.ContextVar(
     "smartvjp_made_where_differentiated", default=None)
 

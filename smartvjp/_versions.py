@@ -1,16 +1,7 @@
-"""Every difference between the supported JAX releases, one named flag each.
-
-Supported: jax/jaxlib 0.10.x, 0.11.x and 0.12.x. Each flag below is decided
-by the installed JAX's version number and names the release that changed
-the behaviour; ``tests/test_versions.py`` asserts each flag's value on every
-release CI installs (0.10.0, 0.10.1, 0.10.2, 0.11.0, 0.11.1, 0.11.2, 0.12.0
-and 0.12.0.1) and, with
-a small probe, that the installed JAX really behaves as the flag says, so a
-release that moves a change fails a test instead of a user's program.
-
-Only ``_facade.py`` (and the public-API checks in ``_jax_api.py``) read
-these flags: a new JAX release is a change here and there.
-"""
+"""Every difference between the supported JAX releases (0.10.x to 0.12.x),
+one flag each, named after the release that changed the behaviour;
+``tests/test_versions.py`` asserts each flag on every release CI installs
+and probes that JAX behaves as it says."""
 
 from __future__ import annotations
 
