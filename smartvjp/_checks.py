@@ -29,11 +29,6 @@ ROLE_NAMES = {"fun": "f", "fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd_bwd",
               "jvp": "jvp"}
 
 
-def scope(call, role: str) -> str:
-  """The named scope of a user's rule in jaxprs and HLO."""
-  return f"smartvjp/{call.name}/{ROLE_NAMES.get(role, role)}"
-
-
 def function_name(fn) -> str:
   return getattr(fn, "__name__", None) or type(fn).__name__
 

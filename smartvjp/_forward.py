@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _facade as jx
-from smartvjp._checks import describe_tree, function_name, rule_error, scope
+from smartvjp._checks import describe_tree, function_name, rule_error
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,7 +34,7 @@ class JvpRule:
                 for a, nz in zip(call.in_avals, in_nz)]
     py_primals = tree_util.tree_unflatten(call.in_tree, list(primals))
     py_tangents = tree_util.tree_unflatten(call.in_tree, tangents)
-    with jax.named_scope(scope(call, "jvp")):
+    with jax.named_scope(call.scope("jvp")):
       pair = self.fn(*call.nondiff, tuple(py_primals), tuple(py_tangents))
     return _checked(call, pair)
 
@@ -112,7 +112,7 @@ def tangents_only(call, primals, in_nz, nz_tangents, rule=None) -> list:
     if rule is None:
       call.rule_cache.put(key, hit, consts)
   jaxpr, consts = hit
-  with jax.named_scope(scope(call, "jvp")):
+  with jax.named_scope(call.scope("jvp")):
     return jx.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *consts, *args)
 
 

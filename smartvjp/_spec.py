@@ -18,7 +18,7 @@ from smartvjp._cache import TraceLocalCache
 from smartvjp._checks import (
     argument_position, check_aliased_refs, check_f_output, check_fwd_output,
     check_jax_leaves, check_primal_out, describe_tree, expect_used_up,
-    function_name, rule_error, scope)
+    function_name, rule_error, ROLE_NAMES)
 from smartvjp._policy import facts_of
 from smartvjp._policy import producers as policy_producers
 
@@ -186,6 +186,10 @@ class CallSpec:
   @property
   def name(self) -> str:
     return self.rules.name
+
+  def scope(self, role: str) -> str:
+    """The named scope of a user's rule in jaxprs and HLO."""
+    return f"smartvjp/{self.name}/{ROLE_NAMES.get(role, role)}"
 
   @property
   def num_primals(self) -> int:
@@ -426,7 +430,7 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
   in_nz = call.perturbed(nonzero)
   eager_plan = _plan.plan(facts_of(call, None), None)
   if eager_plan.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
-    with jax.named_scope(scope(call, "f")):
+    with jax.named_scope(call.scope("f")):
       out = rules.fun(*call.full_args(primals))
     check_jax_leaves(out, rules, "fun", "output")
     check_f_output(rules, out)
@@ -462,7 +466,7 @@ def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
 
 def eager_f(call: CallSpec, primals) -> list:
-  with jax.named_scope(scope(call, "f")):
+  with jax.named_scope(call.scope("f")):
     out = call.rules.fun(*call.full_args(primals))
   check_f_output(call.rules, out)
   return tree_util.tree_leaves(out)
@@ -470,7 +474,7 @@ def eager_f(call: CallSpec, primals) -> list:
 
 def eager_fwd(call: CallSpec, in_nz, primals):
   """``(primal_outs, residuals, spec)``; ``spec`` has no jaxpr."""
-  with jax.named_scope(scope(call, "fwd")):
+  with jax.named_scope(call.scope("fwd")):
     outs, out_tree, res, res_tree = _call_fwd(call, tuple(in_nz), primals)
   res_src = tuple(StaticResidual(r) if is_static_residual(r) else None
                   for r in res)
