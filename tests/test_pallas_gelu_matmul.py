@@ -241,3 +241,35 @@ def test_tpu_compiled_values_and_gradients(dtype, tol, remat, fused):
     scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
     np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
                                atol=tol * scale)
+
+
+def _tpu_grids(rule_args, **kw):
+  """The pallas_call grids of the TPU rules, traced (nothing compiled)."""
+  _, rules = PG.make_gelu_matmul(target="tpu", interpret=False, **kw)
+  out = {}
+  for rule, args in rule_args.items():
+    jaxpr = jax.jit(rules[rule]).trace(*args).jaxpr
+    out[rule] = [e.params["grid_mapping"].grid for e in jaxpr.eqns
+                 if e.primitive.name == "pallas_call"]
+  return out
+
+
+@pytest.mark.parametrize("d", [2048, 1024])
+def test_tpu_tiles_by_shape(d):
+  """Where ``TPU_TILES_BY_SHAPE`` has ``(K, N)``, its tiles set the grids;
+  elsewhere ``TPU_TILES``; ``tpu_tiles=`` overrides both."""
+  m = 8192
+  x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
+  tiles = {**PG.TPU_TILES, **PG.TPU_TILES_BY_SHAPE.get((d, d), {})}
+  assert ((d, d) in PG.TPU_TILES_BY_SHAPE) == (d == 2048)
+  bm, bn, bk = tiles["fwd"]
+  dm, dk, dn = tiles["dx"]
+  wk, wn, wm = tiles["dw"]
+  cdiv = lambda a, b: -(-a // min(a, b))
+  grids = _tpu_grids({"f": (x, w), "bwd": ((x, w, x), x)})
+  assert grids["f"] == [(cdiv(m, bm), cdiv(d, bn), cdiv(d, bk))]
+  assert grids["bwd"] == [(cdiv(m, dm), cdiv(d, dk), cdiv(d, dn)),
+                          (cdiv(d, wk), cdiv(d, wn), cdiv(m, wm))]
+  forced = _tpu_grids({"f": (x, w)}, tpu_tiles={"fwd": (512, 512, 512)})
+  assert forced["f"] == [(m // 512, d // 512, d // 512)]
