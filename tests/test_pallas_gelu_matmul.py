@@ -159,6 +159,28 @@ def test_tpu_kernels_values_and_gradients(dtype, tol, shape, remat, fused):
                                atol=tol * scale)
 
 
+# the shapes of TPU_TILES_BY_SHAPE's entries, scaled down: the forward kernels
+# with K in one block (no accumulator), dx over all of K and all of N
+WHOLE_K_TILES = {"fwd": (16, 128, 256), "dx": (16, 256, 384),
+                 "dw": (256, 128, 16)}
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_tpu_kernels_with_whole_k_tiles(dtype, tol, fused):
+  gm, _ = PG.make_gelu_matmul(target="tpu", interpret=True, fused=fused,
+                              tpu_tiles=WHOLE_K_TILES)
+  x, w = data(48, 256, 384, dtype)
+  np.testing.assert_allclose(np.float32(gm(x, w)), np.float32(PG.reference(x, w)),
+                             rtol=tol, atol=tol)
+  got = jax.jit(jax.grad(loss(gm, True), (0, 1)))(x, w)
+  want = jax.grad(loss(PG.reference, False), (0, 1))(x, w)
+  for a, b in zip(got, want):
+    scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+    np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
+                               atol=tol * scale)
+
+
 def test_tpu_fused_rule_is_bitwise_fwd_then_bwd():
   """The fused rule rounds ``y`` to the residual dtype before GELU', so its
   gradients are those of ``fwd`` + ``bwd`` bit for bit (the LM benchmark's
