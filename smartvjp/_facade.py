@@ -7,8 +7,8 @@ spells them (``jx.ad.LinearizeTrace``). At import, a missing name raises one
 name that is not declared is an ``AttributeError``; ``tests/test_facade.py``
 fails when a declared name is never used. The functions below exist only
 where JAX releases differ (each difference one flag in ``_versions.py``) or
-where JAX's internals need more than a name (a private attribute, a
-subclass, an adapter to one calling convention).
+where JAX's internals need more than a name (a private attribute, an
+adapter to one calling convention).
 """
 
 from __future__ import annotations
@@ -291,22 +291,6 @@ def widen_error(error, effs):
 # Each takes the rule in smartvjp's form (the same on every release) and
 # registers it in JAX's table in the installed release's form; the other
 # kinds of rule are entries of JAX's tables (``_primitive._KINDS``).
-
-def new_primitive_class(on_batch_trace: Callable):
-  """A multiple-results primitive class whose binds on a vmap's trace run
-  inside ``on_batch_trace((tag, axis_data))``, a context manager (see
-  ``_vmap.py``: the user's rules, run again by a batching rule, see values
-  they close over from that vmap as batched)."""
-  class SmartPrimitive(core.Primitive):
-    multiple_results = True
-
-    def bind_with_trace(self, trace, args, avals, params, /):
-      if not isinstance(trace, batching.BatchTrace):
-        return super().bind_with_trace(trace, args, avals, params)
-      with on_batch_trace((trace.tag, trace.axis_data)):
-        return super().bind_with_trace(trace, args, avals, params)
-  return SmartPrimitive
-
 
 def register_lowering(prim, impl, inline=None):
   """Lowers ``prim`` by tracing ``impl`` (which evaluates its jaxprs); with

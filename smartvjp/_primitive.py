@@ -53,12 +53,23 @@ from jax import tree_util
 from smartvjp import _cache
 from smartvjp import _facade as jx
 
-_SmartPrimitive = jx.new_primitive_class(_cache.batching)
+
+class _SmartPrimitive(jx.core.Primitive):
+  """A multiple-results primitive whose binds on a vmap's trace run inside
+  that vmap's ``_cache.batching`` context (the user's rules, run again by a
+  batching rule, see values they close over from that vmap as batched)."""
+  multiple_results = True
+
+  def bind_with_trace(self, trace, args, avals, params, /):
+    if not isinstance(trace, jx.batching.BatchTrace):
+      return super().bind_with_trace(trace, args, avals, params)
+    with _cache.batching((trace.tag, trace.axis_data)):
+      return super().bind_with_trace(trace, args, avals, params)
+
 
 # What define() and register() registered: primitive name -> kind -> function.
 # design/architecture.md lists the same table (tests/test_architecture.py).
 RULES: dict[str, dict[str, Callable]] = {}
-
 
 
 def _entry(table):
@@ -85,6 +96,8 @@ _KINDS = {
     # how JAX evaluates prim where it needs low-level primitives only (a
     # jaxpr holding checkpoint_name under jax_remat3)
     "to_lojax": lambda prim, fn: setattr(prim, "to_lojax", fn),
+    # smartvjp's own: how smartvjp_call's bind processes an unprocessed call
+    "process": lambda prim, fn: None,
 }
 
 # the user's rule each role names, and how an error or a scope calls it
@@ -400,21 +413,14 @@ def _call_code(*, call):
   return Code(call.jaxpr, "fun")
 
 
-_PROCESSING: list = []
-
-
-def set_call_processing(fn: Callable) -> None:
-  """``fn(leaves, call) -> outs``: how ``smartvjp_call`` processes a call
-  that ``smart_custom_vjp.__call__`` binds unprocessed (``_process.py``)."""
-  _PROCESSING[:] = [fn]
-
-
 def _bind_call(default, *args, call):
-  """Every bind of ``smartvjp_call``: a call bound unprocessed goes to the
-  current trace's processing (as a ``jax.custom_vjp`` call goes to its
-  trace's ``process_custom_vjp_call``); a traced one is bound as it is."""
+  """Every bind of ``smartvjp_call``: a call bound unprocessed is processed
+  by its ``process`` rule (``_process.py``), looked up as JAX looks up a
+  ``jax.custom_vjp`` call's ``process_custom_vjp_call`` on the current
+  trace, which ends in ``default``, the plain bind, of the processed call;
+  a processed one is bound as it is."""
   if getattr(call, "unprocessed", False):
-    return _PROCESSING[0](list(args), call)
+    return RULES[call_p.name]["process"](default, list(args), call)
   return default(*args, call=call)
 
 

@@ -33,15 +33,16 @@ from smartvjp import _versions
 from smartvjp import _vmap
 from smartvjp._cache import batching, differentiated_where_made
 from smartvjp._checks import check_aliased_arguments, check_f_output
-from smartvjp._primitive import call_p, set_call_processing
+from smartvjp._primitive import call_p, register
 from smartvjp._spec import (
     EagerClosureError, eager_call, linearized_call, trace_call)
 from smartvjp._static import static_key
 
 
-def _process(leaves, call) -> list:
+def _call_process(bind, leaves, call) -> list:
   """The outputs (flat) of the unprocessed ``call`` on ``leaves``; sets
-  ``call.out_tree``."""
+  ``call.out_tree``. ``bind``: ``smartvjp_call``'s plain bind, which
+  finishes a call processed here into a traced one."""
   rules, nondiff, num_args, in_tree, _ = call.signature
   if (isinstance(jx.core.trace_ctx.trace, jx.core.EvalTrace)
       and not any(isinstance(x, jx.core.Tracer) for x in leaves)):
@@ -58,7 +59,7 @@ def _process(leaves, call) -> list:
     if hit is not None:
       spec, consts = hit
       call.out_tree = spec.out_tree
-      return call_p.bind(*consts, *leaves, call=spec)
+      return bind(*consts, *leaves, call=spec)
   outs = _vmap_of_linearized(call, leaves)
   if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
     return outs
@@ -70,10 +71,10 @@ def _process(leaves, call) -> list:
         if isinstance(_below_vmaps(jx.core.trace_ctx.trace),
                       (jx.ad.LinearizeTrace, jx.ad.JVPTrace))
         else contextlib.nullcontext()):
-    return call_p.bind(*consts, *leaves, call=spec)
+    return bind(*consts, *leaves, call=spec)
 
 
-set_call_processing(_process)
+register(call_p, "process", _call_process)
 
 
 def _linearized(call, trace, primals, nonzero):
