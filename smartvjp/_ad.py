@@ -68,7 +68,10 @@ def closure_error(call, where: str = "", where_made: bool = False):
       "an argument instead, or use jax.closure_convert.")
   if where_made:
     return UnexpectedTracerError(message)
-  return jx.custom_vjp_exception(message)
+  # JAX's CustomVJPException, whose constructor takes no message
+  error = jx.ad.CustomVJPException.__new__(jx.ad.CustomVJPException)
+  Exception.__init__(error, message)
+  return error
 
 
 def _classify(call, nonzeros) -> str:
@@ -94,7 +97,7 @@ def _call_jvp(primals, tangents, *, call):
   if call.full is not None:   # pruned by DCE: the whole call's rule, selected
     outs, out_tangents = _call_jvp(primals, tangents, call=call.full)
     return select_outputs(call, outs), select_outputs(call, out_tangents)
-  nonzeros = [type(t) is not jx.Zero for t in tangents]
+  nonzeros = [type(t) is not jx.ad_util.Zero for t in tangents]
   if _classify(call, nonzeros) == "closure":   # f itself differentiated
     return rule_jvp(call_p.impl, "fun", primals, tangents, call=call,
                     what="differentiation with respect to values it closes "
@@ -147,8 +150,8 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
     return (outs, [False] * call.num_outs, [],
             lambda _res, *_t: call.expand_tangents([]))
   check_aliased_refs(call, primals)
-  eager = jx.is_eval_trace() and not any(
-      isinstance(p, jx.Tracer) for p in primals_in)
+  eager = isinstance(jx.core.trace_ctx.trace, jx.core.EvalTrace) and not any(
+      isinstance(p, jx.core.Tracer) for p in primals_in)
   plan = _plan.plan(_policy.facts_of(call, None), None)
   if plan.schedule.runs_fwd_bwd:   # fwd_bwd alone: f now
     outs = (eager_f(call, primals) if eager else
@@ -180,7 +183,7 @@ def _transposed(impl, args, params):
   """``impl`` (a rule's code) as a linear function of the inputs JAX found
   linear (undefined), the others held fixed, transposed (JAX checks the
   linearity when the transpose runs); with which inputs those are."""
-  undefined = [jx.is_undefined_primal(a) for a in args]
+  undefined = [jx.ad.is_undefined_primal(a) for a in args]
   lin_avals = [a.aval for a, u in zip(args, undefined) if u]  # full types
 
   def linear_part(*lin):
@@ -191,7 +194,7 @@ def _transposed(impl, args, params):
 
 
 def _apply_transposed(transposed, undefined, cts):
-  it = iter(transposed([jx.instantiate_zeros(c) for c in cts]))
+  it = iter(transposed([jx.ad.instantiate_zeros(c) for c in cts]))
   return [next(it) if u else None for u in undefined]
 
 
@@ -200,7 +203,7 @@ def _call_transpose(cts, *args, call):
   another smart function on its cotangent, transposed by forward mode): the
   transpose of ``f``'s own code."""
   if call.full is not None:   # pruned by DCE: zero cotangents for the rest
-    full_cts = [jx.Zero(a.to_tangent_aval()) for a in call.full.out_avals]
+    full_cts = [jx.ad_util.Zero(a.to_tangent_aval()) for a in call.full.out_avals]
     for i, ct in zip(call.kept, cts):
       full_cts[i] = ct
     return _call_transpose(full_cts, *args, call=call.full)
@@ -238,7 +241,7 @@ def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   n = ex.num_nonlinear(call, fwd)
   cts_out = call.expand_tangents(cts)
   if fwd is None:
-    if any(type(ct) is not jx.Zero for ct in cts):
+    if any(type(ct) is not jx.ad_util.Zero for ct in cts):
       check_f_output_invariance(call)   # the cotangent has f's type here
     cts_in = ex.run_fwd_bwd(call, args[:n], in_nz, cts_out)
   else:
@@ -273,7 +276,7 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
     except Exception as e:  # noqa: BLE001 - the rule's own error, as is
       rule_failed.append(e)
       raise
-    return [jx.instantiate_zeros(c) for c in _nz_inputs(cts, in_nz)]
+    return [jx.ad.instantiate_zeros(c) for c in _nz_inputs(cts, in_nz)]
 
   try:
     transposed = jax.linear_transpose(nz_map, *ct_avals)
@@ -334,8 +337,8 @@ def _lin_jvp(primals, tangents, **params):
   """When only the tangent inputs move, the JVP of a linear map is itself;
   otherwise (higher order) the rule's code is differentiated."""
   n = ex.num_nonlinear(params["call"], params["fwd"])
-  if all(type(t) is jx.Zero for t in tangents[:n]):
-    lin_tangents = [jx.instantiate_zeros(t) for t in tangents[n:]]
+  if all(type(t) is jx.ad_util.Zero for t in tangents[:n]):
+    lin_tangents = [jx.ad.instantiate_zeros(t) for t in tangents[n:]]
     return (lin_p.bind(*primals, **params),
             lin_p.bind(*primals[:n], *lin_tangents, **params))
   return rule_jvp(lin_forward, forward_role(params), primals, tangents,
@@ -380,9 +383,9 @@ def _rem_jvp(primals, tangents, *, call, fwd, schedule):
   tangent says nothing and is ignored."""
   n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
   f_consts, fwd_consts, args = primals[:n1], primals[n1:n2], primals[n2:]
-  in_nz = tuple(type(t) is not jx.Zero and possible
+  in_nz = tuple(type(t) is not jx.ad_util.Zero and possible
                 for t, possible in zip(tangents[n2:], call.in_nz_possible))
-  if (any(type(t) is not jx.Zero for t in tangents[:n1])
+  if (any(type(t) is not jx.ad_util.Zero for t in tangents[:n1])
       and not _versions.REMAT3_PERTURBS_EVERY_INPUT):
     raise closure_error(call, "inside jax.checkpoint under JAX's jax_remat3 "
                         "flag")

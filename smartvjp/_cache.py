@@ -26,10 +26,10 @@ def outermost_trace():
   evaluation. Each ``jax.jit``/``make_jaxpr``/eager ``grad``/``vmap`` call
   starts a new one; nested traces (scan bodies, linearize inside jit) lead
   back to it through their parents."""
-  trace, outer = jx.current_trace(), None
-  while trace is not None and not jx.is_eval_trace(trace):
+  trace, outer = jx.core.trace_ctx.trace, None
+  while trace is not None and not isinstance(trace, jx.core.EvalTrace):
     outer = trace
-    trace = jx.parent_trace(trace)
+    trace = getattr(trace, "parent_trace", None)
   return outer
 
 
@@ -62,7 +62,7 @@ class TraceLocalCache:
     tracer: one of a nested trace (a scan body) must not leak into the
     enclosing program."""
     outer = outermost_trace()
-    if outer is None or any(isinstance(c, jx.Tracer) for c in consts):
+    if outer is None or any(isinstance(c, jx.core.Tracer) for c in consts):
       return
     self._entries[key] = (weakref.ref(outer), value)
     self._entries.move_to_end(key)

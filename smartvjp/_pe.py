@@ -39,9 +39,9 @@ def _residuals(eqn, inst_in, staged, new_vars=()):
   of the known equation), then each input of ``eqn`` that the staged
   equation reads and that is not already instantiated there, once."""
   out, seen = list(new_vars), set(new_vars)
-  reads = {v for v in staged.invars if type(v) is jx.Var}
+  reads = {v for v in staged.invars if type(v) is jx.core.Var}
   for v, inst in zip(eqn.invars, inst_in):
-    if type(v) is jx.Var and not inst and v in reads and v not in seen:
+    if type(v) is jx.core.Var and not inst and v in reads and v not in seen:
       out.append(v)
       seen.add(v)
   return out
@@ -62,7 +62,7 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
                                                answers)
   if swapped:   # the defremat rules: their fwd closes over nothing
     n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
-    eqn = jx.eqn_with(eqn, invars=[*eqn.invars[:n1], *eqn.invars[n2:]],
+    eqn = eqn.replace(invars=[*eqn.invars[:n1], *eqn.invars[n2:]],
                       params=dict(eqn.params, call=new_call, fwd=new_fwd))
     inst_in = [*inst_in[:n1], *inst_in[n2:]]
   call, fwd = new_call, new_fwd
@@ -76,7 +76,7 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   unks_out = [False] * n_out + [True] * (n_all - n_out)
   if plan.kind is _plan.Kind.RECOMPUTE:
     # f in the forward pass, the whole jvp in the backward region
-    staged = jx.eqn_with(eqn, params=dict(eqn.params, schedule=plan.schedule))
+    staged = eqn.replace(params=dict(eqn.params, schedule=plan.schedule))
     return (known, staged, unks_out, [True] * n_all,
             _residuals(eqn, inst_in, staged))
   if plan.kind is _plan.Kind.SPLIT:
@@ -85,8 +85,8 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   # fwd (or f in its place) forward, its residuals kept; the linear map staged
   ins, params = ex.linear(call, fwd, plan, in_nz, [*fwd_consts, *primals],
                           primals, kept)
-  staged = jx.new_eqn([*ins, *tangents], eqn.outvars[n_out:], lin_p, params,
-                      set(), eqn)
+  staged = jx.pe.new_jaxpr_eqn([*ins, *tangents], eqn.outvars[n_out:], lin_p,
+                               params, set(), eqn.source_info, eqn.ctx)
   return (known, staged, unks_out, [False] * n_out + [True] * (n_all - n_out),
           _residuals(eqn, inst_in, staged, kept))
 
@@ -111,7 +111,7 @@ def _split(eqn, inst_in, plan, known, extra, f_consts, fwd_consts, primals,
   emit = ex.Eqns(eqn)
   emit(jvp_p, [*f_consts, *saved, *fwd_consts, *primals, *tangents],
        dict(eqn.params, fwd=split.staged, schedule=plan.schedule),
-       first=[jx.Var(v.aval) if i in kept_outs else v
+       first=[jx.core.Var(v.aval) if i in kept_outs else v
               for i, v in enumerate(eqn.outvars)])
   staged = emit.eqn
   unks_out = [False] * n_out + [True] * (len(eqn.outvars) - n_out)
@@ -129,16 +129,18 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, schedule):
   params = dict(call=call, fwd=fwd, in_nz=in_nz, schedule=schedule)
   n_known = len(tracers) - sum(in_nz)
   known_tracers, tangent_tracers = tracers[:n_known], tracers[n_known:]
-  vals = jx.pe_known_values(known_tracers)
-  if vals is None or jx.pe_all_known(tangent_tracers):
-    return jx.pe_default(trace, jvp_p, tracers, params)
+  if (not all(t.is_known() for t in known_tracers)
+      or all(t.is_known() for t in tangent_tracers)):
+    return trace.default_process_primitive(jvp_p, tracers, params)
+  vals = [t.pval.get_known() for t in known_tracers]
   f_consts, fwd_consts, primals, _ = call.split_jvp_args(vals, fwd)
-  with jx.set_current_trace(jx.parent_trace(trace)):
+  with jx.core.set_current_trace(getattr(trace, "parent_trace", None)):
     outs, lin_ins, lin_params = ex.backward_region(
         call, fwd, schedule, in_nz, f_consts, fwd_consts, primals)
-  staged_in = [*(jx.pe_instantiate(trace, x) for x in lin_ins),
+  staged_in = [*(trace.new_instantiated_const(x) for x in lin_ins),
                *tangent_tracers]
-  return [*outs, *jx.pe_default(trace, lin_p, staged_in, lin_params)]
+  return [*outs,
+          *trace.default_process_primitive(lin_p, staged_in, lin_params)]
 
 
 register(jvp_p, "partial_eval", _jvp_partial_eval)
@@ -175,7 +177,7 @@ def _jvp_dce(used_outputs, eqn):
     return [False] * len(eqn.invars), None
   elif left.primal is _plan.Forward.FWD:   # fwd without its residuals
     emit(rule_p, [*fwd_consts, *primals], ex.fwd_params(call, fwd),
-         first=[*eqn.outvars[:n], *(jx.drop_var(a)
+         first=[*eqn.outvars[:n], *(jx.core.DropVar(a)
                                     for a in fwd.jaxpr.out_avals[n:])])
   else:
     ex.primal(emit, call, fwd, f_consts, fwd_consts, primals, left.primal,
@@ -201,8 +203,7 @@ def _call_dce(used_outputs, eqn):
   if all(used_outputs) or not any(used_outputs):
     return dce_whole(used_outputs, eqn)
   kept = tuple(i for i, u in enumerate(used_outputs) if u)
-  new_eqn = jx.eqn_with(
-      eqn, outvars=[eqn.outvars[i] for i in kept],
+  new_eqn = eqn.replace(outvars=[eqn.outvars[i] for i in kept],
       params=dict(eqn.params, call=pruned(eqn.params["call"], kept)))
   return [True] * len(eqn.invars), new_eqn
 
@@ -225,7 +226,7 @@ def _fwd_dce(used_outputs, eqn):
     # residuals read and some primal outputs not: fwd's traced code pruned
     # as JAX prunes the inlined fwd of a jax.custom_vjp (a solver's unused
     # state is not computed)
-    return _traced_dce(used_outputs, jx.eqn_with(eqn, params=dict(
+    return _traced_dce(used_outputs, eqn.replace(params=dict(
         call=call, which="fwd", jaxpr=fwd.jaxpr)))
   if any(kept) and not all(kept) and fwd.jaxpr is not None:
     # some residuals read, some not: fwd computes only those read
@@ -260,7 +261,7 @@ def _traced_dce(used_outputs, eqn):
   jaxpr = eqn.params["jaxpr"]
   if not any(used_outputs) and not jx.effects_keep_alive(eqn.effects):
     return [False] * len(eqn.invars), None
-  pruned_jaxpr, used_inputs = jx.dce_jaxpr(jaxpr.jaxpr, used_outputs)
+  pruned_jaxpr, used_inputs = jx.pe.dce_jaxpr(jaxpr.jaxpr, list(used_outputs))
   if all(used_inputs) and all(used_outputs):
     return used_inputs, eqn
   emit = ex.Eqns(eqn)

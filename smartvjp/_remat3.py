@@ -50,7 +50,7 @@ def _call_remat3(ctx, *in_vals, call):
   check_fwd_output_types(call, fwd)   # f and fwd may both run
   n = call.num_consts
   f_consts, primals = list(in_vals[:n]), list(in_vals[n:])
-  avals = [jx.get_aval(x) for x in (*f_consts, *fwd_consts, *primals)]
+  avals = [jx.core.typeof(x) for x in (*f_consts, *fwd_consts, *primals)]
   avals += [a.to_tangent_aval() for a, nz in zip(call.in_avals, in_nz) if nz]
   answers = _policy.answers(
       ctx.policy, call, fwd, jvp_p, avals,
@@ -78,12 +78,12 @@ def _call_remat3(ctx, *in_vals, call):
     return list(outs), saved, rem
   # fwd (or f in its place) forward, its outputs kept (residuals offloaded
   # where the policy says); the rem side hands them to bwd
-  spec = ex.passthrough(call, fwd, [jx.get_aval(x) for x in outs])
+  spec = ex.passthrough(call, fwd, [jx.core.typeof(x) for x in outs])
   spaces = plan.spaces or (None,) * len(kept)
   n_out = call.num_outs
 
   def rem(saved, *rem_in):
-    back = [r if s is None else jax.device_put(r, jx.memory_space("device"))
+    back = [r if s is None else jax.device_put(r, jx.core.mem_kind_to_space("device"))
             for r, s in zip(saved[n_out:], spaces)]
     return rem_p.bind(*rem_in[:k], *saved[:n_out], *back, *fwd_consts,
                       *rem_in[k:], call=call, fwd=spec,
@@ -109,8 +109,8 @@ def _rebuilding(plan):
   for i, o in enumerate(split.saved_outputs):
     if o is not None:
       outvars[o] = jaxpr.invars[i]
-  jaxpr, _ = jx.dce_jaxpr(jx.jaxpr_with(jaxpr, outvars=outvars),
-                          [True] * len(outvars), True)
+  jaxpr, _ = jx.pe.dce_jaxpr(jaxpr.replace(outvars=outvars),
+                             [True] * len(outvars), True)
   return dataclasses.replace(staged, jaxpr=jx.ClosedJaxpr(jaxpr, ()))
 
 

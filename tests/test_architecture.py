@@ -107,6 +107,7 @@ STAGE_OF_KIND = {
     "transpose_with_logs": "_ad",
     "partial_eval": "_pe", "partial_eval_custom": "_pe", "dce": "_pe",
     "batching": "_batching", "remat3": "_remat3", "checkify": "_checkify",
+    "process": "_process",
 }
 DERIVED = "smartvjp/_primitive.py"
 
