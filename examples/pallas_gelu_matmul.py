@@ -220,11 +220,21 @@ def _pad(a, rows, cols):
 # checkpointed scan XLA fuses dw's kernel with the update of the stacked
 # gradient, and that fusion ran out of VMEM with dw tiles of (4096, 512) and
 # (2048, 512) (benchmarks/results/accel_mlp_tpu.json at K = 4096, and at
-# K = 2048 for batches past 8192); hence (1024, 512), not yet run on a TPU.
+# K = 2048 for batches past 8192); hence (1024, 512) everywhere.
 TPU_TILES = {
     "fwd": (1024, 1024, 1024),
     "dx": (512, 2048, 512),
     "dw": (1024, 512, 512),
+}
+# Per (K, N), from the second search (benchmarks/results/tpu_tiles_matmul2.json,
+# ``chosen``): whole-K forward blocks (one K step: no accumulator, and at
+# K = N = 2048 all of w stays in VMEM), and a dx block over all of K. With
+# them the 8-layer step at M = 8192 took 0.89x (K = 2048) and 0.97x
+# (K = 4096) of the step with TPU_TILES (accel_mlp_tpu.json). The search
+# picked dw (2048, 512) at K = 2048 too; it is not kept here (see above).
+TPU_TILES_BY_SHAPE = {
+    (2048, 2048): {"fwd": (1024, 1024, 2048), "dx": (1024, 2048, 1024)},
+    (4096, 4096): {"fwd": (512, 2048, 2048), "dx": (512, 2048, 2048)},
 }
 # The scoped VMEM a kernel asks for: twice what its double-buffered blocks,
 # scratch and f32 temporaries take, within these bounds. Asking for far more
@@ -286,7 +296,10 @@ def _vmem_need(in_specs, args, out_specs, out_shape, scratch):
 
 def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
   """(f, fwd, bwd, fwd_bwd) with Mosaic kernels."""
-  tiles = {**TPU_TILES, **(tiles or {})}
+  overrides = tiles or {}
+
+  def tiles_for(k, n):
+    return {**TPU_TILES, **TPU_TILES_BY_SHAPE.get((k, n), {}), **overrides}
 
   def call(rule, name, kernel, grid, in_specs, out_specs, out_shape, scratch,
            semantics, *args):
@@ -305,7 +318,7 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
 
   def fwd_tiles(x, w):
     (m, k), n = x.shape, w.shape[1]
-    bm, bn, bk = tiles["fwd"]
+    bm, bn, bk = tiles_for(k, n)["fwd"]
     return _fit(bm, m, 16), _fit(bn, n, 128), _fit(bk, k, 128)
 
   def matmul_epilogue(rule, x, w, epilogue, out_dtypes, *extra):
@@ -367,6 +380,7 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
       return dy.astype(dtype)
 
     # dx: grid (M / bm, K / bk, N / bn), N contracted innermost
+    tiles = tiles_for(k, n)
     bm, bk, bn = tiles["dx"]
     bm, bk, bn = _fit(bm, m, 16), _fit(bk, k, 128), _fit(bn, n, 128)
     mp, kp, np_ = _round_up(m, bm), _round_up(k, bk), _round_up(n, bn)
@@ -448,8 +462,9 @@ def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
     target: ``"tpu"`` (Mosaic kernels: a K-innermost grid with an f32 VMEM
       accumulator, ``TPU_TILES``) or ``"gpu"`` (Triton-shaped kernels that
       loop over K inside); default: ``"tpu"`` on a TPU, else ``"gpu"``.
-    tpu_tiles: overrides of ``TPU_TILES`` entries (``"fwd"``, ``"dx"``,
-      ``"dw"``), for a tile search.
+    tpu_tiles: overrides of the TPU tiles (``"fwd"``, ``"dx"``, ``"dw"``
+      entries), for a tile search; otherwise ``TPU_TILES_BY_SHAPE`` for the
+      call's ``(K, N)`` where it has them, else ``TPU_TILES``.
     vmem_limit: the TPU kernels' scoped VMEM limit in bytes (default: twice
       each kernel's estimated need, within ``TPU_VMEM_BOUNDS``).
     fused: also define the fused ``fwd_bwd`` rule.

@@ -41,7 +41,10 @@ def closure_error(call, where: str = "", where_made: bool = False):
       "an argument instead, or use jax.closure_convert.")
   if where_made:
     return UnexpectedTracerError(message)
-  return jx.custom_vjp_exception(message)
+  # JAX's CustomVJPException, whose constructor takes no message
+  error = jx.ad.CustomVJPException.__new__(jx.ad.CustomVJPException)
+  Exception.__init__(error, message)
+  return error
 
 
 def _classify(call, nonzeros, in_nz) -> str:
@@ -57,7 +60,7 @@ def _classify(call, nonzeros, in_nz) -> str:
 # -- smartvjp_call: JVP (jax.checkpoint, jax.jvp) ------------------------------------
 
 def _call_jvp(primals, tangents, *, call):
-  nonzeros = [type(t) is not jx.Zero for t in tangents]
+  nonzeros = [type(t) is not jx.ad_util.Zero for t in tangents]
   in_nz = call.perturbed(nonzeros[call.num_consts:])
   if _classify(call, nonzeros, in_nz) == "closure":   # f differentiated
     return rule_jvp(call_p.impl, "fun", primals, tangents, call=call,
@@ -104,8 +107,8 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
     return (outs, [False] * call.num_outs, [],
             lambda _res, *_t: call.expand_tangents([]))
   check_aliased_refs(call, primals)
-  eager = jx.is_eval_trace() and not any(
-      isinstance(p, jx.Tracer) for p in primals_in)
+  eager = isinstance(jx.core.trace_ctx.trace, jx.core.EvalTrace) and not any(
+      isinstance(p, jx.core.Tracer) for p in primals_in)
   plan = _plan.plan(_policy.facts_of(call, None), None)
   if plan.schedule.runs_fwd_bwd:   # fwd_bwd alone: f now
     outs = (eager_f(call, primals) if eager else
@@ -136,7 +139,7 @@ register(call_p, "linearization", _call_linearization)
 def _transposed(impl, args, params):
   """``impl`` as a linear function of the inputs JAX found linear, the
   others held fixed, transposed; with which inputs those are."""
-  undefined = [jx.is_undefined_primal(a) for a in args]
+  undefined = [jx.ad.is_undefined_primal(a) for a in args]
   lin_avals = [a.aval for a, u in zip(args, undefined) if u]  # full types
 
   def linear_part(*lin):
@@ -147,7 +150,7 @@ def _transposed(impl, args, params):
 
 
 def _apply_transposed(transposed, undefined, cts):
-  it = iter(transposed([jx.instantiate_zeros(c) for c in cts]))
+  it = iter(transposed([jx.ad.instantiate_zeros(c) for c in cts]))
   return [next(it) if u else None for u in undefined]
 
 
@@ -184,7 +187,7 @@ def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   n = ex.num_nonlinear(call, fwd)
   cts_out = call.expand_tangents(cts)
   if fwd is None:
-    if any(type(ct) is not jx.Zero for ct in cts):
+    if any(type(ct) is not jx.ad_util.Zero for ct in cts):
       check_f_output_invariance(call)   # the cotangent has f's type here
     cts_in = ex.run_fwd_bwd(call, args[:n], in_nz, cts_out)
   else:
@@ -218,7 +221,7 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
     except Exception as e:  # noqa: BLE001 - the rule's own error, as is
       rule_failed.append(e)
       raise
-    return [jx.instantiate_zeros(c) for c in _nz_inputs(cts, in_nz)]
+    return [jx.ad.instantiate_zeros(c) for c in _nz_inputs(cts, in_nz)]
 
   try:
     transposed = jax.linear_transpose(nz_map, *ct_avals)
@@ -273,8 +276,8 @@ def lin_forward(*args, call, fwd, in_nz, reload):
 def _lin_jvp(primals, tangents, **params):
   """Itself where only the tangents move; else (higher order) its code's."""
   n = ex.num_nonlinear(params["call"], params["fwd"])
-  if all(type(t) is jx.Zero for t in tangents[:n]):
-    lin_tangents = [jx.instantiate_zeros(t) for t in tangents[n:]]
+  if all(type(t) is jx.ad_util.Zero for t in tangents[:n]):
+    lin_tangents = [jx.ad.instantiate_zeros(t) for t in tangents[n:]]
     return (lin_p.bind(*primals, **params),
             lin_p.bind(*primals[:n], *lin_tangents, **params))
   return rule_jvp(lin_forward, forward_role(params), primals, tangents,
@@ -313,8 +316,8 @@ def _rem_jvp(primals, tangents, *, call, fwd, schedule):
   it under remat3, except where remat3 perturbs every input (``_versions``)."""
   n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
   f_consts, fwd_consts, args = primals[:n1], primals[n1:n2], primals[n2:]
-  in_nz = call.perturbed([type(t) is not jx.Zero for t in tangents[n2:]])
-  if (any(type(t) is not jx.Zero for t in tangents[:n1])
+  in_nz = call.perturbed([type(t) is not jx.ad_util.Zero for t in tangents[n2:]])
+  if (any(type(t) is not jx.ad_util.Zero for t in tangents[:n1])
       and not _versions.REMAT3_PERTURBS_EVERY_INPUT):
     raise closure_error(call, "inside jax.checkpoint under JAX's jax_remat3 "
                         "flag")

@@ -462,7 +462,7 @@ class smart_custom_vjp:
 
 def _aval(rules, dyn, i, x):
   try:
-    return jx.get_aval(x)
+    return jx.core.typeof(x)
   except TypeError:
     path = tree_util.keystr(tree_util.tree_flatten_with_path(dyn)[0][i][0])
     raise rule_error(
@@ -474,7 +474,7 @@ def _aval(rules, dyn, i, x):
 
 def _resolve_kwargs(fun, args, kwargs):
   try:
-    return jx.resolve_kwargs(fun, args, kwargs)
+    return jx.api_util.resolve_kwargs(fun, args, kwargs)
   except TypeError as e:
     raise TypeError(
         f"The input arguments to the smart_custom_vjp function {function_name(fun)} "
@@ -483,7 +483,7 @@ def _resolve_kwargs(fun, args, kwargs):
 
 def _check_no_tracers(fun, args, i):
   for leaf in tree_util.tree_leaves(args[i]):
-    if isinstance(leaf, jx.Tracer):
+    if isinstance(leaf, jx.core.Tracer):
       raise UnexpectedTracerError(
           f"Found a JAX Tracer passed to smart_custom_vjp function "
           f"{function_name(fun)} as argument {i}, a position marked non-"

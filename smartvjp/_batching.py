@@ -32,7 +32,7 @@ def _call_batching(axis_data, args, dims, *, call):
   # an output f computes from unbatched inputs only is the same for every
   # example: one copy, unbatched, as JAX returns it; differentiated, fwd ran
   # and its outputs decide (_output_batching)
-  _, out_batched = jx.batch_jaxpr(
+  _, out_batched = jx.batching.batch_jaxpr(
       call.jaxpr, axis_data, [d is not None for d in (*cdims, *pdims)], False)
   out_batched = _output_batching(bcall, outs, out_batched)
   outs = [o if b else o[0] for o, b in zip(outs, out_batched)]
@@ -42,12 +42,20 @@ def _call_batching(axis_data, args, dims, *, call):
 register(call_p, "batching", _call_batching)
 
 
+def _carries_tangent(x) -> bool:
+  """Whether ``x`` is a tracer of the current trace, a JVP or a
+  linearization, with a tangent that is not a symbolic zero."""
+  return (isinstance(x, (jx.ad.JVPTracer, jx.ad.LinearizeTracer))
+          and x._trace is jx.core.trace_ctx.trace  # pylint: disable=protected-access
+          and type(x.tangent) is not jx.ad_util.Zero)
+
+
 def _output_batching(bcall, outs, f_batched):
   """``f``'s mapped outputs, except for a call just differentiated, where
   ``fwd`` ran and decides (as for ``jax.custom_vjp``), unless
   ``generic_batching``."""
   if (all(f_batched) or bcall.rules.generic_batching
-      or not any(jx.carries_tangent(o) for o in outs)):
+      or not any(_carries_tangent(o) for o in outs)):
     return f_batched
   mapped = getattr(bcall.rules.fwd, "mapped_outputs", {}).get("fwd")
   if mapped is None or len(mapped) != len(f_batched):
@@ -74,7 +82,7 @@ def _rule_batching(axis_data, args, dims, **params):
     return rule_p.bind(*args, **params), [None] * len(fwd.jaxpr.out_avals)
   n_out = len(fwd.jaxpr.out_avals)
   bfwd, extra, out_batched = _vmap.batched_fwd(
-      call, fwd, axis_data, dims, [jx.zero_if_mapped] * n_out)
+      call, fwd, axis_data, dims, [jx.batching.zero_if_mapped] * n_out)
   outs = rule_p.bind(*extra, *args, **dict(params, fwd=bfwd))
   return outs, [0 if b else None for b in out_batched]
 
@@ -109,10 +117,10 @@ def _lin_batching(axis_data, args, dims, *, call, fwd, in_nz, reload):
                                  res_mapped)
   bfwd = fwd
   if fwd is not None:
-    size, _, _, mesh_axis = jx.vmap_axis(axis_data)
     bfwd = dataclasses.replace(
-        fwd, res_avals=tuple(jx.get_aval(r) for r in args[:n]),
-        out_avals=tuple(jx.unmapped_aval(size, 0, a, mesh_axis)
+        fwd, res_avals=tuple(jx.core.typeof(r) for r in args[:n]),
+        out_avals=tuple(jx.core.unmapped_aval(
+                            axis_data.size, 0, a, axis_data.explicit_mesh_axis)
                         for a in fwd.out_avals))
   outs = lin_p.bind(*args, **ex.lin_params(bcall, bfwd, in_nz, reload))
   return outs, [0] * len(outs)
@@ -181,7 +189,7 @@ def _rem_batching(axis_data, args, dims, *, call, fwd, schedule):
   the batched ``bwd`` expects."""
   params = dict(call=call, fwd=fwd, schedule=schedule)
   if _vmap.unbatched(axis_data, dims,
-                     rem_p.abstract_eval(*map(jx.get_aval, args),
+                     rem_p.abstract_eval(*map(jx.core.typeof, args),
                                          **params)[1]):
     return rem_p.bind(*args, **params), [None] * call.num_outs
   args, _ = _vmap.to_front_or_none(

@@ -15,10 +15,10 @@ from smartvjp import _facade as jx
 
 
 def outermost_trace():
-  trace, outer = jx.current_trace(), None
-  while trace is not None and not jx.is_eval_trace(trace):
+  trace, outer = jx.core.trace_ctx.trace, None
+  while trace is not None and not isinstance(trace, jx.core.EvalTrace):
     outer = trace
-    trace = jx.parent_trace(trace)
+    trace = getattr(trace, "parent_trace", None)
   return outer
 
 
@@ -49,7 +49,7 @@ class TraceLocalCache:
     """Not stored where ``consts`` hold a tracer (of a nested trace, which
     must not leak)."""
     outer = outermost_trace()
-    if outer is None or any(isinstance(c, jx.Tracer) for c in consts):
+    if outer is None or any(isinstance(c, jx.core.Tracer) for c in consts):
       return
     self._entries[key] = (weakref.ref(outer), value)
     self._entries.move_to_end(key)

@@ -20,7 +20,7 @@ def _call_checkify(ctx, error, enabled, *args, call):
   store = {}
   rules = _checked_rules(ctx, call, enabled, err_tree, len(err_vals),
                          list(f_consts), store)
-  avals = tuple(jx.get_aval(x) for x in leaves)
+  avals = tuple(jx.core.typeof(x) for x in leaves)
   new_call, consts = trace_call(rules, (), len(leaves),
                                 tree_util.tree_structure(tuple(leaves)), avals)
   outs = call_p.bind(*consts, *leaves, call=new_call)
@@ -32,7 +32,7 @@ def _call_checkify(ctx, error, enabled, *args, call):
 
 
 def _value(x):
-  return x.value if isinstance(x, jx.CustomVJPPrimal) else x
+  return x.value if isinstance(x, jx.cd.CustomVJPPrimal) else x
 
 
 def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
@@ -56,7 +56,7 @@ def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
 
   def user_cts(out, which):
     cts = flatten_cotangents(call, out, which)
-    return tuple([None] * n_err + [None if type(c) is jx.Zero else c
+    return tuple([None] * n_err + [None if type(c) is jx.ad_util.Zero else c
                                    for c in cts])
 
   def bwd(res, g):

@@ -68,7 +68,7 @@ def describe_tree(x) -> str:
 def check_jax_leaves(tree, rules, which: str, what: str) -> None:
   for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
     try:
-      jx.get_aval(leaf)
+      jx.core.typeof(leaf)
     except TypeError:
       raise rule_error(
           TypeError, rules, which,
@@ -124,7 +124,7 @@ def blame_fwd(call, error: Exception) -> None:
     paths = [tree_util.keystr(p) for p in _leaf_paths(tree)]
     for path, w, got in zip(paths, leaves, call.out_avals):
       if (w.shape, w.dtype) != (got.shape, got.dtype):
-        want_type = jx.ShapedArray(w.shape, w.dtype).str_short()
+        want_type = jx.core.ShapedArray(w.shape, w.dtype).str_short()
         what = (f"that differs from {rules.name}'s at "
                 f"{f'output{path}' if path else 'its output'}: {rules.name} "
                 f"gives {want_type}, fwd gives {got.str_short()}")
@@ -152,7 +152,7 @@ def fwd_output_type_mismatches(call, fwd) -> list:
   return [(path, a, b) for path, a, b in
           zip(paths, call.out_avals, fwd.out_avals)
           if (a.shape, a.dtype) == (b.shape, b.dtype)
-          and not jx.typecompat(a, b)]
+          and not jx.core.typecompat(a, b)]
 
 
 def check_fwd_output_types(call, fwd) -> None:
@@ -168,6 +168,13 @@ def check_fwd_output_types(call, fwd) -> None:
         "in varying manual axes (shard_map) and sharding too; make f and "
         "fwd return the same type (for instance with "
         "jax.lax.pcast(x, axis_names, to='varying')).")
+
+
+def _varying_axes(aval) -> frozenset:
+  """The manual mesh axes (``jax.shard_map`` with ``check_vma=True``) along
+  which values of type ``aval`` vary; empty outside such a ``shard_map``."""
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", ()))
 
 
 def _axis_names_in(value, out: set) -> None:
@@ -191,9 +198,9 @@ def unjustified_invariance(jaxpr) -> list:
   honest = {}
 
   def get(v):
-    if type(v) is not jx.Var:
+    if type(v) is not jx.core.Var:
       return frozenset()
-    return honest.get(v, jx.varying_axes(v.aval))
+    return honest.get(v, _varying_axes(v.aval))
 
   for eqn in jaxpr.eqns:
     inputs = frozenset().union(*(get(v) for v in eqn.invars))
@@ -201,9 +208,9 @@ def unjustified_invariance(jaxpr) -> list:
     for value in eqn.params.values():
       _axis_names_in(value, named)
     for v in eqn.outvars:
-      honest[v] = jx.varying_axes(v.aval) | (inputs - named)
-  return [get(v) - (jx.varying_axes(v.aval)
-                    if type(v) is jx.Var else frozenset())
+      honest[v] = _varying_axes(v.aval) | (inputs - named)
+  return [get(v) - (_varying_axes(v.aval)
+                    if type(v) is jx.core.Var else frozenset())
           for v in jaxpr.outvars]
 
 
@@ -259,8 +266,8 @@ def check_primal_out(call, primal_out) -> None:
   paths = [tree_util.keystr(p) for p, _ in
            tree_util.tree_flatten_with_path(primal_out)[0]]
   for path, leaf, want in zip(paths, leaves, call.out_avals):
-    got = jx.get_aval(leaf)
-    if not jx.typecompat(want, got):   # as JAX compares, where f has run
+    got = jx.core.typeof(leaf)
+    if not jx.core.typecompat(want, got):   # as JAX compares, where f has run
       same = (got.shape, got.dtype) == (want.shape, want.dtype)
       raise rule_error(
           TypeError, rules, "fwd",
@@ -330,11 +337,11 @@ def _spread(call, out, which) -> list:
 def _same_but_dtype(want, got) -> bool:
   """``jax.custom_vjp`` passes a cotangent of another dtype through where
   the input's cotangent is inexact or the dtype is extended."""
-  if not (isinstance(want, jx.ShapedArray) and isinstance(got, jx.ShapedArray)):
+  if not (isinstance(want, jx.core.ShapedArray) and isinstance(got, jx.core.ShapedArray)):
     return False
   if want.shape != got.shape:
     return False
-  if not jx.typecompat(want, got.update(dtype=want.dtype,
+  if not jx.core.typecompat(want, got.update(dtype=want.dtype,
                                        weak_type=want.weak_type)):
     return False
   return (jax.dtypes.issubdtype(got.dtype, jax.dtypes.extended)
@@ -342,10 +349,10 @@ def _same_but_dtype(want, got) -> bool:
 
 
 def _accepts(want, got) -> bool:
-  if jx.typecompat(want, got):
+  if jx.core.typecompat(want, got):
     return True
   inner = getattr(want, "inner_aval", None)   # a mutable array reference
-  if inner is not None and jx.typecompat(jx.ct_aval(inner), got):
+  if inner is not None and jx.core.typecompat(inner.to_ct_aval(), got):
     return True
   return _same_but_dtype(want, got)
 
@@ -358,22 +365,22 @@ def flatten_cotangents(call, out, which: str) -> list:
   unchecked = bwd_checks_disabled()
   results = []
   for path, aval, ct in zip(paths, call.in_avals, flat):
-    ct_aval = jx.ct_aval(aval)
-    if ct is _NO_CT or ct_aval.dtype == jx.float0:
-      results.append(jx.Zero(ct_aval))
+    ct_aval = aval.to_ct_aval()
+    if ct is _NO_CT or ct_aval.dtype == jx.dtypes.float0:
+      results.append(jx.ad_util.Zero(ct_aval))
       continue
-    if type(ct) is jx.SymbolicZero:
-      if not jx.typecompat(ct_aval, ct.aval):
+    if type(ct) is jx.ad_util.SymbolicZero:
+      if not jx.core.typecompat(ct_aval, ct.aval):
         raise rule_error(
             ValueError, rules, which,
             f"returned a SymbolicZero of type {ct.aval.str_short()} at "
             f"output{path}, but the corresponding input's cotangent type is "
             f"{ct_aval.str_short()} (input {aval.str_short()}); return None "
             "there for a zero cotangent.")
-      results.append(jx.Zero(ct.aval))
+      results.append(jx.ad_util.Zero(ct.aval))
       continue
     try:
-      got = jx.get_aval(ct)
+      got = jx.core.typeof(ct)
     except TypeError:
       raise rule_error(
           TypeError, rules, which,
@@ -401,7 +408,7 @@ def _sharding_hint(want, got) -> str:
 # -- references ------------------------------------------------------------
 
 def _checks_on() -> bool:
-  return jx.mutable_array_checks_enabled()
+  return bool(jx.config.mutable_array_checks.value)
 
 
 def argument_leaf_names(rules, num_args: int, in_tree) -> list[str]:
@@ -430,14 +437,22 @@ def _parameter_names(fun, num_args: int) -> list[str]:
           for i in range(num_args)]
 
 
+def _is_ref(x) -> bool:
+  """A mutable array reference (``jax.new_ref``) or its tracer."""
+  try:
+    return isinstance(jx.core.typeof(x), jx.state_types.AbstractRef)
+  except TypeError:
+    return False
+
+
 def aliased_refs(leaves) -> list:
   if not _checks_on():
     return []
   first, pairs = {}, []
   for j, x in enumerate(leaves):
-    x = x.value if isinstance(x, jx.CustomVJPPrimal) else x
-    if jx.is_ref(x):
-      i = first.setdefault(jx.referent_id(x), j)
+    x = x.value if isinstance(x, jx.cd.CustomVJPPrimal) else x
+    if _is_ref(x):
+      i = first.setdefault(id(jx.core.get_referent(x)), j)
       if i != j:
         pairs.append((i, j))
   return pairs
@@ -451,12 +466,12 @@ def check_aliased_arguments(rules, role: str, num_args: int, in_tree,
   i, j = pairs[0]
   names = argument_leaf_names(rules, num_args, in_tree)
   leaf = primals[j]
-  leaf = leaf.value if isinstance(leaf, jx.CustomVJPPrimal) else leaf
+  leaf = leaf.value if isinstance(leaf, jx.cd.CustomVJPPrimal) else leaf
   raise rule_error(
       ValueError, rules, role,
       f"received one mutable array through two differentiable arguments, "
       f"{names[i]} and {names[j]} (a reference of type "
-      f"{jx.get_aval(leaf).str_short()}); pass each mutable array at "
+      f"{jx.core.typeof(leaf).str_short()}); pass each mutable array at "
       "most once among the differentiable arguments, since bwd returns one "
       "cotangent per argument.")
 
@@ -468,7 +483,7 @@ def check_aliased_refs(call, primals) -> None:
 
 def _first_ref(tree):
   for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
-    if jx.is_ref(leaf):
+    if _is_ref(leaf):
       return tree_util.keystr(path), leaf
   return None
 
@@ -486,7 +501,7 @@ def check_f_output(rules, out) -> None:
     raise rule_error(
         ValueError, rules, "fun",
         f"returned a mutable array reference of type "
-        f"{jx.get_aval(leaf).str_short()}{_at('output', path)}; f must "
+        f"{jx.core.typeof(leaf).str_short()}{_at('output', path)}; f must "
         "return values: read the reference (ref[...]) to return its value.")
 
 
@@ -498,29 +513,29 @@ def check_fwd_output(rules, primal_out, res, primals) -> None:
       raise rule_error(
           ValueError, rules, "fwd",
           f"returned a mutable array reference of type "
-          f"{jx.get_aval(leaf).str_short()} in its primal output"
+          f"{jx.core.typeof(leaf).str_short()} in its primal output"
           f"{_at('output', path)}; like f, fwd must return values there "
           "(residuals may hold the references fwd received as arguments).")
-  passed = {id(p.value if isinstance(p, jx.CustomVJPPrimal) else p)
+  passed = {id(p.value if isinstance(p, jx.cd.CustomVJPPrimal) else p)
             for p in primals}
   for path, leaf in tree_util.tree_flatten_with_path(res)[0]:
-    leaf = leaf.value if isinstance(leaf, jx.CustomVJPPrimal) else leaf
-    if jx.is_ref(leaf) and id(leaf) not in passed:
+    leaf = leaf.value if isinstance(leaf, jx.cd.CustomVJPPrimal) else leaf
+    if _is_ref(leaf) and id(leaf) not in passed:
       raise rule_error(
           ValueError, rules, "fwd",
           f"returned a mutable array reference of type "
-          f"{jx.get_aval(leaf).str_short()} among its residuals"
+          f"{jx.core.typeof(leaf).str_short()} among its residuals"
           f"{_at('residuals', tree_util.keystr(path))} that is not one of its "
           "differentiable arguments; only references passed to fwd can be "
           "residuals (bwd receives them to write into).")
 
 
 def argument_position(leaf, primals):
-  leaf = leaf.value if isinstance(leaf, jx.CustomVJPPrimal) else leaf
-  if not jx.is_ref(leaf):
+  leaf = leaf.value if isinstance(leaf, jx.cd.CustomVJPPrimal) else leaf
+  if not _is_ref(leaf):
     return None
   for i, p in enumerate(primals):
-    if (p.value if isinstance(p, jx.CustomVJPPrimal) else p) is leaf:
+    if (p.value if isinstance(p, jx.cd.CustomVJPPrimal) else p) is leaf:
       return i
   raise RuntimeError(
       "smartvjp internal error: a residual reference that fwd did not "

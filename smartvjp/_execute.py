@@ -38,10 +38,11 @@ class Eqns:
   def __call__(self, prim, ins, params, first=None):
     avals, effects = prim.abstract_eval(*[v.aval for v in ins], **params)
     first = list(first or [])
-    outvars = [*first, *(jx.Var(a) for a in avals[len(first):])]
+    outvars = [*first, *(jx.core.Var(a) for a in avals[len(first):])]
     effects = jx.resolve_effects(effects, ins)
-    self.eqns.append(jx.new_eqn(ins, outvars, prim, params, effects,
-                                self.like))
+    self.eqns.append(jx.pe.new_jaxpr_eqn(
+        list(ins), outvars, prim, params, effects, self.like.source_info,
+        self.like.ctx))
     return outvars
 
   @property
@@ -163,9 +164,9 @@ def decide(call, fwd, in_nz, policy, answers):
 
 def _prepare_cts(call, cts_out):
   if call.rules.symbolic_zeros:
-    return [jx.SymbolicZero(ct.aval) if type(ct) is jx.Zero else ct
+    return [jx.ad_util.SymbolicZero(ct.aval) if type(ct) is jx.ad_util.Zero else ct
             for ct in cts_out]
-  return [jx.instantiate_zeros(ct) for ct in cts_out]
+  return [jx.ad.instantiate_zeros(ct) for ct in cts_out]
 
 
 def run_bwd(call, fwd, residuals, cts_out) -> list:
@@ -191,18 +192,29 @@ def run_fwd_bwd(call, primals, in_nz, cts_out) -> list:
                     _prepare_cts(call, cts_out))
 
 
+def _stages_nothing() -> bool:
+  """True where every trace from the current one down to plain evaluation
+  is ``vmap``, ``jvp`` or a linearization's primal side: values are
+  computed now, nothing is staged into a jaxpr."""
+  t = jx.core.trace_ctx.trace
+  while isinstance(t, (jx.batching.BatchTrace, jx.ad.JVPTrace,
+                       jx.ad.LinearizeTrace)):
+    t = getattr(t, "parent_trace", None)
+  return isinstance(t, jx.core.EvalTrace)
+
+
 def _bind_rule(call, which, key, user, inputs, cts):
   """Traced once per signature and bound as ``smartvjp_rule``;
   ``SymbolicZero`` cotangents are part of the signature, not inputs."""
-  zero_in = tuple(type(c) is jx.SymbolicZero for c in cts)
+  zero_in = tuple(type(c) is jx.ad_util.SymbolicZero for c in cts)
   args = [*inputs, *(c for c, z in zip(cts, zero_in) if not z)]
-  if jx.stages_nothing():
+  if _stages_nothing():
     # eager (perhaps under vmap or jvp, as in an eager vmap(grad(F))): the
     # rule runs on the values themselves, as jax.custom_vjp runs bwd, so an
     # unbatched residual reaches it as a concrete array
     return user(inputs, cts)
-  avals = tuple(jx.get_aval(a) for a in args)
-  cache_key = (which, key, avals, zero_in, jx.config_key(),
+  avals = tuple(jx.core.typeof(a) for a in args)
+  cache_key = (which, key, avals, zero_in, jx.config.trace_context(),
                bwd_checks_disabled())
   hit = call.rule_cache.get(cache_key)
   if hit is None:
@@ -215,8 +227,8 @@ def _bind_rule(call, which, key, user, inputs, cts):
         outs = user(ins, full)
       log_leaves, store["logs"] = tree_util.tree_flatten(
           _jax_api.merged_logs(sink))
-      store["zero_out"] = tuple(type(o) is jx.Zero for o in outs)
-      return [o for o in outs if type(o) is not jx.Zero] + log_leaves
+      store["zero_out"] = tuple(type(o) is jx.ad_util.Zero for o in outs)
+      return [o for o in outs if type(o) is not jx.ad_util.Zero] + log_leaves
 
     jaxpr, consts = jx.trace_to_closed_jaxpr(
         flat, avals, f"smart_custom_vjp {which}", getattr(call.rules, which),
@@ -230,14 +242,14 @@ def _bind_rule(call, which, key, user, inputs, cts):
     outs, log_leaves = outs[:-n_logs], outs[-n_logs:]
     _jax_api.deposit_logs(tree_util.tree_unflatten(logs_tree, log_leaves))
   outs = iter(outs)
-  return [jx.Zero(jx.ct_aval(a)) if z else next(outs)
+  return [jx.ad_util.Zero(a.to_ct_aval()) if z else next(outs)
           for a, z in zip(call.in_avals, zero_out)]
 
 
 def with_offload_reloaded(res, reload):
   if reload is None:
     return list(res)
-  return [jax.device_put(r, jx.memory_space("device")) if back else r
+  return [jax.device_put(r, jx.core.mem_kind_to_space("device")) if back else r
           for r, back in zip(res, reload)]
 
 

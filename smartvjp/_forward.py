@@ -40,8 +40,8 @@ class JvpRule:
 
 
 def _zero(aval, symbolic: bool):
-  zero = jx.Zero(aval.to_tangent_aval())
-  return jx.SymbolicZero(zero.aval) if symbolic else jx.instantiate_zeros(zero)
+  zero = jx.ad_util.Zero(aval.to_tangent_aval())
+  return jx.ad_util.SymbolicZero(zero.aval) if symbolic else jx.ad.instantiate_zeros(zero)
 
 
 def _checked(call, pair) -> tuple[list, list]:
@@ -57,7 +57,7 @@ def _checked(call, pair) -> tuple[list, list]:
         TypeError, rules, "jvp",
         "returned a primal output whose pytree structure differs from "
         f"{rules.name}'s output: expected {call.out_tree}, got {out_tree}.")
-  is_zero = lambda x: isinstance(x, jx.SymbolicZero)
+  is_zero = lambda x: isinstance(x, jx.ad_util.SymbolicZero)
   t_leaves, t_tree = tree_util.tree_flatten(tangent_out, is_leaf=is_zero)
   if t_tree != out_tree:
     raise rule_error(
@@ -66,23 +66,23 @@ def _checked(call, pair) -> tuple[list, list]:
         f"primal output's: expected {out_tree}, got {t_tree}.")
   paths = [tree_util.keystr(p) for p, _ in
            tree_util.tree_flatten_with_path(primal_out)[0]]
-  want_avals = call.out_avals or [jx.get_aval(x) for x in out_leaves]
+  want_avals = call.out_avals or [jx.core.typeof(x) for x in out_leaves]
   nz_out = []
   for path, leaf, t, want in zip(paths, out_leaves, t_leaves, want_avals):
     where = f"output{path}" if path else "its output"
-    got = jx.get_aval(leaf)
+    got = jx.core.typeof(leaf)
     if (got.shape, got.dtype) != (want.shape, want.dtype):
       raise rule_error(
           TypeError, rules, "jvp",
           f"returned a primal output that differs from {rules.name}'s at "
           f"{where}: expected {want.str_short()}, got {got.str_short()}.")
     want_t = want.to_tangent_aval()
-    if want_t.dtype == jx.float0:
+    if want_t.dtype == jx.dtypes.float0:
       continue   # integer output: no tangent
     if is_zero(t):
       nz_out.append(jnp.zeros(want_t.shape, want_t.dtype))
       continue
-    got_t = jx.get_aval(t)
+    got_t = jx.core.typeof(t)
     if (got_t.shape, got_t.dtype) != (want_t.shape, want_t.dtype):
       raise rule_error(
           TypeError, rules, "jvp",
@@ -96,9 +96,9 @@ def tangents_only(call, primals, in_nz, nz_tangents, rule=None) -> list:
   """The rule's tangent part alone, traced and its primal part removed, so
   an opaque primal kernel does not run again."""
   args = [*primals, *nz_tangents]
-  avals = tuple(jx.get_aval(a) for a in args)
+  avals = tuple(jx.core.typeof(a) for a in args)
   n = len(primals)
-  key = ("jvp", avals, tuple(in_nz), jx.config_key())
+  key = ("jvp", avals, tuple(in_nz), jx.config.trace_context())
   hit = call.rule_cache.get(key) if rule is None else None
   if hit is None:
     run = (rule or call.rules.jvp).run
@@ -113,7 +113,7 @@ def tangents_only(call, primals, in_nz, nz_tangents, rule=None) -> list:
       call.rule_cache.put(key, hit, consts)
   jaxpr, consts = hit
   with jax.named_scope(call.scope("jvp")):
-    return jx.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *consts, *args)
+    return jx.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *consts, *args)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

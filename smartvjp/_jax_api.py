@@ -161,8 +161,8 @@ def _merge(nondiff_argnums, nondiff, dyn):
 
 def _values(args):
   return tree_util.tree_map(
-      lambda x: x.value if isinstance(x, jx.CustomVJPPrimal) else x, args,
-      is_leaf=lambda x: isinstance(x, jx.CustomVJPPrimal))
+      lambda x: x.value if isinstance(x, jx.cd.CustomVJPPrimal) else x, args,
+      is_leaf=lambda x: isinstance(x, jx.cd.CustomVJPPrimal))
 
 
 def with_arguments(fwd: Callable, nondiff_argnums) -> Callable:
@@ -175,17 +175,36 @@ def with_arguments(fwd: Callable, nondiff_argnums) -> Callable:
 
 # -- defvjp_with_accums -----------------------------------------------------------
 
+_ACCUMULATORS = (jx.ad.ValAccum, jx.ad.NullAccum)
+
+
+def _accumulator(ct):
+  """What ``bwd`` receives for an input whose cotangent type is ``ct`` when
+  nothing wraps the rule: a value accumulator (a null one for ``float0``)."""
+  if getattr(ct, "dtype", None) == jx.dtypes.float0:
+    return jx.ad.NullAccum(ct)
+  return jx.ad.ValAccum(ct)
+
+
+def _accumulated(accumulator):
+  """What an accumulator holds: an array, or ``None`` (nothing or zeros)."""
+  if not isinstance(accumulator, jx.ad.ValAccum):
+    return None
+  value = accumulator.freeze()
+  return None if isinstance(value, jx.ad_util.Zero) else value
+
+
 def accums_bwd(fun, bwd: Callable, num_nondiff: int) -> Callable:
   @functools.wraps(bwd)
   def plain_bwd(*args):
     nondiff, (res, dyn), g = args[:num_nondiff], args[num_nondiff], args[-1]
     accums = tree_util.tree_map(
-        lambda x: jx.gradient_accumulator(jx.get_aval(x)), dyn)
+        lambda x: _accumulator(jx.core.typeof(x).to_ct_aval()), dyn)
     logs = bwd(*nondiff, res, g, *accums)
     _check_logs(fun, bwd, "defvjp_with_accums", logs)
     deposit_logs(logs)
-    return tuple(tree_util.tree_map(jx.accumulated, a,
-                                    is_leaf=jx.is_accumulator)
+    return tuple(tree_util.tree_map(_accumulated, a, is_leaf=lambda x:
+                                    isinstance(x, _ACCUMULATORS))
                  for a in accums)
   return plain_bwd
 

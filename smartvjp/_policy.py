@@ -34,25 +34,30 @@ def split_fwd(saveable, call, fwd) -> Split | None:
     return None
   jaxpr = fwd.jaxpr.jaxpr
   n_out = call.num_outs
-  known, staged, num_res = jx.split_by_policy(
-      jaxpr, [False] * n_out + [True] * fwd.num_new_res, True, saveable)
+  # as jax.checkpoint splits its body: known maps the inputs to
+  # [*known_outs, *residuals], staged the residuals to the outputs
+  none = [False] * len(jaxpr.invars)
+  known, staged, _, _, num_res = jx.pe.partial_eval_jaxpr_custom(
+      jaxpr, none, none, [False] * n_out + [True] * fwd.num_new_res, True,
+      saveable)
   inputs = set(jaxpr.invars)
   computed = [r for r in staged.invars[:num_res] if r not in inputs]
   staged, fillers = _without_saved_outputs(
-      jx.jaxpr_with(staged, invars=[*computed, *jaxpr.invars]), n_out, set(computed))
-  _, used = jx.dce_jaxpr(staged, [True] * len(staged.outvars))
+      staged.replace(invars=[*computed, *jaxpr.invars]), n_out, set(computed))
+  _, used = jx.pe.dce_jaxpr(staged, [True] * len(staged.outvars))
   saved = [r for r, u in zip(computed, used) if u]
   if all(_an_input(v, jaxpr) for v in saved):
     return None   # nothing fwd computes is kept: f forward is never dearer
-  staged, _ = jx.dce_jaxpr(jx.jaxpr_with(staged, invars=[*saved, *jaxpr.invars]),
-                          [True] * len(staged.outvars), True)
+  staged, _ = jx.pe.dce_jaxpr(
+      staged.replace(invars=[*saved, *jaxpr.invars]),
+      [True] * len(staged.outvars), True)
   if len(staged.eqns) == fillers:
     return None   # nothing to recompute: the residuals are simply kept
   outs = list(known.outvars[:n_out])
   saved_outputs = tuple(outs.index(v) if v in outs else None for v in saved)
   extra = [v for v, o in zip(saved, saved_outputs) if o is None]
-  known, _ = jx.dce_jaxpr(jx.jaxpr_with(known, outvars=[*outs, *extra]),
-                         [True] * (n_out + len(extra)), True)
+  known, _ = jx.pe.dce_jaxpr(known.replace(outvars=[*outs, *extra]),
+                             [True] * (n_out + len(extra)), True)
   if not _worth_it(known, staged, call):
     return None
   names = {e.outvars[0]: jx.checkpoint_name_of(e.primitive, e.params)
@@ -78,7 +83,7 @@ def _an_input(v, jaxpr) -> bool:
       return False
     inner = eqn.params["jaxpr"].jaxpr
     out = inner.outvars[eqn.outvars.index(v)]
-    if type(out) is not jx.Var or out not in inner.invars:
+    if type(out) is not jx.core.Var or out not in inner.invars:
       return False
     v = eqn.invars[inner.invars.index(out)]
   return True
@@ -91,13 +96,13 @@ def _without_saved_outputs(staged, n_out, saved):
   outvars, eqns = list(staged.outvars), list(staged.eqns)
   fillers = 0
   for i in range(n_out):
-    if type(outvars[i]) is jx.Var and outvars[i] in saved:
+    if type(outvars[i]) is jx.core.Var and outvars[i] in saved:
       aval = outvars[i].aval
       zeros = jax.make_jaxpr(lambda: jnp.zeros(aval.shape, aval.dtype))()
       eqns.extend(zeros.jaxpr.eqns)
       fillers += len(zeros.jaxpr.eqns)
       outvars[i] = zeros.jaxpr.outvars[0]
-  return jx.jaxpr_with(staged, eqns=eqns, outvars=outvars), fillers
+  return staged.replace(eqns=eqns, outvars=outvars), fillers
 
 
 def _worth_it(known, staged, call) -> bool:
@@ -153,8 +158,10 @@ def cost(eqns) -> float:
 # -- facts and answers --------------------------------------------------------------
 
 def uses_references(call) -> bool:
-  return ((call.jaxpr is not None and jx.has_input_effects(call.jaxpr))
-          or any(jx.is_ref_aval(a) for a in call.in_avals))
+  return ((call.jaxpr is not None and any(
+      isinstance(e, jx.effects.JaxprInputEffect) for e in call.jaxpr.effects))
+          or any(isinstance(a, jx.state_types.AbstractRef)
+                 for a in call.in_avals))
 
 
 def has_effects(call, fwd) -> bool:
@@ -165,7 +172,7 @@ def has_effects(call, fwd) -> bool:
 
 def f_matches_fwd(call, fwd) -> bool:
   return fwd is None or not fwd.out_avals or all(
-      jx.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
+      jx.core.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
 
 
 def passed_through(fwd):
@@ -177,9 +184,9 @@ def passed_through(fwd):
   pos = {v: i for i, v in enumerate(jaxpr.invars)}
   passed = []
   for v in jaxpr.outvars[len(jaxpr.outvars) - fwd.num_new_res:]:
-    while type(v) is jx.Var and v in named:
+    while type(v) is jx.core.Var and v in named:
       v = named[v]
-    if type(v) is not jx.Var or v not in pos:
+    if type(v) is not jx.core.Var or v not in pos:
       return None
     passed.append(pos[v])
   return passed
@@ -224,18 +231,19 @@ def named_policy(policy):
   """A remat3 ``checkpoint_name`` asked about as JAX's ``name_p``."""
   def asked(prim, *avals, **params):
     name = jx.checkpoint_name_of(prim, params)
-    if name is not None and prim is not jx.name_p:
-      return policy(jx.name_p, *avals, name=name)
+    if name is not None and prim is not jx.ad_checkpoint.name_p:
+      return policy(jx.ad_checkpoint.name_p, *avals, name=name)
     return policy(prim, *avals, **params)
   return asked
 
 
 def _asked(policy, prim, avals, params) -> _plan.Asked:
-  answer = jx.policy_answer(policy, prim, avals, params)
-  if jx.is_recompute(answer):
+  answer = jx.pe.ensure_enum(policy(prim, *avals, **params))
+  if isinstance(answer, type(jx.pe.Recompute)):
     return _plan.RECOMPUTE
-  if jx.is_offload(answer):
-    return _plan.Asked(_plan.Answer.OFFLOAD, jx.memory_space(answer.dst))
+  if isinstance(answer, jx.pe.Offloadable):
+    return _plan.Asked(_plan.Answer.OFFLOAD,
+                       jx.core.mem_kind_to_space(answer.dst))
   return _plan.SAVE
 
 
@@ -267,7 +275,7 @@ def split(policy, call, fwd) -> Split | None:
 def producers(v, producers_of) -> tuple:
   """A value's producer and, through ``checkpoint_name``, the named value's."""
   chain = []
-  while type(v) is jx.Var and v in producers_of:
+  while type(v) is jx.core.Var and v in producers_of:
     eqn = producers_of[v]
     chain.append(eqn)
     if jx.checkpoint_name_of(eqn.primitive, eqn.params) is None:

@@ -15,28 +15,51 @@ from smartvjp import _cache
 from smartvjp import _facade as jx
 from smartvjp._checks import ROLE_NAMES
 
-_SmartPrimitive = jx.new_primitive_class(_cache.batching)
+
+class _SmartPrimitive(jx.core.Primitive):
+  """A multiple-results primitive whose binds on a vmap's trace run inside
+  that vmap's ``_cache.batching`` context (the user's rules, run again by a
+  batching rule, see values they close over from that vmap as batched)."""
+  multiple_results = True
+
+  def bind_with_trace(self, trace, args, avals, params, /):
+    if not isinstance(trace, jx.batching.BatchTrace):
+      return super().bind_with_trace(trace, args, avals, params)
+    with _cache.batching((trace.tag, trace.axis_data)):
+      return super().bind_with_trace(trace, args, avals, params)
+
 
 # What define() and register() registered: primitive name -> kind -> function.
 # design/architecture.md lists the same table (tests/test_architecture.py).
 RULES: dict[str, dict[str, Callable]] = {}
 
+
+def _entry(table):
+  return lambda prim, fn: table.__setitem__(prim, fn)
+
+
+# how each kind of rule is registered: an entry in JAX's table, or through
+# the facade's adapter where JAX's releases differ in its form
 _KINDS = {
-    "impl": jx.register_impl,
-    "abstract_eval": jx.register_abstract_eval,
+    "impl": lambda prim, fn: prim.def_impl(fn),
+    "abstract_eval": lambda prim, fn: prim.def_effectful_abstract_eval(fn),
     "lowering": jx.register_lowering,
-    "jvp": jx.register_jvp,
+    "jvp": _entry(jx.ad.primitive_jvps),
     "linearization": jx.register_linearization,
-    "transpose": jx.register_transpose,
-    "partial_eval": jx.register_partial_eval,
-    "partial_eval_custom": jx.register_partial_eval_custom,
+    "transpose": _entry(jx.ad.primitive_transposes),
+    "partial_eval": _entry(jx.pe.custom_partial_eval_rules),
+    "partial_eval_custom": _entry(jx.pe.partial_eval_jaxpr_custom_rules),
     "dce": jx.register_dce,
-    "batching": jx.register_batching,
-    "pp": jx.register_pp,
+    "batching": _entry(jx.batching.fancy_primitive_batchers),
+    "pp": _entry(jx.core.pp_eqn_rules),
     "checkify": jx.register_checkify,
     "discharge": jx.register_discharge,
     "remat3": jx.register_remat3,
-    "to_lojax": jx.register_to_lojax,
+    # how JAX evaluates prim where it needs low-level primitives only (a
+    # jaxpr holding checkpoint_name under jax_remat3)
+    "to_lojax": lambda prim, fn: setattr(prim, "to_lojax", fn),
+    # smartvjp's own: how smartvjp_call's bind processes an unprocessed call
+    "process": lambda prim, fn: None,
 }
 
 
@@ -71,7 +94,7 @@ def live_code(c: Code):
 
 def eval_scoped(jaxpr, scope_name: str, args) -> list:
   with jax.named_scope(scope_name):
-    return jx.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
+    return jx.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
 def evaluate(code: Code, call, args) -> list:
@@ -106,7 +129,7 @@ def rule_jvp(impl, role, primals, tangents, /, *,
   (as ``jax.custom_vjp`` differentiates its rules); JAX's error gets a note
   naming the rule."""
   call = params["call"]
-  moving = [type(t) is not jx.Zero for t in tangents]
+  moving = [type(t) is not jx.ad_util.Zero for t in tangents]
 
   def on_moving(*moved):
     it = iter(moved)
@@ -133,7 +156,7 @@ def checked_rule(ctx, error, enabled, fn, args, call, role):
   what = f"smart_custom_vjp {ROLE_NAMES[role]}"
   err_vals, err_tree = tree_util.tree_flatten(error)
   n_err = len(err_vals)
-  avals = [jx.get_aval(a) for a in args]
+  avals = [jx.core.typeof(a) for a in args]
   name_fun = getattr(call.rules, role) or call.rules.fun
   inner, inner_consts = jx.trace_to_closed_jaxpr(
       lambda *xs: list(fn(*xs)), avals, what, name_fun, avals)
@@ -145,7 +168,7 @@ def checked_rule(ctx, error, enabled, fn, args, call, role):
     leaves, store["tree"] = tree_util.tree_flatten(err)
     return [*leaves, *outs]
 
-  all_avals = [*(jx.get_aval(e) for e in err_vals), *avals]
+  all_avals = [*(jx.core.typeof(e) for e in err_vals), *avals]
   jaxpr, consts = jx.trace_to_closed_jaxpr(checked, all_avals, what, name_fun,
                                            all_avals)
   outs = rule_p.bind(*consts, *err_vals, *args, call=call,
@@ -167,7 +190,7 @@ def _pp_rule(shows):
       shown.update(forward=schedule.forward.value,
                    backward=schedule.backward.value)
     shown.update((k, v) for k, v in params.items() if v is not None)
-    return jx.pp_eqn(jx.eqn_with(eqn, params=dict(shown, f=call.name)),
+    return jx.pp_eqn(eqn.replace(params=dict(shown, f=call.name)),
                      context, settings, name=name or eqn.primitive.name)
   return pp
 
@@ -242,7 +265,7 @@ def define_evaluation(prim, impl: Callable, role: Callable, *,
   """Registers what follows from ``impl``: evaluation, lowering, ``checkify``,
   its JVP (unless given) and state discharge (unless given)."""
   def traced_discharge(should, *args, **params):
-    avals = [jx.ref_aval(jx.get_aval(a)) if d else jx.get_aval(a)
+    avals = [jx.state_types.AbstractRef(jx.core.typeof(a)) if d else jx.core.typeof(a)
              for a, d in zip(args, should)]
     jaxpr, consts = jx.trace_to_closed_jaxpr(
         lambda *xs: impl(*xs, **params), avals, prim.name, impl, avals)
@@ -289,18 +312,12 @@ def _call_code(*, call):
   return Code(call.jaxpr, "fun")
 
 
-_PROCESSING: list = []
-
-
-def set_call_processing(fn: Callable) -> None:
-  _PROCESSING[:] = [fn]
-
-
 def _bind_call(default, *args, call):
-  """A call bound unprocessed goes to the current trace's processing (as a
-  ``jax.custom_vjp`` call goes to ``process_custom_vjp_call``)."""
+  """A call bound unprocessed is processed by its ``process`` rule
+  (``_process.py``), as JAX looks up ``process_custom_vjp_call`` on the
+  current trace; that ends in ``default``, the plain bind."""
   if getattr(call, "unprocessed", False):
-    return _PROCESSING[0](list(args), call)
+    return RULES[call_p.name]["process"](default, list(args), call)
   return default(*args, call=call)
 
 
@@ -382,7 +399,7 @@ def _bind_named(default, *args, **params):
   if params["which"] != "fwd" or params.get("jaxpr") is not None:
     return outs
   n = params["call"].num_outs
-  return [*outs[:n], *(r if name is None else jx.name_p.bind(r, name=name)
+  return [*outs[:n], *(r if name is None else jx.ad_checkpoint.name_p.bind(r, name=name)
                        for r, name in zip(outs[n:],
                                           params["fwd"].new_res_names))]
 

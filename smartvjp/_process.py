@@ -33,17 +33,19 @@ from smartvjp import _versions
 from smartvjp import _vmap
 from smartvjp._cache import batching, differentiated_where_made
 from smartvjp._checks import check_aliased_arguments, check_f_output
-from smartvjp._primitive import call_p, set_call_processing
+from smartvjp._primitive import call_p, register
 from smartvjp._spec import (
     EagerClosureError, eager_call, linearized_call, trace_call)
 from smartvjp._static import static_key
 
 
-def _process(leaves, call) -> list:
+def _call_process(bind, leaves, call) -> list:
   """The outputs (flat) of the unprocessed ``call`` on ``leaves``; sets
-  ``call.out_tree``."""
+  ``call.out_tree``. ``bind``: ``smartvjp_call``'s plain bind, which
+  finishes a call processed here into a traced one."""
   rules, nondiff, num_args, in_tree, _ = call.signature
-  if jx.is_eval_trace() and not any(isinstance(x, jx.Tracer) for x in leaves):
+  if (isinstance(jx.core.trace_ctx.trace, jx.core.EvalTrace)
+      and not any(isinstance(x, jx.core.Tracer) for x in leaves)):
     if not _versions.ALIASED_REFS_CHECKED_AT_CALL:   # (else checked already)
       check_aliased_arguments(rules, "fun", num_args, in_tree, leaves)
     out = rules.fun(*_rebuilt_args(rules.nondiff_argnums, nondiff, in_tree,
@@ -57,7 +59,7 @@ def _process(leaves, call) -> list:
     if hit is not None:
       spec, consts = hit
       call.out_tree = spec.out_tree
-      return call_p.bind(*consts, *leaves, call=spec)
+      return bind(*consts, *leaves, call=spec)
   outs = _vmap_of_linearized(call, leaves)
   if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
     return outs
@@ -66,12 +68,13 @@ def _process(leaves, call) -> list:
   # differentiated now, by the current trace (as opposed to staged and
   # differentiated later): the two refuse a closure with different errors
   with (differentiated_where_made(spec)
-        if jx.is_differentiating_trace(jx.current_trace())
+        if isinstance(_below_vmaps(jx.core.trace_ctx.trace),
+                      (jx.ad.LinearizeTrace, jx.ad.JVPTrace))
         else contextlib.nullcontext()):
-    return call_p.bind(*consts, *leaves, call=spec)
+    return bind(*consts, *leaves, call=spec)
 
 
-set_call_processing(_process)
+register(call_p, "process", _call_process)
 
 
 def _linearized(call, trace, primals, nonzero):
@@ -82,28 +85,28 @@ def _linearized(call, trace, primals, nonzero):
   (``_spec.linearized_call``). ``None`` where ``f`` is traced after all
   (a rule closes over a value being differentiated, references)."""
   rules, nondiff, num_args, in_tree, avals = call.signature
-  parent = jx.parent_trace(trace)
-  if jx.is_eval_trace(parent) and not any(
-      isinstance(p, jx.Tracer) for p in primals):
+  parent = getattr(trace, "parent_trace", None)
+  if isinstance(parent, jx.core.EvalTrace) and not any(
+      isinstance(p, jx.core.Tracer) for p in primals):
     try:
-      with jx.set_current_trace(parent):
+      with jx.core.set_current_trace(parent):
         return eager_call(rules, nondiff, num_args, in_tree, avals, primals,
                           nonzero), ()
     except (EagerClosureError, UnexpectedTracerError):
       return None    # a rule closes over a tracer: trace f to find it
-  if rules.fwd is None or any(jx.is_ref_aval(a) for a in avals):
+  if rules.fwd is None or _has_refs(avals):
     return None
   in_nz = _spec.perturbed(nonzero, avals)
   if not any(in_nz):
     return None
   static = tuple(static_key(v) for v in nondiff)
   key = ("linearized", in_tree, avals, static, num_args, in_nz,
-         jx.config_key())
+         jx.config.trace_context())
   hit = None if None in static else call.cache.get(key)
   if hit is None:
     hit = linearized_call(
         rules, nondiff, num_args, in_tree, avals, in_nz,
-        lambda c: jx.linearize_parts(c, trace) is not None)
+        lambda c: _linearize_parts(c, trace) is not None)
     if hit is not None and None not in static:
       call.cache.put(key, hit, hit[1])
   return hit
@@ -119,27 +122,29 @@ def _vmap_of_linearized(call, leaves):
   differentiated call's. ``None`` where that does not apply (``f`` is then
   traced and the call batched by its rule)."""
   rules, nondiff, num_args, in_tree, avals = call.signature
-  batch = jx.current_trace()
-  if (not jx.is_batch_trace(batch) or rules.generic_batching
-      or rules.fwd is None or any(jx.is_ref_aval(a) for a in avals)):
+  batch = jx.core.trace_ctx.trace
+  if (not isinstance(batch, jx.batching.BatchTrace) or rules.generic_batching
+      or rules.fwd is None or _has_refs(avals)):
     return None
-  parent = jx.parent_trace(batch)
+  parent = getattr(batch, "parent_trace", None)
   # vmaps over vmaps over the linearization
-  if not jx.is_linearize_trace(jx.below_vmaps(parent)):
+  if not isinstance(_below_vmaps(parent), jx.ad.LinearizeTrace):
     return None
-  _, axis_data = jx.batch_trace_key(batch)
-  parts = [jx.batch_parts(x, batch) for x in leaves]
+  _, axis_data = (batch.tag, batch.axis_data)
+  parts = [(x.val, x.batch_dim) if isinstance(x, jx.batching.BatchTracer)
+           and x._trace is batch else None  # pylint: disable=protected-access
+           for x in leaves]
   vals = [x if p is None else _vmap.front(axis_data, p[0], p[1])
           if p[1] is not None else p[0] for x, p in zip(leaves, parts)]
   in_dims = [None if p is None or p[1] is None else 0 for p in parts]
   base = _spec.CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
                         in_tree=in_tree, in_avals=avals, out_tree=None,
                         out_avals=(), jaxpr=None, num_consts=0)
-  with batching(jx.batch_trace_key(batch)):
+  with batching((batch.tag, batch.axis_data)):
     brules = _vmap.batched_rules(base, (), (), in_dims, axis_data)
   bavals = _vmap.batched_avals(avals, in_dims, axis_data)
-  with jx.set_current_trace(parent):
-    if jx.is_linearize_trace(parent):
+  with jx.core.set_current_trace(parent):
+    if isinstance(parent, jx.ad.LinearizeTrace):
       outs = _linearized_batched(brules, vals, bavals, parent)
     else:   # the next vmap out batches the batched rules again
       outs = _vmap_of_linearized(
@@ -150,7 +155,7 @@ def _vmap_of_linearized(call, leaves):
     return None
   seen = brules.fwd.mapped_outputs   # what the batched fwd noted
   call.out_tree = seen["out_tree"]
-  return [jx.batch_tracer(batch, o, 0) if m else o[0]
+  return [jx.batching.BatchTracer(batch, o, 0) if m else o[0]
           for o, m in zip(outs, seen["fwd"])]
 
 
@@ -167,7 +172,7 @@ def _linearized_batched(brules, vals, bavals, lin):
     return None
   hit = linearized_call(brules, (), len(vals), _vmap.tuple_tree(len(vals)),
                         bavals, in_nz,
-                        lambda c: jx.linearize_parts(c, lin) is not None)
+                        lambda c: _linearize_parts(c, lin) is not None)
   if hit is None:
     return None
   spec, consts = hit
@@ -183,7 +188,7 @@ def _traced(call):
   static = tuple(static_key(v) for v in nondiff)
   if any(k is None for k in static):   # unhashable: it may be mutated
     return trace_call(rules, nondiff, num_args, in_tree, avals)
-  key = (in_tree, avals, static, num_args, jx.config_key())
+  key = (in_tree, avals, static, num_args, jx.config.trace_context())
   hit = call.cache.get(key)
   if hit is not None:
     return hit
@@ -197,15 +202,33 @@ def _linearizing(leaves):
   (``jax.grad``, ``jax.vjp``) and some leaf is its tracer with a nonzero
   tangent: the call is differentiated where it is made. ``primals`` are the
   leaves' primal values (others as they are)."""
-  trace = jx.current_trace()
-  if not jx.is_linearize_trace(trace):
+  trace = jx.core.trace_ctx.trace
+  if not isinstance(trace, jx.ad.LinearizeTrace):
     return None
   primals, nonzero = [], []
   for x in leaves:
-    parts = jx.linearize_parts(x, trace)
+    parts = _linearize_parts(x, trace)
     primals.append(x if parts is None else parts[0])
     nonzero.append(parts is not None and parts[1])
   return (trace, primals, nonzero) if any(nonzero) else None
+
+
+def _linearize_parts(x, trace):
+  """``(primal, tangent_is_nonzero)`` for a tracer of ``trace``, else
+  ``None``."""
+  if isinstance(x, jx.ad.LinearizeTracer) and x._trace is trace:  # pylint: disable=protected-access
+    return x.primal, type(x.tangent) is not jx.ad_util.Zero
+  return None
+
+
+def _below_vmaps(trace):
+  while isinstance(trace, jx.batching.BatchTrace):
+    trace = trace.parent_trace
+  return trace
+
+
+def _has_refs(avals) -> bool:
+  return any(isinstance(a, jx.state_types.AbstractRef) for a in avals)
 
 
 def _rebuilt_args(nondiff_argnums, nondiff, in_tree, leaves, num_args):

@@ -68,9 +68,9 @@ def _place(emit, policy, call, fwd, in_nz, f_consts, fwd_consts, primals,
 
 def _residuals(eqn, inst_in, staged, new_vars=()):
   out, seen = list(new_vars), set(new_vars)
-  reads = {v for v in staged.invars if type(v) is jx.Var}
+  reads = {v for v in staged.invars if type(v) is jx.core.Var}
   for v, inst in zip(eqn.invars, inst_in):
-    if type(v) is jx.Var and not inst and v in reads and v not in seen:
+    if type(v) is jx.core.Var and not inst and v in reads and v not in seen:
       out.append(v)
       seen.add(v)
   return out
@@ -96,20 +96,21 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   if p.kept:   # the linear map staged
     ins, params = ex.linear(p.call, p.fwd, p.plan, in_nz,
                             [*p.fwd_consts, *primals], primals, p.saved)
-    staged = jx.new_eqn([*ins, *tangents], eqn.outvars[n_out:], lin_p, params,
-                        set(), eqn)
+    staged = jx.pe.new_jaxpr_eqn([*ins, *tangents], eqn.outvars[n_out:],
+                                 lin_p, params, set(), eqn.source_info,
+                                 eqn.ctx)
     inst_out = [False] * n_out + [True] * (n_all - n_out)
   else:   # the jvp again, its fwd the whole one or the rest of a split
     ins = [*f_consts, *p.saved, *p.fwd_consts, *primals, *tangents]
     params = dict(eqn.params, call=p.call, fwd=p.back,
                   schedule=p.plan.schedule)
     if p.plan.split is None:   # recomputed: the same equation, decided
-      staged = jx.eqn_with(eqn, invars=ins, params=params)
+      staged = eqn.replace(invars=ins, params=params)
       read = ()
     else:   # a primal output the policy saves is read from the forward pass
       read = {o for o in p.plan.split.saved_outputs if o is not None}
       emit = ex.Eqns(eqn)
-      emit(jvp_p, ins, params, first=[jx.Var(v.aval) if i in read else v
+      emit(jvp_p, ins, params, first=[jx.core.Var(v.aval) if i in read else v
                                       for i, v in enumerate(eqn.outvars)])
       staged = emit.eqn
     inst_out = [i not in read for i in range(n_all)]
@@ -126,16 +127,18 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, schedule):
   params = dict(call=call, fwd=fwd, in_nz=in_nz, schedule=schedule)
   n_known = len(tracers) - sum(in_nz)
   known_tracers, tangent_tracers = tracers[:n_known], tracers[n_known:]
-  vals = jx.pe_known_values(known_tracers)
-  if vals is None or jx.pe_all_known(tangent_tracers):
-    return jx.pe_default(trace, jvp_p, tracers, params)
+  if (not all(t.is_known() for t in known_tracers)
+      or all(t.is_known() for t in tangent_tracers)):
+    return trace.default_process_primitive(jvp_p, tracers, params)
+  vals = [t.pval.get_known() for t in known_tracers]
   f_consts, fwd_consts, primals, _ = call.split_jvp_args(vals, fwd)
-  with jx.set_current_trace(jx.parent_trace(trace)):
+  with jx.core.set_current_trace(getattr(trace, "parent_trace", None)):
     outs, lin_ins, lin_params = ex.backward_region(
         call, fwd, schedule, in_nz, f_consts, fwd_consts, primals)
-  staged_in = [*(jx.pe_instantiate(trace, x) for x in lin_ins),
+  staged_in = [*(trace.new_instantiated_const(x) for x in lin_ins),
                *tangent_tracers]
-  return [*outs, *jx.pe_default(trace, lin_p, staged_in, lin_params)]
+  return [*outs,
+          *trace.default_process_primitive(lin_p, staged_in, lin_params)]
 
 
 register(jvp_p, "partial_eval", _jvp_partial_eval)
@@ -162,7 +165,7 @@ def _call_remat3(ctx, *in_vals, call):
   check_fwd_output_types(call, fwd)   # f and fwd may both run
   k = call.num_consts
   f_consts, primals = list(in_vals[:k]), list(in_vals[k:])
-  avals = [jx.get_aval(x) for x in (*f_consts, *fwd_consts, *primals)]
+  avals = [jx.core.typeof(x) for x in (*f_consts, *fwd_consts, *primals)]
   avals += [a.to_tangent_aval() for a, nz in zip(call.in_avals, in_nz) if nz]
   p = _place(ex.Bind(), ctx.policy, call, fwd, in_nz, f_consts, fwd_consts,
              primals, avals, dict(
@@ -172,12 +175,12 @@ def _call_remat3(ctx, *in_vals, call):
   if p.plan.kind is _plan.Kind.SPLIT:
     back = _rebuilding(p.plan.split)
   elif p.kept:   # the rem side hands the kept outputs to bwd
-    back = ex.passthrough(p.call, p.fwd, [jx.get_aval(x) for x in p.outs])
+    back = ex.passthrough(p.call, p.fwd, [jx.core.typeof(x) for x in p.outs])
     saved, schedule = [*p.outs, *saved], p.plan.rem_schedule
     spaces = (None,) * p.call.num_outs + (p.plan.spaces or ())
 
   def rem(res, *rem_in):
-    res = [r if s is None else jax.device_put(r, jx.memory_space("device"))
+    res = [r if s is None else jax.device_put(r, jx.core.mem_kind_to_space("device"))
            for r, s in zip(res, (*spaces, *[None] * len(res)))]
     return rem_p.bind(*rem_in[:k], *res, *rem_in[k:], call=p.call, fwd=back,
                       schedule=schedule)
@@ -191,8 +194,8 @@ def _rebuilding(split):
   for i, o in enumerate(split.saved_outputs):
     if o is not None:
       outvars[o] = jaxpr.invars[i]
-  jaxpr, _ = jx.dce_jaxpr(jx.jaxpr_with(jaxpr, outvars=outvars),
-                          [True] * len(outvars), True)
+  jaxpr, _ = jx.pe.dce_jaxpr(jaxpr.replace(outvars=outvars),
+                             [True] * len(outvars), True)
   return dataclasses.replace(staged, jaxpr=jx.ClosedJaxpr(jaxpr, ()))
 
 
@@ -241,7 +244,7 @@ def _jvp_dce(used_outputs, eqn):
     return [False] * len(eqn.invars), None
   elif left.primal is _plan.Forward.FWD:   # fwd without its residuals
     emit(rule_p, [*fwd_consts, *primals], ex.fwd_params(call, fwd),
-         first=[*eqn.outvars[:n], *(jx.drop_var(a)
+         first=[*eqn.outvars[:n], *(jx.core.DropVar(a)
                                     for a in fwd.jaxpr.out_avals[n:])])
   else:
     ex.primal(emit, call, fwd, f_consts, fwd_consts, primals, left.primal,
@@ -262,8 +265,8 @@ def _call_dce(used_outputs, eqn):
   if all(used_outputs) or not any(used_outputs):
     return dce_whole(used_outputs, eqn)
   kept = tuple(i for i, u in enumerate(used_outputs) if u)
-  new_eqn = jx.eqn_with(
-      eqn, outvars=[eqn.outvars[i] for i in kept],
+  new_eqn = eqn.replace(
+      outvars=[eqn.outvars[i] for i in kept],
       params=dict(eqn.params, call=pruned(eqn.params["call"], kept)))
   return [True] * len(eqn.invars), new_eqn
 
@@ -280,7 +283,7 @@ def _fwd_dce(used_outputs, eqn):
     # residuals read and some primal outputs not: fwd's traced code pruned
     # as JAX prunes the inlined fwd of a jax.custom_vjp (a solver's unused
     # state is not computed)
-    return _traced_dce(used_outputs, jx.eqn_with(eqn, params=dict(
+    return _traced_dce(used_outputs, eqn.replace(params=dict(
         call=call, which="fwd", jaxpr=fwd.jaxpr)))
   if any(kept) and not all(kept) and fwd.jaxpr is not None:
     # some residuals read, some not: fwd computes only those read
@@ -312,7 +315,7 @@ def _traced_dce(used_outputs, eqn):
   jaxpr = eqn.params["jaxpr"]
   if not any(used_outputs) and not jx.effects_keep_alive(eqn.effects):
     return [False] * len(eqn.invars), None
-  pruned_jaxpr, used_inputs = jx.dce_jaxpr(jaxpr.jaxpr, used_outputs)
+  pruned_jaxpr, used_inputs = jx.pe.dce_jaxpr(jaxpr.jaxpr, list(used_outputs))
   if all(used_inputs) and all(used_outputs):
     return used_inputs, eqn
   emit = ex.Eqns(eqn)

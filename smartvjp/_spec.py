@@ -60,10 +60,9 @@ class StaticResidual:
 
 def is_static_residual(leaf) -> bool:
   return isinstance(leaf, (bool, int, float, complex)) and \
-      not isinstance(leaf, jx.Tracer)
+      not isinstance(leaf, jx.core.Tracer)
 
 
-@jx.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class FwdSpec:
   """``jaxpr``: ``[*consts, *primals] -> [*primal_outs, *new_res]``
@@ -152,7 +151,6 @@ class FwdSpec:
                                reads_saved=True)
 
 
-@jx.register_weak_param_type
 @dataclasses.dataclass(frozen=True, eq=False)
 class CallSpec:
   """``jaxpr``: ``[*consts, *primals] -> outs``; the primals are the leaves
@@ -218,7 +216,7 @@ class CallSpec:
 
   def fwd_inputs(self, primals, in_nz):
     if self.rules.symbolic_zeros:
-      return [jx.CustomVJPPrimal(x, nz) for x, nz in zip(primals, in_nz)]
+      return [jx.cd.CustomVJPPrimal(x, nz) for x, nz in zip(primals, in_nz)]
     return list(primals)
 
   def with_rules(self, rules: Rules) -> "CallSpec":
@@ -235,7 +233,7 @@ class CallSpec:
 
   def expand_tangents(self, nz_outs) -> list:
     it = iter(nz_outs)
-    outs = [next(it) if nz else jx.Zero(a.to_tangent_aval())
+    outs = [next(it) if nz else jx.ad_util.Zero(a.to_tangent_aval())
             for a, nz in zip(self.out_avals, self.out_nz)]
     expect_used_up(it, "tangents")
     return outs
@@ -307,9 +305,9 @@ def _pruned_rules(full: CallSpec, rules: Rules, kept: tuple) -> Rules:
     return out   # not a pair: _call_fwd says so
 
   def cotangents(bwd, *args):   # zeros for the outputs no longer there
-    cts = [jx.Zero(a.to_tangent_aval()) for a in full.out_avals]
-    cts = [jx.SymbolicZero(c.aval) if rules.symbolic_zeros else
-           jx.instantiate_zeros(c) for c in cts]
+    cts = [jx.ad_util.Zero(a.to_tangent_aval()) for a in full.out_avals]
+    cts = [jx.ad_util.SymbolicZero(c.aval) if rules.symbolic_zeros else
+           jx.ad.instantiate_zeros(c) for c in cts]
     for i, c in zip(kept, args[-1]):
       cts[i] = c
     return bwd(*args[:-1], tree_util.tree_unflatten(full.out_tree, cts))
@@ -321,6 +319,11 @@ def _pruned_rules(full: CallSpec, rules: Rules, kept: tuple) -> Rules:
       fwd_bwd=wrap(rules.fwd_bwd, cotangents),
       remat=rules.remat and _pruned_rules(full, rules.remat, kept),
       jvp=rules.jvp and _PrunedJvp(rules.jvp, full, kept))
+
+
+# JAX's caches keyed on primitive params (its abstract-eval cache keeps up to
+# 2048 entries) hold the specs, and with them the user's functions, weakly
+jx.util.weakref_cache_key_types.update((FwdSpec, CallSpec))
 
 
 @dataclasses.dataclass(eq=False)
@@ -358,7 +361,7 @@ def perturbed(nonzero, avals) -> tuple[bool, ...]:
 
 def _has_tangent(aval) -> bool:
   try:
-    return aval.to_tangent_aval().dtype != jx.float0
+    return aval.to_tangent_aval().dtype != jx.dtypes.float0
   except AttributeError:
     return False
 
@@ -440,11 +443,11 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
     out_leaves, res, fwd = eager_fwd(call, in_nz, primals)
     out_tree = fwd.out_tree
     result = (in_nz, out_leaves, res, fwd)
-  if any(isinstance(x, jx.Tracer) for x in (*result[1], *result[2])):
+  if any(isinstance(x, jx.core.Tracer) for x in (*result[1], *result[2])):
     raise EagerClosureError
   return dataclasses.replace(
       call, out_tree=out_tree,
-      out_avals=tuple(jx.get_aval(x) for x in out_leaves), eager=result,
+      out_avals=tuple(jx.core.typeof(x) for x in out_leaves), eager=result,
       eager_primals=tuple(primals))
 
 
@@ -485,7 +488,7 @@ def eager_fwd(call: CallSpec, in_nz, primals):
     res_src += (None,) * k
     dynamic += list(primals)
   spec = FwdSpec(jaxpr=None, num_consts=0, res_tree=res_tree,
-                 res_avals=tuple(jx.get_aval(r) for r in dynamic),
+                 res_avals=tuple(jx.core.typeof(r) for r in dynamic),
                  res_src=res_src, new_res_names=(None,) * len(dynamic),
                  out_tree=out_tree, jvp_primals=k)
   return outs, dynamic, spec
@@ -516,9 +519,9 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   res_vars = jaxpr.outvars[n_out:]
   in_pos = {v: i for i, v in enumerate(jaxpr.invars)}
   names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
-           if e.primitive is jx.name_p}
+           if e.primitive is jx.ad_checkpoint.name_p}
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-  dyn_src = [in_pos.get(v) if isinstance(v, jx.Var) else None
+  dyn_src = [in_pos.get(v) if isinstance(v, jx.core.Var) else None
              for v in res_vars]
   it = iter(dyn_src)
   res_src = tuple(
@@ -526,11 +529,11 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       (len(consts) + ref if ref is not None else next(it))
       for static, ref in zip(store["static"], store["ref_src"]))
   new_res = [v for v, s in zip(res_vars, dyn_src) if s is None]
-  pruned = jx.jaxpr_with(jaxpr, outvars=[*jaxpr.outvars[:n_out], *new_res])
+  pruned = jaxpr.replace(outvars=[*jaxpr.outvars[:n_out], *new_res])
   res_avals = [jaxpr.invars[s].aval if type(s) is int else None
                for s in res_src if type(s) is not StaticResidual]
   it = iter(res_vars)
-  res_avals = tuple(a if a is not None and jx.is_ref_aval(a) else next(it).aval
+  res_avals = tuple(a if a is not None and isinstance(a, jx.state_types.AbstractRef) else next(it).aval
                     for a in res_avals)
   k = 0
   if rules.jvp is not None:   # the primals, forwarded, for the forward rule
@@ -544,7 +547,7 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       out_tree=store["out_tree"],
       res_avals=res_avals,
       res_src=res_src,
-      new_res_names=tuple(names.get(v) if isinstance(v, jx.Var) else None
+      new_res_names=tuple(names.get(v) if isinstance(v, jx.core.Var) else None
                           for v in new_res),
       new_res_eqns=tuple(policy_producers(v, producers) for v in new_res),
       out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]),

@@ -256,6 +256,63 @@ def _why_jax(module_name: str, bwd_fun, vjp3: bool = False) -> str:
           + _FIX + " (or copy the library with import_swapped)")
 
 
+def _jaxprs_in_eqn(eqn):
+  """The jaxprs an equation holds: call, loop and branch bodies, and a
+  high-level primitive's own."""
+  values = list(eqn.params.values())
+  hi = eqn.params.get("_prim")
+  if hi is not None:
+    values += [getattr(hi, "jaxpr", None),
+               getattr(getattr(hi, "traced", None), "jaxpr", None)]
+  for value in values:
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(v, jx.ClosedJaxpr):
+        yield v.jaxpr
+      elif isinstance(v, jx.core.Jaxpr):
+        yield v
+
+
+def _behind_jax(fn, depth=3):
+  """The function a user wrote behind JAX's wrappers of it (a
+  ``WrappedFun``, a partial, a closure made in JAX's private modules)."""
+  while True:
+    if hasattr(fn, "f") and callable(fn.f):   # lu.WrappedFun
+      fn = fn.f
+    elif hasattr(fn, "func") and callable(fn.func):   # functools.partial
+      fn = fn.func
+    else:
+      break
+  if depth and made_inside_jax(fn):
+    for cell in getattr(fn, "__closure__", None) or ():
+      try:
+        inner = _behind_jax(cell.cell_contents, depth - 1)
+      except ValueError:   # an empty cell
+        continue
+      if callable(inner) and not made_inside_jax(inner):
+        return inner
+  return fn
+
+
+def _custom_vjp_call_parts(eqn):
+  """For an equation of a ``jax.custom_vjp`` call (``custom_vjp_call``, or
+  ``CustomVJPTraced`` under ``jax_custom_vjp3``): ``(f's name as JAX
+  recorded it or None, the user's bwd or JAX's wrapper of it)``; else
+  ``None``."""
+  hi = eqn.params.get("_prim")
+  if hi is not None:
+    if type(hi).__name__ != "CustomVJPTraced":
+      return None
+    traced = getattr(hi, "traced", None)
+    return getattr(traced, "fun_name", None), _behind_jax(hi.bwd)
+  if eqn.primitive.name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
+    return None
+  body = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+  body = getattr(body, "jaxpr", body)
+  info = getattr(body, "debug_info", None)
+  return (getattr(info, "func_name", None),
+          _behind_jax(eqn.params.get("bwd")))
+
+
 def _walk(jaxpr, found: dict, why: dict, seen: set):
   for eqn in jaxpr.eqns:
     if eqn.primitive is call_p:
@@ -265,14 +322,14 @@ def _walk(jaxpr, found: dict, why: dict, seen: set):
         seen.add(id(call.jaxpr))
         _walk(call.jaxpr.jaxpr, found, why, seen)
       continue
-    parts = jx.custom_vjp_call_parts(eqn)
+    parts = _custom_vjp_call_parts(eqn)
     if parts is not None:
       f_name, bwd = parts
       name = _qualified(bwd, f_name)
       found[name] = False
       why.setdefault(name, _why_jax(getattr(bwd, "__module__", None) or "",
                                     bwd, eqn.params.get("_prim") is not None))
-    for sub in jx.jaxprs_in_eqn(eqn):
+    for sub in _jaxprs_in_eqn(eqn):
       if id(sub) not in seen:
         seen.add(id(sub))
         _walk(sub, found, why, seen)
@@ -714,7 +771,7 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
     if existing:
       if _calls_depth == 0:
         JAX_CUSTOM_VJP.__call__ = _call_as_smart
-        if jx.is_eval_trace():
+        if isinstance(jx.core.trace_ctx.trace, jx.core.EvalTrace):
           # a jax.jit (or jax.checkpoint) traced before the block would
           # reuse its trace with JAX's rules: trace again inside
           jax.clear_caches()

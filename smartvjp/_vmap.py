@@ -20,17 +20,29 @@ from smartvjp._forward import BatchedJvpRule
 from smartvjp._spec import (
     CallSpec, Rules, is_static_residual, remat_call, trace_call)
 
+def _is_mapped_here(x) -> bool:
+  """Whether ``x`` is a value of the vmap now tracing, with a mapped axis
+  (a value of the same vmap's trace that a rule closes over, joined by its
+  trace tag, counts)."""
+  trace = jx.core.trace_ctx.trace
+  if not isinstance(x, jx.batching.BatchTracer) or x.batch_dim is None:
+    return False
+  return x._trace is trace or (  # pylint: disable=protected-access
+      isinstance(trace, jx.batching.BatchTrace)
+      and x._trace.tag is trace.tag)  # pylint: disable=protected-access
+
+
 def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None, may_stay=None):
   """``report`` receives which output leaves ``fn`` mapped; ``may_stay(i)``:
   an unmapped output leaf ``i`` stays unmapped."""
   if report is not None:
     fn = _reporting(fn, report)
-  size, name, spmd_name, _ = jx.vmap_axis(axis_data)
   if tag is None and may_stay is None:
-    return jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_size=size,
-                    axis_name=name, spmd_axis_name=spmd_name)
+    return jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_size=axis_data.size,
+                    axis_name=axis_data.name,
+                    spmd_axis_name=axis_data.spmd_name)
   if tag is None:
-    tag = jx.new_trace_tag()
+    tag = jx.core.TraceTag()
 
   def batched(*args):
     axes = in_axes if isinstance(in_axes, (tuple, list)) else \
@@ -43,7 +55,7 @@ def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None, may_stay=None):
       out_leaves, store["tree"] = tree_util.tree_flatten(out)
       store["dims"] = [
           None if may_stay is not None and may_stay(i)
-          and not jx.is_mapped_here(x) else 0
+          and not _is_mapped_here(x) else 0
           for i, x in enumerate(out_leaves)]
       return out_leaves
     outs = jx.batch_inner(flat, tag, axis_data, _flat_axes(tuple(axes), args),
@@ -55,7 +67,7 @@ def _vmap_rule(fn, in_axes, axis_data, tag=None, report=None, may_stay=None):
 def _reporting(fn, report):
   def run(*args):
     out = fn(*args)
-    report([jx.is_mapped_here(x) for x in tree_util.tree_leaves(out)])
+    report([_is_mapped_here(x) for x in tree_util.tree_leaves(out)])
     return out
   return run
 
@@ -74,7 +86,7 @@ def _named(fn, like):
 
 
 def _none_for_zeros(cts):
-  return [None if type(c) is jx.Zero else c for c in cts]
+  return [None if type(c) is jx.ad_util.Zero else c for c in cts]
 
 
 def _sum_unbatched(cts, in_dims):
@@ -83,9 +95,9 @@ def _sum_unbatched(cts, in_dims):
 
 
 def _split_symbolic(g_leaves):
-  zeros = [type(g) is jx.SymbolicZero for g in g_leaves]
+  zeros = [type(g) is jx.ad_util.SymbolicZero for g in g_leaves]
   arrays = [g for g, z in zip(g_leaves, zeros) if not z]
-  unbatched = [jx.SymbolicZero(jx.mapped_aval(g.aval.shape[0], 0, g.aval))
+  unbatched = [jx.ad_util.SymbolicZero(jx.core.mapped_aval(g.aval.shape[0], 0, g.aval))
                if z else None for g, z in zip(g_leaves, zeros)]
 
   def rebuild(arrays_in):
@@ -129,7 +141,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
       return vmapped(one, (list(in_dims),))(list(leaves))
 
     def one(consts, leaves):
-      return tuple(jx.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
+      return tuple(jx.core.eval_jaxpr(call.jaxpr.jaxpr, (), *consts, *leaves))
     return vmapped(one, (list(const_dims), list(in_dims)))(
         list(consts), list(leaves))
 
@@ -217,8 +229,9 @@ def jvp_rule_over_tangents(call, num_tangents, axis_data):
 
 
 def batched_avals(avals, in_dims, axis_data):
-  size, _, _, mesh_axis = jx.vmap_axis(axis_data)
-  return tuple(jx.unmapped_aval(size, 0, a, mesh_axis) if d is not None else a
+  return tuple(jx.core.unmapped_aval(axis_data.size, 0, a,
+                                     axis_data.explicit_mesh_axis)
+               if d is not None else a
                for a, d in zip(avals, in_dims))
 
 
@@ -258,10 +271,10 @@ def linear_only_call(call, in_dims, axis_data, res_mapped=None):
 
 
 def batched_fwd(call, fwd, axis_data, dims, out_dims):
-  batched, out_batched = jx.batch_jaxpr_axes(fwd.jaxpr, axis_data, dims,
+  batched, out_batched = jx.batching.batch_jaxpr_axes(fwd.jaxpr, axis_data, dims,
                                              out_dims)
   extra = list(batched.consts)
-  jaxpr = jx.convert_constvars_jaxpr(batched.jaxpr)
+  jaxpr = jx.pe.convert_constvars_jaxpr(batched.jaxpr)
   bfwd = fwd.shifted(jx.ClosedJaxpr(jaxpr, ()), len(extra))
   bfwd = dataclasses.replace(
       bfwd, out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
@@ -271,15 +284,15 @@ def batched_fwd(call, fwd, axis_data, dims, out_dims):
 
 def batched_jaxpr(jaxpr, axis_data, dims):
   n_out = len(jaxpr.out_avals)
-  batched, out_batched = jx.batch_jaxpr_axes(
-      jaxpr, axis_data, dims, [jx.zero_if_mapped] * n_out)
-  new = jx.ClosedJaxpr(jx.convert_constvars_jaxpr(batched.jaxpr), ())
+  batched, out_batched = jx.batching.batch_jaxpr_axes(
+      jaxpr, axis_data, dims, [jx.batching.zero_if_mapped] * n_out)
+  new = jx.ClosedJaxpr(jx.pe.convert_constvars_jaxpr(batched.jaxpr), ())
   return new, list(batched.consts), out_batched
 
 
 def front(axis_data, x, d):
-  size, _, _, mesh_axis = jx.vmap_axis(axis_data)
-  return jx.bdim_at_front(x, d, size, mesh_axis)
+  return jx.batching.bdim_at_front(x, d, axis_data.size,
+                                   axis_data.explicit_mesh_axis)
 
 
 def to_front_or_none(axis_data, xs, dims):
@@ -292,6 +305,7 @@ def to_front_or_none(axis_data, xs, dims):
 def unbatched(axis_data, dims, effects) -> bool:
   """No input is mapped and no collective names the axis (a ``psum`` must
   see the axis even on an unmapped operand)."""
-  _, name, _, _ = jx.vmap_axis(axis_data)
-  return (all(d is None for d in dims)
-          and not jx.uses_axis_name(effects, name))
+  name = axis_data.name
+  return all(d is None for d in dims) and (name is None or not any(
+      isinstance(e, jx.core.NamedAxisEffect) and e.name == name
+      for e in effects))

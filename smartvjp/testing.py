@@ -110,13 +110,13 @@ def _run(name, counter, *arrays):
   return tuple(np.asarray(a) for a in arrays)
 
 
-count_p = jx.Primitive("smartvjp_count")
+count_p = jx.core.Primitive("smartvjp_count")
 count_p.multiple_results = True
 
-jx.register_impl(count_p, lambda *arrays, name, counter: list(
+count_p.def_impl(lambda *arrays, name, counter: list(
     _run(name, counter, *arrays)))
-jx.register_abstract_eval(
-    count_p, lambda *avals, name, counter: (list(avals), set()))
+count_p.def_effectful_abstract_eval(
+    lambda *avals, name, counter: (list(avals), set()))
 
 
 def _lower(*arrays, name, counter):
@@ -132,7 +132,8 @@ jx.register_lowering(count_p, _lower, inline=lambda **_: None)
 # kept even when nothing reads its outputs, as a kernel that writes memory
 jx.register_dce(count_p, lambda used, eqn: ([True] * len(eqn.invars), eqn))
 # the identity: tangents pass through, the count stays on the primal values
-jx.register_jvp(count_p, lambda primals, tangents, **params: (
-    count_p.bind(*primals, **params), list(tangents)))
-jx.register_batching(count_p, lambda axis_data, args, dims, **params: (
-    count_p.bind(*args, **params), list(dims)))
+jx.ad.primitive_jvps[count_p] = lambda primals, tangents, **params: (
+    count_p.bind(*primals, **params), list(tangents))
+jx.batching.fancy_primitive_batchers[count_p] = (
+    lambda axis_data, args, dims, **params: (
+        count_p.bind(*args, **params), list(dims)))

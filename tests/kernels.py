@@ -257,6 +257,14 @@ def square_loss(F, remat):
   return lambda x, w: jnp.sum(G(x, w).astype(jnp.float32) ** 2)
 
 
+def assert_grads_close(got, want, tol):
+  """Each gradient in ``got`` within ``tol`` of ``want``'s, relative to the
+  largest entry of ``want``'s (the dtypes' rounding scales with it)."""
+  for a, b in zip(got, want, strict=True):
+    scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+    np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
+                               atol=tol * scale)
+
 
 def kernel_name_pattern(name):
   """Matches ``name`` as a whole word of a kernel's name, allowing a numeric

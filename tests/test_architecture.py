@@ -108,6 +108,7 @@ STAGE_OF_KIND = {
     "partial_eval": "_remat", "partial_eval_custom": "_remat",
     "dce": "_remat", "batching": "_batching", "remat3": "_remat",
     "checkify": "_checkify",
+    "process": "_process",
 }
 DERIVED = "smartvjp/_primitive.py"
 

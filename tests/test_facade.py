@@ -49,21 +49,42 @@ def test_import_fails_early_naming_a_missing_module():
   assert "jax._src.interpreters.remat" in last
 
 
+def _uses(alias_names):
+  """``(alias, name)`` of every use of a declared namespace: ``alias.name``
+  in ``_facade.py``, ``jx.alias.name`` in the other modules."""
+  used = set()
+  for path in sorted(PKG.glob("*.py")):
+    prefix = r"\b" if path.name == "_facade.py" else r"\bjx\."
+    for alias, name in re.findall(rf"{prefix}([a-z_]+)\.([A-Za-z_]\w*)",
+                                  path.read_text()):
+      if alias in alias_names:
+        used.add((alias, name))
+  return used
+
+
 def test_every_declared_internal_is_used():
-  unused = []
-  for alias, module, names in _facade.REQUIRED:
-    for name in names:
-      if not re.search(rf"\b{re.escape(alias)}\.{name}\b", FACADE):
-        unused.append(f"{module}.{name}")
+  used = _uses({alias for alias, _, _ in _facade.REQUIRED})
+  unused = [f"{module}.{name}" for alias, module, names in _facade.REQUIRED
+            for name in names if (alias, name) not in used]
   assert not unused, f"declared in _facade.py but never used: {unused}"
 
 
 def test_every_used_internal_is_declared():
   declared = {alias: set(names) for alias, _, names in _facade.REQUIRED}
-  used = set(re.findall(r"\b(_[a-z_]+)\.([A-Za-z_]\w*)", FACADE))
-  undeclared = sorted(f"{alias}.{name}" for alias, name in used
-                      if alias in declared and name not in declared[alias])
-  assert not undeclared, f"used in _facade.py but not declared: {undeclared}"
+  undeclared = sorted(f"{alias}.{name}" for alias, name in _uses(declared)
+                      if name not in declared[alias])
+  assert not undeclared, f"used but not declared in _facade.py: {undeclared}"
+
+
+def test_namespaces_hold_only_declared_names():
+  # JAX's modules are exported as namespaces of the declared names alone
+  assert isinstance(_facade.core.Primitive, type)
+  try:
+    _facade.core.Jaxpr_not_declared  # noqa: B018
+  except AttributeError:
+    pass
+  else:
+    raise AssertionError("an undeclared name is reachable")
 
 
 def test_no_other_module_reaches_into_jax_internals():

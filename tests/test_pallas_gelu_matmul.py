@@ -159,6 +159,24 @@ def test_tpu_kernels_values_and_gradients(dtype, tol, shape, remat, fused):
                                atol=tol * scale)
 
 
+# the shapes of TPU_TILES_BY_SHAPE's entries, scaled down: the forward kernels
+# with K in one block (no accumulator), dx over all of K and all of N
+WHOLE_K_TILES = {"fwd": (16, 128, 256), "dx": (16, 256, 384),
+                 "dw": (256, 128, 16)}
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_tpu_kernels_with_whole_k_tiles(dtype, tol, fused):
+  gm, _ = PG.make_gelu_matmul(target="tpu", interpret=True, fused=fused,
+                              tpu_tiles=WHOLE_K_TILES)
+  x, w = data(48, 256, 384, dtype)
+  np.testing.assert_allclose(np.float32(gm(x, w)), np.float32(PG.reference(x, w)),
+                             rtol=tol, atol=tol)
+  K.assert_grads_close(jax.jit(jax.grad(loss(gm, True), (0, 1)))(x, w),
+                       jax.grad(loss(PG.reference, False), (0, 1))(x, w), tol)
+
+
 def test_tpu_fused_rule_is_bitwise_fwd_then_bwd():
   """The fused rule rounds ``y`` to the residual dtype before GELU', so its
   gradients are those of ``fwd`` + ``bwd`` bit for bit (the LM benchmark's
@@ -241,3 +259,35 @@ def test_tpu_compiled_values_and_gradients(dtype, tol, remat, fused):
     scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
     np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol,
                                atol=tol * scale)
+
+
+def _tpu_grids(rule_args, **kw):
+  """The pallas_call grids of the TPU rules, traced (nothing compiled)."""
+  _, rules = PG.make_gelu_matmul(target="tpu", interpret=False, **kw)
+  out = {}
+  for rule, args in rule_args.items():
+    jaxpr = jax.jit(rules[rule]).trace(*args).jaxpr
+    out[rule] = [e.params["grid_mapping"].grid for e in jaxpr.eqns
+                 if e.primitive.name == "pallas_call"]
+  return out
+
+
+@pytest.mark.parametrize("d", [2048, 1024])
+def test_tpu_tiles_by_shape(d):
+  """Where ``TPU_TILES_BY_SHAPE`` has ``(K, N)``, its tiles set the grids;
+  elsewhere ``TPU_TILES``; ``tpu_tiles=`` overrides both."""
+  m = 8192
+  x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
+  tiles = {**PG.TPU_TILES, **PG.TPU_TILES_BY_SHAPE.get((d, d), {})}
+  assert ((d, d) in PG.TPU_TILES_BY_SHAPE) == (d == 2048)
+  bm, bn, bk = tiles["fwd"]
+  dm, dk, dn = tiles["dx"]
+  wk, wn, wm = tiles["dw"]
+  cdiv = lambda a, b: -(-a // min(a, b))
+  grids = _tpu_grids({"f": (x, w), "bwd": ((x, w, x), x)})
+  assert grids["f"] == [(cdiv(m, bm), cdiv(d, bn), cdiv(d, bk))]
+  assert grids["bwd"] == [(cdiv(m, dm), cdiv(d, dk), cdiv(d, dn)),
+                          (cdiv(d, wk), cdiv(d, wn), cdiv(m, wm))]
+  forced = _tpu_grids({"f": (x, w)}, tpu_tiles={"fwd": (512, 512, 512)})
+  assert forced["f"] == [(m // 512, d // 512, d // 512)]

@@ -130,21 +130,21 @@ def test_aliased_refs_checked_at_every_call():
 
 # A test primitive, the identity, whose rules go through smartvjp's
 # adapters: a wrong flag makes JAX call them in the wrong form.
-_probe_p = _facade.Primitive("versions_probe")
+_probe_p = _facade.core.Primitive("versions_probe")
 _probe_p.multiple_results = True
-_facade.register_impl(_probe_p, lambda *xs: list(xs))
-_facade.register_abstract_eval(_probe_p, lambda *avals: (list(avals), set()))
+_probe_p.def_impl(lambda *xs: list(xs))
+_probe_p.def_effectful_abstract_eval(lambda *avals: (list(avals), set()))
 _facade.register_lowering(_probe_p, lambda *xs: list(xs))
 _SEEN: list = []
 
 
 def _probe_jvp(primals, tangents):
-  _SEEN.append([type(t) is not _facade.Zero for t in tangents])
-  return _probe_p.bind(*primals), [_facade.instantiate_zeros(t)
+  _SEEN.append([type(t) is not _facade.ad_util.Zero for t in tangents])
+  return _probe_p.bind(*primals), [_facade.ad.instantiate_zeros(t)
                                    for t in tangents]
 
 
-_facade.register_jvp(_probe_p, _probe_jvp)
+_facade.ad.primitive_jvps[_probe_p] = _probe_jvp
 
 
 def _probe_linearize(is_vjp, nonzeros, *primals):
@@ -154,7 +154,7 @@ def _probe_linearize(is_vjp, nonzeros, *primals):
 
 
 _facade.register_linearization(_probe_p, _probe_linearize)
-_facade.register_transpose(_probe_p, lambda cts, *args: list(cts))
+_facade.ad.primitive_transposes[_probe_p] = lambda cts, *args: list(cts)
 _facade.register_dce(_probe_p, lambda used, eqn: ([True] * len(eqn.invars),
                                                   eqn))
 
