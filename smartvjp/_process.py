@@ -1,24 +1,8 @@
-"""How each trace processes a ``smart_custom_vjp`` call.
-
-``smart_custom_vjp.__call__`` checks the arguments and binds
-``smartvjp_call`` with an :class:`~smartvjp._spec.Unprocessed` call; the
-primitive's bind hands it here, where the current trace decides how the call
-is made, as each of JAX's traces does for a ``jax.custom_vjp`` call
-(``process_custom_vjp_call``):
-
-* plain evaluation: ``f`` itself, called on its arguments rebuilt from
-  their leaves (fresh pytree objects, as ``jax.custom_vjp`` gives it);
-* a linearization (``jax.grad``/``jax.vjp`` applied directly to the call,
-  eagerly or over ``jit``/``vmap``): linearized where it is made, only
-  ``fwd`` traced (run on the values eagerly), never ``f``;
-* ``vmap`` (one or nested) directly inside a linearization
-  (``grad(vmap(F))``): the user's rules batched as Python functions, the
-  batched call linearized where it is made, ``f`` untraced;
-* anything else (``jit``, ``make_jaxpr``, staged bodies, ``jax.jvp``,
-  ``jax.checkpoint``): ``f`` traced once per signature and outer trace
-  (``_cache.py``), its closed-over values leading inputs of a
-  ``smartvjp_call`` with a traced ``CallSpec``.
-"""
+"""How the current trace processes a ``smart_custom_vjp`` call, as JAX's
+traces process a ``jax.custom_vjp`` call: plain evaluation calls ``f``; a
+linearization applied directly to the call (eagerly or over ``jit``/``vmap``,
+and ``grad(vmap(F))``) traces only ``fwd``, never ``f``; anything else
+traces ``f`` once per signature and outer trace into a ``smartvjp_call``."""
 
 from __future__ import annotations
 
@@ -78,12 +62,8 @@ register(call_p, "process", _call_process)
 
 
 def _linearized(call, trace, primals, nonzero):
-  """The call linearized where it is made, ``f`` untraced (as
-  ``jax.custom_vjp``: ``fwd`` now, ``bwd`` in the transpose; only
-  ``fwd_bwd``: ``f`` now, which is then traced): eagerly, ``fwd`` runs on
-  the concrete values; under another trace, ``fwd`` is traced
-  (``_spec.linearized_call``). ``None`` where ``f`` is traced after all
-  (a rule closes over a value being differentiated, references)."""
+  """``f`` untraced: eagerly ``fwd`` runs on the values, else it is traced;
+  ``None`` where ``f`` must be traced after all."""
   rules, nondiff, num_args, in_tree, avals = call.signature
   parent = getattr(trace, "parent_trace", None)
   if isinstance(parent, jx.core.EvalTrace) and not any(
@@ -113,14 +93,9 @@ def _linearized(call, trace, primals, nonzero):
 
 
 def _vmap_of_linearized(call, leaves):
-  """A call under ``jax.vmap`` (one or several, nested) directly inside
-  ``jax.grad``/``jax.vjp`` (``grad(vmap(F))``, ``grad(vmap(vmap(F)))``),
-  as ``jax.custom_vjp`` makes it: the user's rules batched as Python
-  functions (``_vmap.batched_rules``), once per vmap, and the batched call
-  linearized where it is made, ``f`` untraced; outputs mapped as the
-  batched ``fwd`` maps them, as ``smartvjp_call``'s batching rule maps a
-  differentiated call's. ``None`` where that does not apply (``f`` is then
-  traced and the call batched by its rule)."""
+  """``grad(vmap(F))``, vmaps nested too: the user's rules batched as Python
+  functions and the batched call linearized where made, outputs mapped as
+  the batched ``fwd`` maps them; ``None`` where that does not apply."""
   rules, nondiff, num_args, in_tree, avals = call.signature
   batch = jx.core.trace_ctx.trace
   if (not isinstance(batch, jx.batching.BatchTrace) or rules.generic_batching
@@ -160,9 +135,6 @@ def _vmap_of_linearized(call, leaves):
 
 
 def _linearized_batched(brules, vals, bavals, lin):
-  """The batched call (rules ``brules`` on ``vals`` of types ``bavals``)
-  linearized by ``lin``, the current trace, where it is made: its outputs,
-  or ``None`` where no input carries a tangent."""
   linearizing = _linearizing(vals)
   if linearizing is None:
     return None
@@ -180,10 +152,7 @@ def _linearized_batched(brules, vals, bavals, lin):
 
 
 def _traced(call):
-  """The traced ``f`` for this signature, reused within one outer trace
-  (see ``_cache.py``; the cache bounds the signatures). Nondiff arguments
-  are part of the key (see ``_static.static_key``); unhashable ones are
-  traced afresh at every call."""
+  """Nondiff arguments are part of the key; unhashable ones are traced afresh."""
   rules, nondiff, num_args, in_tree, avals = call.signature
   static = tuple(static_key(v) for v in nondiff)
   if any(k is None for k in static):   # unhashable: it may be mutated
@@ -198,10 +167,8 @@ def _traced(call):
 
 
 def _linearizing(leaves):
-  """``(trace, primals, nonzero)`` when the current trace is a linearization
-  (``jax.grad``, ``jax.vjp``) and some leaf is its tracer with a nonzero
-  tangent: the call is differentiated where it is made. ``primals`` are the
-  leaves' primal values (others as they are)."""
+  """``(trace, primals, nonzero)`` where the current trace linearizes some
+  leaf with a nonzero tangent, else ``None``."""
   trace = jx.core.trace_ctx.trace
   if not isinstance(trace, jx.ad.LinearizeTrace):
     return None
@@ -232,9 +199,6 @@ def _has_refs(avals) -> bool:
 
 
 def _rebuilt_args(nondiff_argnums, nondiff, in_tree, leaves, num_args):
-  """The positional arguments with the differentiable ones unflattened anew
-  from ``leaves`` (``in_tree`` is the tree of their tuple) and the nondiff
-  ones (``nondiff``, at ``nondiff_argnums``) as given."""
   dyn = iter(tree_util.tree_unflatten(in_tree, list(leaves)))
   static = dict(zip(nondiff_argnums, nondiff))
   return [static[i] if i in static else next(dyn) for i in range(num_args)]
