@@ -215,12 +215,13 @@ def _pad(a, rows, cols):
 # tile that spans the whole of K computes dy once per element; a narrower one
 # recomputes it K / bk times. From the measured search of benchmarks/
 # tpu_tiles.py on a TPU v5e (benchmarks/results/tpu_tiles.json; M = 8192,
-# K = N in 2048 / 4096, bf16): the largest forward tiles were fastest, and
-# backward tiles of 1024-2048 rows of K within 3% of the whole-K ones. In a
-# checkpointed scan XLA fuses dw's kernel with the update of the stacked
-# gradient, and that fusion ran out of VMEM with dw tiles of (4096, 512) and
-# (2048, 512) (benchmarks/results/accel_mlp_tpu.json at K = 4096, and at
-# K = 2048 for batches past 8192); hence (1024, 512) everywhere.
+# K = N in 2048 / 4096, bf16): the largest forward tiles were fastest; dw
+# tiles of 1024-2048 rows of K within 3% of the whole-K ones, dx tiles 4-9%
+# behind. In a checkpointed scan XLA fuses dw's kernel with the update of the
+# stacked gradient, and that fusion ran out of VMEM with dw tiles of
+# (4096, 512) and (2048, 512) (accel_mlp_tpu.json as of commit 5871593, at
+# K = 4096, and at K = 2048 for batches past 8192; every larger dw tile at
+# K = 4096 in tpu_tiles_matmul2.json's "rejected"); hence (1024, 512).
 TPU_TILES = {
     "fwd": (1024, 1024, 1024),
     "dx": (512, 2048, 512),
