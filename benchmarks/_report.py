@@ -9,6 +9,7 @@ and ``versions()`` only read it.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import socket
@@ -236,3 +237,106 @@ class Goals:
 
   def as_list(self) -> list[dict]:
     return [dict(goal=text, met=ok) for text, ok in self.items]
+
+
+# -- largest batch -------------------------------------------------------------
+
+class BatchSearch:
+  """The largest multiple of ``granule`` whose step needs at most ``budget``
+  bytes, over probes ``batch -> bytes`` (assumed to grow with the batch).
+
+  Each probe is the granule below the budget on a line ``a + b * batch``
+  through the two points nearest the answer (one on each side once there
+  are), clamped inside the bracket; with one point only, ``a`` is
+  ``const_bytes`` (bytes that do not depend on the batch). After
+  ``model_probes`` such probes it tries the granule above the largest fit
+  once, then bisects (doubling while nothing is over).
+  """
+
+  def __init__(self, budget, granule, max_batch, const_bytes=None,
+               model_probes=3):
+    self.budget, self.g = budget, granule
+    self.max_k = max_batch // granule
+    self.const_bytes = const_bytes
+    self.points = {}
+    self.compiles = 0
+    self.model_left = model_probes
+    self.stepped = False
+
+  def add(self, batch, total, compiled_here=True):
+    self.points[batch] = total
+    self.compiles += bool(compiled_here)
+
+  def bracket(self):
+    """(lo, hi) in granules: the answer is in ``[lo, hi - 1]``; hi None:
+    nothing probed is over the budget."""
+    g, budget = self.g, self.budget
+    lo = max((b // g for b, v in self.points.items() if v <= budget), default=0)
+    hi = min((-(-b // g) for b, v in self.points.items() if v > budget),
+             default=None)
+    return lo, hi
+
+  def done(self):
+    lo, hi = self.bracket()
+    return lo >= self.max_k or (hi is not None and hi - lo <= 1)
+
+  def answer(self):
+    return min(self.bracket()[0], self.max_k) * self.g
+
+  def model(self):
+    """(a, b) of ``bytes = a + b * batch``, or None. Probes that XLA refused
+    to compile (out of memory: ``inf``) bound the answer but give no line."""
+    pts = sorted(p for p in self.points.items() if math.isfinite(p[1]))
+    below = [p for p in pts if p[1] <= self.budget]
+    above = [p for p in pts if p[1] > self.budget]
+    if below and above:
+      pair = (below[-1], above[0])
+    elif len(pts) >= 2:
+      pair = tuple(pts[-2:]) if below else tuple(pts[:2])
+    elif pts and self.const_bytes is not None:
+      (b0, v0), = pts
+      return float(self.const_bytes), (v0 - self.const_bytes) / b0
+    else:
+      return None
+    (b0, v0), (b1, v1) = pair
+    slope = (v1 - v0) / (b1 - b0)
+    return v0 - slope * b0, slope
+
+  def next_probe(self):
+    lo, hi = self.bracket()
+    top = self.max_k if hi is None else hi - 1
+    k = None
+    if self.model_left > 0:
+      fit = self.model()
+      if fit is not None and fit[1] > 0:
+        self.model_left -= 1
+        k = math.floor((self.budget - fit[0]) / fit[1] / self.g)
+    if k is None:
+      if hi is not None:
+        k = (lo + hi) // 2
+      elif not self.stepped:   # the line was close: try one granule above
+        self.stepped, k = True, lo + 1
+      else:
+        k = max(2 * lo, 1)
+    return min(max(k, lo + 1), top) * self.g
+
+  def summary(self):
+    lo, hi = self.bracket()
+    fit = self.model()
+    return dict(
+        batch=self.answer(), granule=self.g, budget_bytes=self.budget,
+        bytes_at_batch=self.points.get(self.answer()),
+        compiles=self.compiles, bracket=[lo * self.g,
+                                         None if hi is None else hi * self.g],
+        capped=lo >= self.max_k, monotonic=hi is None or lo < hi,
+        fit=None if fit is None else dict(a_bytes=fit[0],
+                                          b_bytes_per_row=fit[1]),
+        probes=[[b, v if math.isfinite(v) else "out of memory at compile"]
+                for b, v in sorted(self.points.items())])
+
+  def partial(self):
+    """``summary()`` of a search that has not finished: its answer so far is
+    a lower bound, ``batch_at_least``."""
+    summary = self.summary()
+    summary["batch_at_least"] = summary.pop("batch")
+    return summary

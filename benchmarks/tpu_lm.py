@@ -37,9 +37,10 @@ Under each policy (``nothing_saveable``, ``dots_saveable``, and
   ``6 N`` per token for the ``N`` matmul parameters, and causal attention's
   ``6 L T d``);
 * memory of the compiled step (temp + arguments + outputs) and the largest
-  batch that fits ``bytes_limit``: a line through the compiled memory at the
-  timing batch and twice it, predicting the largest batch, then checked by
-  compiling it (one below while it does not fit);
+  batch that fits ``bytes_limit``: compiled at the timing batch and twice
+  it, then searched (``_report.BatchSearch``: a line through the nearest
+  points predicts each probe, then bisection) until a batch fits and the
+  next one does not (or fails to compile);
 * under ``nothing_saveable``, each column trains ``--steps`` steps from the
   same initial parameters and data; the loss curves of the kernel columns
   are compared bit for bit, ``xla``'s within ``XLA_LOSS_TOL``.
@@ -268,27 +269,25 @@ def compile_at(cfg, column, policy, smoke, batch):
   return step.trace(state_shapes(c), tokens).lower().compile()
 
 
+MAX_BATCH = 1024
+
+
 def largest_batch(cfg, column, policy, smoke, mem_at_batch, budget):
-  """(batch, probes): the line through the compiled memory at the timing
-  batch and at twice it predicts the largest batch; compiled there and
-  stepped down while it does not fit."""
-  probes = {cfg.batch: mem_at_batch}
-  b2 = 2 * cfg.batch
-  probes[b2] = memory_bytes(compile_at(cfg, column, policy, smoke, b2))
-  slope = (probes[b2] - probes[cfg.batch]) / cfg.batch
-  guess = int((budget - probes[cfg.batch]) / slope) + cfg.batch
-  guess = max(guess, 1)
-  while guess > 0:
-    if guess not in probes:
-      try:
-        probes[guess] = memory_bytes(compile_at(cfg, column, policy, smoke,
-                                                guess))
-      except Exception:   # noqa: BLE001 -- a compile that fails does not fit
-        probes[guess] = None
-    if probes[guess] is not None and probes[guess] <= budget:
-      return guess, probes
-    guess -= 1
-  return 0, probes
+  """(batch, search summary): the largest batch whose compiled step fits
+  ``budget`` (``_report.BatchSearch`` in steps of one sequence, from the
+  timing batch and twice it; a compile that fails does not fit)."""
+  s = R.BatchSearch(budget, 1, MAX_BATCH)
+  s.add(cfg.batch, mem_at_batch, compiled_here=False)
+  batch = 2 * cfg.batch
+  while True:
+    try:
+      mem = memory_bytes(compile_at(cfg, column, policy, smoke, batch))
+    except Exception:   # noqa: BLE001 -- a compile that fails does not fit
+      mem = None
+    s.add(batch, math.inf if mem is None else mem)
+    if s.done():
+      return s.answer(), s.summary()
+    batch = s.next_probe()
 
 
 def flash_launches(cfg, policy):
@@ -446,10 +445,8 @@ def main(argv=None):
         for c, fut in futs.items():
           rec = res["columns"][c]
           try:
-            big, probes = fut.result()
-            rec["largest_batch"] = dict(batch=big, budget_bytes=budget,
-                                        probes={str(k): v for k, v in
-                                                probes.items()})
+            big, summary = fut.result()
+            rec["largest_batch"] = summary
             print(f"[{pname}] {c}: largest batch {big}", flush=True)
           except Exception as e:   # noqa: BLE001
             rec["largest_batch"] = dict(error=f"{type(e).__name__}: {e}"[:500])

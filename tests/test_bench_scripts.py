@@ -3,6 +3,7 @@ smoke modes of the timing benchmarks: each prints its machine, versions and
 commit, every time as a median with its range, and a verdict per goal."""
 
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -290,3 +291,29 @@ def test_tpu_tiles_ranks_candidates_by_their_rules():
   assert bench.ranked(search, "dw") == []
   for kind, default in bench.PG.TPU_TILES.items():   # always a candidate
     assert kind in bench.MM_CANDIDATES and len(default) == 3
+
+
+def test_tpu_lm_largest_batch_searches_up_to_the_budget(monkeypatch):
+  """The LM's search goes past the line's first guess until a batch fits and
+  the next does not; compiles that fail count as not fitting."""
+  bench = load("tpu_lm")
+  budget = 16_000
+  curves = {"line": lambda b: 1000 + 600 * b,           # 25 fits
+            "refused": lambda b: None if b > 19 else 1000 + 300 * b,
+            "flat then steep": lambda b: 1000 + 100 * b + (
+                10_000 if b > 30 else 0)}
+  for name, curve in curves.items():
+    def compile_at(cfg, column, policy, smoke, batch, curve=curve):
+      if curve(batch) is None:
+        raise RuntimeError("RESOURCE_EXHAUSTED")
+      return batch
+
+    monkeypatch.setattr(bench, "compile_at", compile_at)
+    monkeypatch.setattr(bench, "memory_bytes", curve)
+    cfg = bench.SMOKE_CONFIG
+    big, summary = bench.largest_batch(cfg, "smartvjp", None, True,
+                                       curve(cfg.batch), budget)
+    fits = [b for b in range(1, bench.MAX_BATCH + 1)
+            if curve(b) is not None and curve(b) <= budget]
+    assert big == summary["batch"] == max(fits), name
+    json.dumps(summary, allow_nan=False)
