@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib
+import importlib.util
 import math
 import re
 import time
@@ -426,6 +427,13 @@ def main(cfg: Config | None = None):
   """Runs the comparison; returns ``{policy: {"launches", "losses",
   "residual_bytes", "params_equal"}}`` with per-schedule entries."""
   t0 = time.perf_counter()
+  if importlib.util.find_spec(ATTENTION) is None:
+    print(f"JAX {jax.__version__} no longer ships the Triton Pallas kernels "
+          f"this example swaps ({ATTENTION} and {RMS_NORM}; jax 0.12.1 removed "
+          "them). Run it with jax<=0.12.0.1; for a kernel that every JAX "
+          "ships, see benchmarks/tpu_attention.py (TPU flash attention).")
+    print(f"Finished in {time.perf_counter() - t0:.1f} s.")
+    return None
   cfg = cfg or Config()
   interpret = jax.default_backend() != "gpu"
   kernels = {s: load_kernels(s == "swapped") for s in SCHEDULES}

@@ -523,7 +523,8 @@ def swap_report(target: Any, /, *args, **kwargs) -> SwapReport:
     entry per custom function called, named ``"<module>.<f's name>"``
     (``True``: ``smart_custom_vjp``; ``False``: ``jax.custom_vjp``); for a
     module, dotted names such as
-    ``"jax.experimental.pallas.ops.gpu.attention.mha"``. ``report.why``
+    ``"jax.experimental.pallas.ops.tpu.flash_attention._flash_attention"``.
+    ``report.why``
     says, for each ``False`` entry, why and what to do; ``report.ok`` is true
     when the report is not empty and every entry is ``True``.
 
@@ -1150,7 +1151,7 @@ def _check_name(what: str, name) -> str:
         "re-executes: a second copy of JAX's core, jaxlib or smartvjp would "
         "register primitives and configuration a second time. Name the "
         "module that calls jax.custom_vjp instead (e.g. "
-        "'jax.experimental.pallas.ops.gpu.attention').")
+        "'jax.experimental.pallas.ops.tpu.flash_attention').")
   if name == "__main__":
     raise SwapError("import_swapped: '__main__' is the running script; it "
                     "cannot be imported again. Move the code into a module.")
@@ -1167,22 +1168,23 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
   The module already in ``sys.modules`` (if any) and everything that uses it
   are left as they are; nothing global is patched. Example with one of
   JAX's shipped Pallas kernels (self-contained; it runs as written, on a CPU
-  in Pallas' interpret mode):
+  too, where it builds the program for a TPU without running it):
 
   ```python
   import jax
   import jax.numpy as jnp
   import smartvjp
 
-  rms = smartvjp.import_swapped("jax.experimental.pallas.ops.gpu.rms_norm")
+  fa = smartvjp.import_swapped("jax.experimental.pallas.ops.tpu.flash_attention")
 
-  x = jnp.linspace(-1.0, 1.0, 2 * 4 * 32).reshape(2, 4, 32)
-  w, b = jnp.ones(32), jnp.zeros(32)
-  norm = lambda x: rms.rms_norm(x, w, b, interpret=True)
-  assert smartvjp.swap_report(norm, x).ok   # every custom rule it calls
-  dx = jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(norm)(x) ** 2)))(x)
-  # under remat: the output-only kernel in the forward pass, the
-  # residual-writing kernel once, in the backward pass (jax.custom_vjp: twice)
+  q = jnp.linspace(-1.0, 1.0, 256 * 128).reshape(1, 1, 256, 128)
+  attention = lambda q: fa.flash_attention(q, q, q, causal=True)
+  assert smartvjp.swap_report(attention, q).ok   # every custom rule it calls
+  step = jax.jit(jax.grad(lambda q: jnp.sum(jax.checkpoint(attention)(q) ** 2)))
+  lowered = step.trace(q).lower(lowering_platforms=("tpu",))  # no TPU needed
+  # under remat: the kernel without the softmax statistics in the forward
+  # pass, the one writing them once, in the backward pass (jax.custom_vjp:
+  # twice)
   ```
 
   What is swapped, in the copy's own code: module-level decorators
@@ -1241,7 +1243,7 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
 
   Args:
     name: absolute name of the module (e.g.
-      ``"jax.experimental.pallas.ops.gpu.rms_norm"``, ``"optax"``). Its
+      ``"jax.experimental.pallas.ops.tpu.flash_attention"``, ``"optax"``). Its
       parent packages are imported as usual (shared).
     include: more module names (each with its submodules) whose fresh,
       swapped copies the copy should use instead of the shared ones: where

@@ -81,10 +81,19 @@ REMAT3_RULE_RETURNS_RES = _since(0, 12, 0)
 # in _jax_api.INTRODUCED).
 CUSTOM_VJP_METHODS_0_12 = _since(0, 12, 0)
 
+# -- jax 0.12.1 -----------------------------------------------------------------
+
+# jax.experimental.pallas.ops.gpu ships the Triton-lowered kernels attention,
+# layer_norm and rms_norm (jax.custom_vjp functions) until 0.12.0.x; 0.12.1
+# removed them (the Mosaic GPU *_mgpu kernels remain). Read by the examples
+# and tests that swap JAX's shipped kernels, not by smartvjp itself.
+SHIPS_TRITON_PALLAS_OPS = not _since(0, 12, 1)
+
 FLAGS = (
     "EFFECTS_NAME_VARS", "DISCHARGE_STATE_TAKES_CLOSED_JAXPR",
     "CHECKIFY_TAKES_CTX", "DISCHARGE_RULE_TAKES_CTX", "REMAT3_RULE_GETS_TRACE",
     "REMAT3_PERTURBS_EVERY_INPUT", "HAS_CHECKPOINT_NAME_FWD",
     "LINEARIZE_HAS_STRUCTURED_RES", "TRANSPOSE_RETURNS_LOGS",
     "DCE_RULE_TAKES_LIVE_INS", "ALIASED_REFS_CHECKED_AT_CALL",
-    "REMAT3_RULE_RETURNS_RES", "CUSTOM_VJP_METHODS_0_12")
+    "REMAT3_RULE_RETURNS_RES", "CUSTOM_VJP_METHODS_0_12",
+    "SHIPS_TRITON_PALLAS_OPS")

@@ -31,9 +31,18 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.experimental import pallas as pl
 
 import smartvjp
+from smartvjp import _versions
+
+# JAX's Triton-lowered kernels (KERNELS below, and the example that uses
+# them): jax 0.12.1 removed them from jax.experimental.pallas.ops.gpu
+TRITON = pytest.mark.skipif(
+    not _versions.SHIPS_TRITON_PALLAS_OPS,
+    reason="jax 0.12.1 removed JAX's Triton Pallas kernels (attention, "
+    "layer_norm, rms_norm)")
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 

@@ -69,7 +69,7 @@ def assert_bitwise(a, b):
 # -- the swap takes on every shipped kernel module -----------------------------------
 
 SHIPPED_MODULES = {
-    "jax.experimental.pallas.ops.gpu.attention": ("mha",),
+    "jax.experimental.pallas.ops.gpu.attention": ("mha",),     # SK.TRITON
     "jax.experimental.pallas.ops.gpu.rms_norm": ("rms_norm",),
     "jax.experimental.pallas.ops.gpu.layer_norm": ("layer_norm",),
     "jax.experimental.pallas.ops.tpu.flash_attention": ("_flash_attention",),
@@ -79,7 +79,9 @@ SHIPPED_MODULES = {
 }
 
 
-@pytest.mark.parametrize("name", list(SHIPPED_MODULES))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[SK.TRITON] if ".ops.gpu." in n else [])
+    for n in SHIPPED_MODULES])
 def test_every_shipped_custom_vjp_kernel_module_swaps(name):
   shipped = SK.load(name, swapped=False)
   swapped = SK.load(name, swapped=True)
@@ -115,6 +117,7 @@ def modules():
           for k in KERNEL_IDS for s in SCHEDULES}
 
 
+@SK.TRITON
 @pytest.mark.parametrize("program", list(PROGRAMS))
 @pytest.mark.parametrize("kernel_id", KERNEL_IDS)
 def test_lowered_launches(modules, kernel_id, program):
@@ -142,6 +145,7 @@ MODES = {
 }
 
 
+@SK.TRITON
 @pytest.mark.parametrize("kernel_id,mode", [
     (k, m) for k in KERNEL_IDS for m in MODES
     # layer_norm's module is rms_norm's with a mean: eager once is enough
@@ -197,6 +201,7 @@ def test_tpu_flash_attention_runs_only_on_a_tpu():
 RMS = "jax.experimental.pallas.ops.gpu.rms_norm"
 
 
+@SK.TRITON
 def test_counter_dead_code():
   """A kernel whose outputs are all unused is gone (JAX removes it); one
   with a single used output runs whole; a used one inside a loop counts its
@@ -219,6 +224,7 @@ def test_counter_dead_code():
       ("rms_forward", 2): 4}
 
 
+@SK.TRITON
 def test_counter_refuses_what_only_run_time_decides():
   rms = SK.load(RMS, False)
   f = lambda x, w, b: rms.rms_norm(x, w, b)
@@ -283,6 +289,7 @@ needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
 
 
 @needs_gpu
+@SK.TRITON
 @pytest.mark.parametrize("kernel_id", KERNEL_IDS)
 def test_gpu_profiler_launches_match_the_lowered_program(kernel_id):
   """Kernel launches the profiler sees in one jitted step (the f and fwd

@@ -18,39 +18,42 @@ import pytest
 import kernels
 from smartvjp import _facade, _versions
 
-# every release CI installs: the whole suite runs on 0.10.0, 0.10.2, 0.11.2 and
-# 0.12.0.1, the short jobs (this file and the contract) on the others
+# every release CI installs, or installed: the whole suite runs on the newest
+# of each minor version (0.10.2, 0.11.2, 0.12.1; 0.12.0.1 before 0.12.1 came
+# out), the short jobs (this file) on the others
 CI_VERSIONS = ("0.10.0", "0.10.1", "0.10.2", "0.11.0", "0.11.1", "0.11.2",
-               "0.12.0", "0.12.0.1")
+               "0.12.0", "0.12.0.1", "0.12.1")
 
 # flag -> its value on each CI version, in CI_VERSIONS order
 EXPECTED = {
     "EFFECTS_NAME_VARS":
-        (False, False, True, True, True, True, True, True),
+        (False, False, True, True, True, True, True, True, True),
     "DISCHARGE_STATE_TAKES_CLOSED_JAXPR":
-        (False, False, True, True, True, True, True, True),
+        (False, False, True, True, True, True, True, True, True),
     "CHECKIFY_TAKES_CTX":
-        (False, False, False, False, False, True, True, True),
+        (False, False, False, False, False, True, True, True, True),
     "DISCHARGE_RULE_TAKES_CTX":
-        (False, False, False, False, True, True, True, True),
+        (False, False, False, False, True, True, True, True, True),
     "REMAT3_RULE_GETS_TRACE":
-        (False, False, False, True, True, True, True, True),
+        (False, False, False, True, True, True, True, True, True),
     "REMAT3_PERTURBS_EVERY_INPUT":
-        (True, True, True, True, False, False, False, False),
+        (True, True, True, True, False, False, False, False, False),
     "HAS_CHECKPOINT_NAME_FWD":
-        (False, False, False, False, False, True, True, True),
+        (False, False, False, False, False, True, True, True, True),
     "LINEARIZE_HAS_STRUCTURED_RES":
-        (False, False, False, False, True, True, True, True),
+        (False, False, False, False, True, True, True, True, True),
     "TRANSPOSE_RETURNS_LOGS":
-        (False, False, False, False, True, True, True, True),
+        (False, False, False, False, True, True, True, True, True),
     "DCE_RULE_TAKES_LIVE_INS":
-        (False, False, False, False, False, False, True, True),
+        (False, False, False, False, False, False, True, True, True),
     "ALIASED_REFS_CHECKED_AT_CALL":
-        (False, False, False, False, False, False, True, True),
+        (False, False, False, False, False, False, True, True, True),
     "REMAT3_RULE_RETURNS_RES":
-        (False, False, False, False, False, False, True, True),
+        (False, False, False, False, False, False, True, True, True),
     "CUSTOM_VJP_METHODS_0_12":
-        (False, False, False, False, False, False, True, True),
+        (False, False, False, False, False, False, True, True, True),
+    "SHIPS_TRITON_PALLAS_OPS":
+        (True, True, True, True, True, True, True, True, False),
 }
 
 
@@ -67,6 +70,12 @@ def test_flag_value_on_this_ci_combination(flag):
 
 
 # -- probes: the installed JAX behaves as each flag says --------------------------
+
+def test_triton_pallas_ops():
+  import importlib.util
+  for name in ("attention", "layer_norm", "rms_norm"):
+    found = importlib.util.find_spec(f"jax.experimental.pallas.ops.gpu.{name}")
+    assert (found is not None) is _versions.SHIPS_TRITON_PALLAS_OPS, name
 
 def _jax_src(name):
   import importlib
