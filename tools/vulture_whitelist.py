@@ -24,6 +24,10 @@ __builtins__
 # _versions.FLAGS: the list tests/test_versions.py checks against its table.
 FLAGS
 
+# _versions.SHIPS_TRITON_PALLAS_OPS: read by the tests and the migration
+# recipe that swap JAX's Triton Pallas kernels, not by the package.
+SHIPS_TRITON_PALLAS_OPS
+
 # _api.smart_custom_vjp._remat: read back through self.__dict__ by defvjp
 # (a defremat made first); the facade's old namespace _remat hid it.
 _remat
