@@ -13,10 +13,11 @@ under ``jax.profiler.trace`` and reads the trace with
   that made it;
 * totals by class: Pallas kernels (``tpu_custom_call``, by kernel name),
   fusions that contain a convolution/dot (XLA's matmuls), other fusions,
-  copies and transposes, loop control (``while`` bodies' bookkeeping), and
-  the rest;
+  copies and transposes, control, and the rest;
 * the busy time (sum of the ops) beside the wall time of a step, and the
-  top ``--top`` instructions.
+  top ``--top`` instructions. A ``while``, ``conditional`` or ``call`` event
+  spans the ops it runs, so it is reported apart (``loops_ms``), not added
+  to the busy time.
 
 It also writes each row's optimized HLO, gzipped, beside the JSON, so the
 programs can be read off the chip.
@@ -90,6 +91,20 @@ def hlo_index(text):
   return instrs
 
 
+# an event of the device's "XLA Ops" line is named by the instruction's whole
+# HLO text ("%fusion.3 = bf16[...] fusion(...)") on a TPU, by its name
+# elsewhere
+_EVENT_NAME = re.compile(r"^%?([\w.\-]+)")
+# instructions whose events contain the events of the ops they run
+CONTAINERS = ("while", "conditional", "call")
+
+
+def event_instruction(event_name):
+  """The HLO instruction name an ``XLA Ops`` event stands for."""
+  m = _EVENT_NAME.match(event_name)
+  return m.group(1) if m else event_name
+
+
 def op_class(info):
   """The class an executed instruction's time is charged to."""
   if info is None:
@@ -107,16 +122,17 @@ def op_class(info):
     return "copy/transpose"
   if op in ("dot", "convolution"):
     return "dot (XLA matmul)"
-  if op in ("while", "conditional", "call", "parameter", "get-tuple-element",
-            "tuple", "constant", "bitcast"):
+  if op in CONTAINERS + ("parameter", "get-tuple-element", "tuple",
+                        "constant", "bitcast"):
     return "control"
   return op
 
 
 def device_ops(pdata):
-  """``[(name, duration_ns)]`` of the executed HLO instructions on the first
-  device: the ``XLA Ops`` line of ``/device:*:0``; on a CPU (no device
-  plane) the host's events, as they are."""
+  """``([(name, duration_ns)], {plane: [line names]})``: the executed HLO
+  instructions on the first device (the ``XLA Ops`` line of
+  ``/device:*:0``; on a CPU, with no device plane, the host's events as they
+  are), and every plane's lines."""
   planes = list(pdata.planes)
   dev = [p for p in planes if re.match(r"/device:(TPU|GPU):0\b", p.name)]
   lines = []
@@ -157,18 +173,21 @@ def summarize(ops, index, steps, top):
     by_name[name][0] += ns
     by_name[name][1] += 1
   classes = collections.defaultdict(float)
-  rows = []
+  rows, loops = [], 0.0
   for name, (ns, n) in by_name.items():
-    info = index.get(name)
+    info = index.get(event_instruction(name))
     cls = op_class(info)
-    classes[cls] += ns / steps / 1e6
-    rows.append(dict(name=name, ms_per_step=ns / steps / 1e6,
-                     runs_per_step=n / steps, cls=cls,
-                     op_name=(info or {}).get("op_name"),
+    ms = ns / steps / 1e6
+    if info is not None and info["opcode"] in CONTAINERS:
+      loops += ms
+    else:
+      classes[cls] += ms
+    rows.append(dict(name=name, ms_per_step=ms, runs_per_step=n / steps,
+                     cls=cls, op_name=(info or {}).get("op_name"),
                      kind=(info or {}).get("kind")))
   rows.sort(key=lambda r: -r["ms_per_step"])
   busy = sum(classes.values())
-  return dict(busy_ms=busy,
+  return dict(busy_ms=busy, loops_ms=loops,
               classes=dict(sorted(classes.items(), key=lambda kv: -kv[1])),
               top=rows[:top], distinct_ops=len(rows))
 

@@ -317,3 +317,21 @@ def test_tpu_lm_largest_batch_searches_up_to_the_budget(monkeypatch):
             if curve(b) is not None and curve(b) <= budget]
     assert big == summary["batch"] == max(fits), name
     json.dumps(summary, allow_nan=False)
+
+
+def test_accel_profile_joins_tpu_event_names_and_keeps_loops_apart():
+  """On a TPU an event is named by its instruction's whole HLO text; a
+  ``while`` spans the ops it runs, so it is not added to the busy time."""
+  bench = load("accel_profile")
+  index = {"fusion.3": dict(opcode="fusion", kind="kLoop", has_dot=True),
+           "while.5": dict(opcode="while"),
+           "k.1": dict(opcode="custom-call", target="tpu_custom_call",
+                       kernel="gelu_matmul_f")}
+  ops = [("%while.5 = (s32[], bf16[8,128]) while(%tuple.1), body=%b", 10_000_000),
+         ("%fusion.3 = bf16[8,128]{1,0:T(8,128)} fusion(%p), kind=kLoop", 3_000_000),
+         ("%k.1 = bf16[8,128] custom-call(%a), custom_call_target=\"x\"", 5_000_000)]
+  s = bench.summarize(ops, index, steps=1, top=5)
+  assert s["loops_ms"] == 10.0 and s["busy_ms"] == 8.0
+  assert s["classes"] == {"kernel gelu_matmul_f": 5.0,
+                          "fusion with dot (XLA matmul)": 3.0}
+  assert bench.event_instruction("fusion.3") == "fusion.3"
