@@ -184,7 +184,7 @@ def _nz_inputs(cts_in, in_nz):
 def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   """``bwd`` runs even when every cotangent is zero, as with
   ``jax.custom_vjp`` (flax's fp8 scales)."""
-  n = ex.num_nonlinear(call, fwd)
+  n = call.num_nonlinear(fwd)
   cts_out = call.expand_tangents(cts)
   if fwd is None:
     if any(type(ct) is not jx.ad_util.Zero for ct in cts):
@@ -255,7 +255,7 @@ def _not_transposable_error(cause: type) -> type:
 
 
 def lin_forward(*args, call, fwd, in_nz, reload):
-  n = ex.num_nonlinear(call, fwd)
+  n = call.num_nonlinear(fwd)
   nonlinear, nz_t = args[:n], args[n:]
   if call.rules.jvp is not None:
     primals = nonlinear[n - call.num_primals:]
@@ -275,7 +275,7 @@ def lin_forward(*args, call, fwd, in_nz, reload):
 
 def _lin_jvp(primals, tangents, **params):
   """Itself where only the tangents move; else (higher order) its code's."""
-  n = ex.num_nonlinear(params["call"], params["fwd"])
+  n = params["call"].num_nonlinear(params["fwd"])
   if all(type(t) is jx.ad_util.Zero for t in tangents[:n]):
     lin_tangents = [jx.ad.instantiate_zeros(t) for t in tangents[n:]]
     return (lin_p.bind(*primals, **params),

@@ -96,7 +96,7 @@ def _lin_batching(axis_data, args, dims, *, call, fwd, in_nz, reload):
   if all(d is None for d in dims):
     return (lin_p.bind(*args, **ex.lin_params(call, fwd, in_nz, reload)),
             [None] * sum(call.out_nz))
-  n = ex.num_nonlinear(call, fwd)
+  n = call.num_nonlinear(fwd)
   if call.rules.jvp is not None and all(d is None for d in dims[:n]):
     # only tangents mapped (jax.jacfwd): the forward rule with its primals
     # unmapped, evaluated here

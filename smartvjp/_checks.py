@@ -1,10 +1,8 @@
 """What the user's rules must satisfy, and the errors that say so: each
 names the function and rule, the pytree path, and the expected against the
-actual type; an internal invariant that fails is a ``RuntimeError``
-(:func:`expect_used_up`). Cotangents are accepted as ``jax.custom_vjp``
-accepts them (``tests/test_cotangents.py`` runs a table through both);
-mutable array references are refused where ``jax.custom_vjp`` refuses
-them."""
+actual type. Cotangents are accepted as ``jax.custom_vjp`` accepts them
+(``tests/test_cotangents.py`` runs a table through both); mutable array
+references are refused where ``jax.custom_vjp`` refuses them."""
 
 from __future__ import annotations
 
@@ -85,14 +83,6 @@ _FIX = {
         "receives it first: bwd(*nondiff_args, residuals, g)), or close over "
         "it in both fwd and bwd."),
 }
-
-
-def expect_used_up(it, what: str) -> None:
-  end = object()
-  if next(it, end) is not end:
-    raise RuntimeError(
-        f"smartvjp internal error: more {what} than expected; please report "
-        "this with the program that raised it.")
 
 
 # -- the types of the rules' outputs ----------------------------------------

@@ -1,5 +1,5 @@
 """Carrying out the plan: what each pass of a differentiated call runs,
-emitted by binding (:class:`Bind`) or as equations (:class:`Eqns`, for
+emitted by binding (:class:`Bind`) or as equations (:class:`Eqn`, for
 the rules that return equations)."""
 
 from __future__ import annotations
@@ -12,43 +12,20 @@ from jax import tree_util
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
 from smartvjp import _plan
-from smartvjp import _policy
 from smartvjp._check import maybe_check
 from smartvjp._checks import bwd_checks_disabled, flatten_cotangents
 from smartvjp._primitive import call_p, lin_p, rule_p
-from smartvjp._spec import remat_call
 
 
-# -- emitters --------------------------------------------------------------------
+# -- the emitter of what runs now ----------------------------------------------
 
 class Bind:
+  """Binds each equation now (``_remat.Eqn`` instead emits one in place of
+  another)."""
 
   def __call__(self, prim, ins, params, first=None):
     del first
     return list(prim.bind(*ins, **params))
-
-
-class Eqns:
-  """``first``: variables for the leading outputs."""
-
-  def __init__(self, like):
-    self.like = like
-    self.eqns = []
-
-  def __call__(self, prim, ins, params, first=None):
-    avals, effects = prim.abstract_eval(*[v.aval for v in ins], **params)
-    first = list(first or [])
-    outvars = [*first, *(jx.core.Var(a) for a in avals[len(first):])]
-    effects = jx.resolve_effects(effects, ins)
-    self.eqns.append(jx.pe.new_jaxpr_eqn(
-        list(ins), outvars, prim, params, effects, self.like.source_info,
-        self.like.ctx))
-    return outvars
-
-  @property
-  def eqn(self):
-    (eqn,) = self.eqns
-    return eqn
 
 
 # -- what the forward pass runs ---------------------------------------------------
@@ -64,7 +41,7 @@ def primal(emit, call, fwd, f_consts, fwd_consts, primals, by, first=None):
     part = fwd.computing_only([False] * fwd.num_new_res)
     return emit(rule_p, [*fwd_consts, *primals], fwd_params(call, part),
                 first)[:call.num_outs]
-  if _policy.uses_references(call):
+  if call.references:
     return emit(call_p, [*f_consts, *primals], dict(call=call), first)
   return emit(rule_p, [*f_consts, *fwd_consts, *primals],
               dict(call=call, which="f", fwd=fwd), first)
@@ -102,10 +79,6 @@ def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
 
 # -- the linear map ------------------------------------------------------------------
 
-def num_nonlinear(call, fwd) -> int:
-  return len(fwd.res_avals) if fwd is not None else call.num_primals
-
-
 def lin_params(call, fwd, in_nz, reload=None) -> dict:
   return dict(call=call, fwd=fwd, in_nz=tuple(in_nz), reload=reload)
 
@@ -134,30 +107,6 @@ def backward_region(call, fwd, schedule, in_nz, f_consts, fwd_consts,
     maybe_check(call, lambda: call_p.bind(*f_consts, *primals, call=call),
                 outs)
   return outs, residuals, lin_params(call, fwd, in_nz)
-
-
-# -- deciding --------------------------------------------------------------------------
-
-def decide(call, fwd, in_nz, policy, answers):
-  """The plan, asked again with the policy's split or the ``defremat``
-  rules' usability where it needs them; returns ``(call, fwd, plan,
-  swapped)``, ``swapped`` where the ``defremat`` rules are swapped in."""
-  facts = _policy.facts_of(call, fwd)
-  plan = _plan.plan(facts, answers)
-  if plan.asks_split:
-    answers = dataclasses.replace(
-        answers, split=_policy.split(policy, call, fwd))
-    plan = _plan.plan(facts, answers)
-  if plan.kind is not _plan.Kind.REMAT_RULES:
-    return call, fwd, plan, False
-  other = remat_call(call)
-  other_fwd, other_consts = other.fwd_for(in_nz)
-  if other_consts:   # their fwd closes over traced values: not usable
-    plan = _plan.plan(dataclasses.replace(facts, remat_rules_usable=False),
-                      answers)
-    return call, fwd, plan, False
-  return other, other_fwd, _plan.plan(_policy.facts_of(other, other_fwd),
-                                      answers), True
 
 
 # -- the backward rules ---------------------------------------------------------------

@@ -34,7 +34,7 @@ class JvpRule:
                 for a, nz in zip(call.in_avals, in_nz)]
     py_primals = tree_util.tree_unflatten(call.in_tree, list(primals))
     py_tangents = tree_util.tree_unflatten(call.in_tree, tangents)
-    with jax.named_scope(call.scope("jvp")):
+    with jax.named_scope(call.scopes["jvp"]):
       pair = self.fn(*call.nondiff, tuple(py_primals), tuple(py_tangents))
     return _checked(call, pair)
 
@@ -112,7 +112,7 @@ def tangents_only(call, primals, in_nz, nz_tangents, rule=None) -> list:
     if rule is None:
       call.rule_cache.put(key, hit, consts)
   jaxpr, consts = hit
-  with jax.named_scope(call.scope("jvp")):
+  with jax.named_scope(call.scopes["jvp"]):
     return jx.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *consts, *args)
 
 

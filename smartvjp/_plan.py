@@ -92,22 +92,24 @@ class Backward(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
+  """What each pass runs (and, derived, what the rules ask of it)."""
   forward: Forward
   backward: Backward
+  runs_fwd_bwd: bool = dataclasses.field(init=False, compare=False,
+                                         repr=False)
+  # the part of fwd where it reads saved values, else f
+  primal_by: Forward = dataclasses.field(init=False, compare=False,
+                                         repr=False)
+  recomputes: bool = dataclasses.field(init=False, compare=False, repr=False)
 
-  @property
-  def runs_fwd_bwd(self) -> bool:
-    return self.backward is Backward.FWD_BWD
-
-  @property
-  def primal_by(self) -> Forward:
-    """The part of ``fwd`` where it reads saved values, else ``f``."""
-    return (Forward.PART_OF_FWD if self.forward is Forward.PART_OF_FWD
-            else Forward.F)
-
-  @property
-  def recomputes(self) -> bool:
-    return self.forward is Forward.F and self.backward is not Backward.BWD
+  def __post_init__(self):
+    fused = self.backward is Backward.FWD_BWD
+    object.__setattr__(self, "runs_fwd_bwd", fused)
+    object.__setattr__(self, "primal_by", (
+        Forward.PART_OF_FWD if self.forward is Forward.PART_OF_FWD
+        else Forward.F))
+    object.__setattr__(self, "recomputes", (
+        self.forward is Forward.F and self.backward is not Backward.BWD))
 
   def __str__(self):
     return f"{self.forward.value} forward, {self.backward.value} backward"

@@ -157,13 +157,6 @@ def cost(eqns) -> float:
 
 # -- facts and answers --------------------------------------------------------------
 
-def uses_references(call) -> bool:
-  return ((call.jaxpr is not None and any(
-      isinstance(e, jx.effects.JaxprInputEffect) for e in call.jaxpr.effects))
-          or any(isinstance(a, jx.state_types.AbstractRef)
-                 for a in call.in_avals))
-
-
 def has_effects(call, fwd) -> bool:
   return ((call.jaxpr is not None and jx.effects_keep_alive(call.jaxpr.effects))
           or (fwd is not None and fwd.jaxpr is not None
@@ -212,13 +205,13 @@ def facts(call, fwd) -> _plan.Facts:
       always_save=call.rules.always_save,
       remat_rules=call.rules.remat is not None,
       splittable=(traced and call.jaxpr is not None
-                  and not uses_references(call)),
+                  and not call.references),
       keeps_effects=has_effects(call, fwd),
       f_matches_fwd=call.jaxpr is not None and f_matches_fwd(call, fwd),
       fwd_keeps_effects=traced and jx.effects_keep_alive(fwd.jaxpr.effects),
       f_traced=call.jaxpr is not None,
       f_closes_over=bool(call.num_consts),
-      references=uses_references(call),
+      references=call.references,
       rebuilds=not traced or passed_through(fwd) is None,
       fwd_reads_saved=traced and fwd.reads_saved)
 
@@ -282,3 +275,26 @@ def producers(v, producers_of) -> tuple:
       break
     v = eqn.invars[0]
   return tuple(chain)
+
+
+# -- deciding ---------------------------------------------------------------
+
+def decide(call, fwd, in_nz, policy, answers):
+  """The plan, asked again with the policy's split or the ``defremat``
+  rules' usability where it needs them; returns ``(call, fwd, plan,
+  swapped)``, ``swapped`` where the ``defremat`` rules are swapped in."""
+  facts = facts_of(call, fwd)
+  plan = _plan.plan(facts, answers)
+  if plan.asks_split:
+    answers = dataclasses.replace(answers, split=split(policy, call, fwd))
+    plan = _plan.plan(facts, answers)
+  if plan.kind is not _plan.Kind.REMAT_RULES:
+    return call, fwd, plan, False
+  other = call.remat_call()
+  other_fwd, other_consts = other.fwd_for(in_nz)
+  if other_consts:   # their fwd closes over traced values: not usable
+    plan = _plan.plan(dataclasses.replace(facts, remat_rules_usable=False),
+                      answers)
+    return call, fwd, plan, False
+  return other, other_fwd, _plan.plan(facts_of(other, other_fwd),
+                                      answers), True

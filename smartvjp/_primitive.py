@@ -98,7 +98,7 @@ def eval_scoped(jaxpr, scope_name: str, args) -> list:
 
 
 def evaluate(code: Code, call, args) -> list:
-  return code.finish(eval_scoped(code.jaxpr, call.scope(code.role),
+  return code.finish(eval_scoped(code.jaxpr, call.scopes[code.role],
                                  code.inputs(args)))
 
 
@@ -242,12 +242,12 @@ def define(name: str, *, abstract_eval: Callable, shows: Callable,
       c = code(**params)
       if c.post is not None:
         return None
-      return (live_code(c), params["call"].scope(c.role), c.positions,
+      return (live_code(c), params["call"].scopes[c.role], c.positions,
               c.num_outs)
 
     def discharge(should, *args, **params):
       c = code(**params)
-      with jax.named_scope(params["call"].scope(c.role)):
+      with jax.named_scope(params["call"].scopes[c.role]):
         new_args, outs = discharged(c.jaxpr, should, args, c.positions)
       return new_args, c.finish(outs)
     define_evaluation(prim, impl, role, jvp=jvp, discharge=discharge,
@@ -382,7 +382,7 @@ def _rule_jvp(primals, tangents, **params):
   n1 = call.num_consts
 
   def fwd_primal_outs(*args, call):
-    outs = eval_scoped(fwd.jaxpr, call.scope("fwd"), args)
+    outs = eval_scoped(fwd.jaxpr, call.scopes["fwd"], args)
     return outs[:call.num_outs]
   return rule_jvp(fwd_primal_outs, "fwd", list(primals[n1:]),
                   list(tangents[n1:]), call=call)

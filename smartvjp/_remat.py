@@ -33,6 +33,28 @@ from smartvjp._primitive import (
 from smartvjp._spec import pruned
 
 
+class Eqn:
+  """Emits the one equation replacing ``like`` (read it as ``.eqn``);
+  ``first``: variables for the leading outputs."""
+
+  def __init__(self, like):
+    self.like = like
+    self.eqn = None
+
+  def __call__(self, prim, ins, params, first=None):
+    if self.eqn is not None:
+      raise RuntimeError("smartvjp internal error: a second equation "
+                         "emitted in place of one")
+    avals, effects = prim.abstract_eval(*[v.aval for v in ins], **params)
+    first = list(first or [])
+    outvars = [*first, *map(jx.core.Var, avals[len(first):])]
+    effects = jx.resolve_effects(effects, ins)
+    self.eqn = jx.pe.new_jaxpr_eqn(
+        list(ins), outvars, prim, params, effects, self.like.source_info,
+        self.like.ctx)
+    return outvars
+
+
 @dataclasses.dataclass
 class _Placed:
   call: object
@@ -48,7 +70,8 @@ class _Placed:
 def _place(emit, policy, call, fwd, in_nz, f_consts, fwd_consts, primals,
            avals, params, first=None) -> _Placed:
   answers = _policy.answers(policy, call, fwd, jvp_p, avals, params)
-  call, fwd, plan, swapped = ex.decide(call, fwd, in_nz, policy, answers)
+  call, fwd, plan, swapped = _policy.decide(call, fwd, in_nz, policy,
+                                             answers)
   if swapped:   # the defremat rules: their fwd closes over nothing
     fwd_consts = []
   outs, kept = ex.forward(emit, call, fwd, plan, f_consts, fwd_consts,
@@ -87,7 +110,7 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
             _residuals(eqn, inst_in, eqn))
   f_consts, fwd_consts, primals, tangents = call.split_jvp_args(eqn.invars,
                                                                 fwd)
-  emit = ex.Eqns(eqn)
+  emit = Eqn(eqn)
   p = _place(emit, saveable, call, fwd, in_nz, f_consts, fwd_consts, primals,
              [v.aval for v in eqn.invars], eqn.params,
              first=eqn.outvars[:n_out])
@@ -109,7 +132,7 @@ def _jvp_partial_eval_custom(saveable, unks_in, inst_in, eqn):
       read = ()
     else:   # a primal output the policy saves is read from the forward pass
       read = {o for o in p.plan.split.saved_outputs if o is not None}
-      emit = ex.Eqns(eqn)
+      emit = Eqn(eqn)
       emit(jvp_p, ins, params, first=[jx.core.Var(v.aval) if i in read else v
                                       for i, v in enumerate(eqn.outvars)])
       staged = emit.eqn
@@ -154,7 +177,7 @@ def _full_remat(prim, in_vals, params):
 def _handled(ctx, call) -> bool:
   return (ctx.custom_vjp_rules and call.eager is None
           and call.jaxpr is not None and call.rules.fwd is not None
-          and not _policy.uses_references(call))
+          and not call.references)
 
 
 def _call_remat3(ctx, *in_vals, call):
@@ -230,7 +253,7 @@ def _jvp_dce(used_outputs, eqn):
     return [True] * len(eqn.invars), eqn
   f_consts, fwd_consts, primals, tangents = call.split_jvp_args(eqn.invars,
                                                                 fwd)
-  emit = ex.Eqns(eqn)
+  emit = Eqn(eqn)
   if left.linear:   # the linear map alone, on inputs of the call
     if schedule.runs_fwd_bwd:
       ins, params = primals, ex.lin_params(call, None, in_nz)
@@ -290,7 +313,7 @@ def _fwd_dce(used_outputs, eqn):
     offload = eqn.params["offload"]
     if offload is not None:
       offload = tuple(o for o, k in zip(offload, kept) if k)
-    emit = ex.Eqns(eqn)
+    emit = Eqn(eqn)
     emit(rule_p, eqn.invars, ex.fwd_params(call, fwd.computing_only(kept),
                                            offload),
          first=[*eqn.outvars[:n], *(v for v, k in zip(eqn.outvars[n:], kept)
@@ -303,7 +326,7 @@ def _fwd_dce(used_outputs, eqn):
   if by is _plan.Forward.FWD:
     return dce_whole(used_outputs, eqn)
   fwd_consts, primals = eqn.invars[:fwd.num_consts], eqn.invars[fwd.num_consts:]
-  emit = ex.Eqns(eqn)
+  emit = Eqn(eqn)
   ex.primal(emit, call, fwd, [], fwd_consts, primals, by,
             first=eqn.outvars[:n])
   return _reads(eqn, emit.eqn), emit.eqn
@@ -318,7 +341,7 @@ def _traced_dce(used_outputs, eqn):
   pruned_jaxpr, used_inputs = jx.pe.dce_jaxpr(jaxpr.jaxpr, list(used_outputs))
   if all(used_inputs) and all(used_outputs):
     return used_inputs, eqn
-  emit = ex.Eqns(eqn)
+  emit = Eqn(eqn)
   emit(rule_p, [v for v, u in zip(eqn.invars, used_inputs) if u],
        dict(eqn.params, jaxpr=jx.ClosedJaxpr(pruned_jaxpr, ())),
        first=[v for v, u in zip(eqn.outvars, used_outputs) if u])

@@ -6,6 +6,7 @@ compare by identity, so equations sharing a spec share compiled code."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -17,10 +18,19 @@ from smartvjp import _plan
 from smartvjp._cache import TraceLocalCache
 from smartvjp._checks import (
     argument_position, check_aliased_refs, check_f_output, check_fwd_output,
-    check_jax_leaves, check_primal_out, describe_tree, expect_used_up,
-    function_name, rule_error, ROLE_NAMES)
+    check_jax_leaves, check_primal_out, describe_tree, function_name,
+    rule_error, ROLE_NAMES)
 from smartvjp._policy import facts_of
 from smartvjp._policy import producers as policy_producers
+
+
+def expect_used_up(it, what: str) -> None:
+  """An internal invariant: ``it`` is exhausted."""
+  end = object()
+  if next(it, end) is not end:
+    raise RuntimeError(
+        f"smartvjp internal error: more {what} than expected; please report "
+        "this with the program that raised it.")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,10 +51,10 @@ class Rules:
   # defvjp(..., jvp=...): the forward rule (a _forward.JvpRule), run by
   # forward mode instead of transposing bwd
   jvp: Any = None
+  name: str = dataclasses.field(init=False)
 
-  @property
-  def name(self) -> str:
-    return function_name(self.fun)
+  def __post_init__(self):
+    object.__setattr__(self, "name", function_name(self.fun))
 
   def rule_name(self, which: str) -> str:
     return function_name(getattr(self, which))
@@ -95,7 +105,7 @@ class FwdSpec:
   # the values the policy saves), or "rest", the backward side
   split_part: str | None = None
 
-  @property
+  @functools.cached_property
   def num_new_res(self) -> int:
     return len(self.new_res_names)
 
@@ -181,27 +191,41 @@ class CallSpec:
   rule_cache: TraceLocalCache = dataclasses.field(
       default_factory=TraceLocalCache)
 
-  @property
+  @functools.cached_property
   def name(self) -> str:
     return self.rules.name
 
-  def scope(self, role: str) -> str:
-    """The named scope of a user's rule in jaxprs and HLO."""
-    return f"smartvjp/{self.name}/{ROLE_NAMES.get(role, role)}"
+  @functools.cached_property
+  def scopes(self) -> dict:
+    """Per role, the named scope of a user's rule in jaxprs and HLO."""
+    return {r: f"smartvjp/{self.name}/{ROLE_NAMES.get(r, r)}"
+            for r in (*ROLE_NAMES, "f")}
 
-  @property
+  @functools.cached_property
+  def references(self) -> bool:
+    """``f`` reads or writes mutable array references."""
+    return ((self.jaxpr is not None and any(
+        isinstance(e, jx.effects.JaxprInputEffect) for e in self.jaxpr.effects))
+            or any(isinstance(a, jx.state_types.AbstractRef)
+                   for a in self.in_avals))
+
+  def num_nonlinear(self, fwd) -> int:
+    """Inputs of the linear map before its tangents."""
+    return len(fwd.res_avals) if fwd is not None else self.num_primals
+
+  @functools.cached_property
   def num_primals(self) -> int:
     return len(self.in_avals)
 
-  @property
+  @functools.cached_property
   def num_outs(self) -> int:
     return len(self.out_avals)
 
-  @property
+  @functools.cached_property
   def out_nz(self) -> tuple[bool, ...]:
     return tuple(_has_tangent(a) for a in self.out_avals)
 
-  @property
+  @functools.cached_property
   def in_nz_possible(self) -> tuple[bool, ...]:
     return self.perturbed((True,) * self.num_primals)
 
@@ -223,6 +247,16 @@ class CallSpec:
     return dataclasses.replace(self, rules=rules, fwd_cache=TraceLocalCache(),
                                batch_cache=TraceLocalCache(),
                                rule_cache=TraceLocalCache())
+
+  def remat_call(self) -> "CallSpec | None":
+    """The call with its ``defremat`` rules (``None`` without)."""
+    if self.rules.remat is None:
+      return None
+    hit = self.batch_cache.get(("defremat",))
+    if hit is None:
+      hit = self.with_rules(self.rules.remat)
+      self.batch_cache.put(("defremat",), hit)
+    return hit
 
   def split_jvp_args(self, args, fwd) -> tuple[list, list, list, list]:
     n1 = self.num_consts
@@ -339,19 +373,9 @@ class Unprocessed:
   out_tree: Any = None
   unprocessed = True   # what smartvjp_call's bind looks for
 
-  @property
+  @functools.cached_property
   def signature(self) -> tuple:
     return self.rules, self.nondiff, self.num_args, self.in_tree, self.avals
-
-
-def remat_call(call: CallSpec) -> CallSpec | None:
-  if call.rules.remat is None:
-    return None
-  hit = call.batch_cache.get(("defremat",))
-  if hit is None:
-    hit = call.with_rules(call.rules.remat)
-    call.batch_cache.put(("defremat",), hit)
-  return hit
 
 
 def perturbed(nonzero, avals) -> tuple[bool, ...]:
@@ -433,7 +457,7 @@ def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
   in_nz = call.perturbed(nonzero)
   eager_plan = _plan.plan(facts_of(call, None), None)
   if eager_plan.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
-    with jax.named_scope(call.scope("f")):
+    with jax.named_scope(call.scopes["f"]):
       out = rules.fun(*call.full_args(primals))
     check_jax_leaves(out, rules, "fun", "output")
     check_f_output(rules, out)
@@ -469,7 +493,7 @@ def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
 
 def eager_f(call: CallSpec, primals) -> list:
-  with jax.named_scope(call.scope("f")):
+  with jax.named_scope(call.scopes["f"]):
     out = call.rules.fun(*call.full_args(primals))
   check_f_output(call.rules, out)
   return tree_util.tree_leaves(out)
@@ -477,7 +501,7 @@ def eager_f(call: CallSpec, primals) -> list:
 
 def eager_fwd(call: CallSpec, in_nz, primals):
   """``(primal_outs, residuals, spec)``; ``spec`` has no jaxpr."""
-  with jax.named_scope(call.scope("fwd")):
+  with jax.named_scope(call.scopes["fwd"]):
     outs, out_tree, res, res_tree = _call_fwd(call, tuple(in_nz), primals)
   res_src = tuple(StaticResidual(r) if is_static_residual(r) else None
                   for r in res)

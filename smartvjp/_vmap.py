@@ -18,7 +18,7 @@ from smartvjp._cache import batching_tag
 from smartvjp._checks import flatten_cotangents
 from smartvjp._forward import BatchedJvpRule
 from smartvjp._spec import (
-    CallSpec, Rules, is_static_residual, remat_call, trace_call)
+    CallSpec, Rules, is_static_residual, trace_call)
 
 def _is_mapped_here(x) -> bool:
   """Whether ``x`` is a value of the vmap now tracing, with a mapped axis
@@ -214,7 +214,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
       always_save=rules.always_save, generic_batching=rules.generic_batching,
       jvp=(BatchedJvpRule(rules.jvp, call, tuple(in_dims), vmapped)
            if rules.jvp is not None else None),
-      remat=(batched_rules(remat_call(call), consts, const_dims, in_dims,
+      remat=(batched_rules(call.remat_call(), consts, const_dims, in_dims,
                            axis_data) if rules.remat is not None else None))
 
 

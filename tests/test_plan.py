@@ -25,7 +25,7 @@ HOST = Asked(Answer.OFFLOAD, "pinned_host")
 
 def _split(value):
   """The policy's split as the adapter hands it over once the plan asked
-  for it (``_execute.decide``): the plan is asked first with ``ASK``."""
+  for it (``_policy.decide``): the plan is asked first with ``ASK``."""
   return value
 
 
@@ -159,7 +159,7 @@ def test_split_is_asked_only_when_it_could_apply():
     ids=[r[0] for r in ROWS if r[2] is not None])
 def test_the_split_is_asked_for_then_used(name, facts, answers, kind,
                                           schedule):
-  """As ``_execute.decide`` asks: with ``ASK`` first; where the plan says
+  """As ``_policy.decide`` asks: with ``ASK`` first; where the plan says
   it needs the split, again with it (the row's split): the row's plan."""
   decided = plan(facts, dataclasses.replace(answers, split=ASK))
   if decided.asks_split:
