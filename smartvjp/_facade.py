@@ -292,6 +292,32 @@ def widen_error(error, effs):
 # registers it in JAX's table in the installed release's form; the other
 # kinds of rule are entries of JAX's tables (``_primitive._KINDS``).
 
+def register_pallas_cost(prim, rule):
+  """``rule(ctx, **params) -> CostEstimate``: what Pallas' cost estimate
+  (``pl.estimate_cost``, which JAX's shipped kernels call on a reference
+  function to fill a kernel's ``cost_estimate``) counts for an equation of
+  ``prim``, as Pallas' own rules recurse into ``jit`` and ``custom_vjp_call``.
+  Without one an equation counts nothing: a swapped module's kernel then
+  tells XLA it does no work, and XLA's TPU compiler places buffers
+  differently (3% of a flash attention step on a TPU v5e,
+  design/upstream/tpu_gap.md). Nothing where Pallas has no such table."""
+  try:
+    from jax._src.pallas import cost_estimate
+    cost_estimate.register_cost_rule(prim, rule)
+  except (ImportError, AttributeError):
+    pass
+
+
+def pallas_cost(closed_jaxpr):
+  """Pallas' cost estimate of ``closed_jaxpr`` (for a rule of
+  :func:`register_pallas_cost`)."""
+  from jax._src.pallas import cost_estimate
+  c = cost_estimate.cost_estimate_jaxpr(closed_jaxpr)
+  return cost_estimate.CostEstimate(flops=c.flops,
+                                    transcendentals=c.transcendentals,
+                                    bytes_accessed=c.bytes_accessed)
+
+
 def register_lowering(prim, impl, inline=None):
   """Lowers ``prim`` by tracing ``impl`` (which evaluates its jaxprs); with
   ``inline(**params) -> (jaxpr, scope, positions, num_outs)`` or ``None``,

@@ -54,6 +54,8 @@ _KINDS = {
     "pp": _entry(jx.core.pp_eqn_rules),
     "checkify": jx.register_checkify,
     "discharge": jx.register_discharge,
+    # what Pallas' cost estimate counts for an equation (pl.estimate_cost)
+    "pallas_cost": jx.register_pallas_cost,
     "remat3": jx.register_remat3,
     # how JAX evaluates prim where it needs low-level primitives only (a
     # jaxpr holding checkpoint_name under jax_remat3)
@@ -252,6 +254,10 @@ def define(name: str, *, abstract_eval: Callable, shows: Callable,
       return new_args, c.finish(outs)
     define_evaluation(prim, impl, role, jvp=jvp, discharge=discharge,
                       inline=inline)
+
+    def pallas_cost(ctx, **params):
+      return jx.pallas_cost(live_code(code(**params)))
+    register(prim, "pallas_cost", pallas_cost)
   if bind is not None:
     default = prim.bind
     prim.bind = lambda *args, **params: bind(default, *args, **params)
