@@ -76,6 +76,12 @@ batching = _internals(
     "batching", "jax._src.interpreters.batching", "fancy_primitive_batchers",
     "batch_jaxpr", "batch_jaxpr_axes", "bdim_at_front", "zero_if_mapped",
     "BatchTrace", "_batch_inner", "BatchTracer")
+# what Pallas' cost estimate (pl.estimate_cost) counts per primitive: JAX's
+# shipped kernels fill their cost_estimate from it, and XLA's TPU compiler
+# reads that (design/upstream/tpu_gap.md)
+pallas_cost = _internals(
+    "pallas_cost", "jax._src.pallas.cost_estimate", "register_cost_rule",
+    "cost_estimate_jaxpr", "CostEstimate")
 mlir = _internals("mlir", "jax._src.interpreters.mlir", "register_lowering",
                    "lower_fun", "jaxpr_subcomp")
 api_util = _internals("api_util", "jax._src.api_util", "debug_info",
@@ -291,32 +297,6 @@ def widen_error(error, effs):
 # Each takes the rule in smartvjp's form (the same on every release) and
 # registers it in JAX's table in the installed release's form; the other
 # kinds of rule are entries of JAX's tables (``_primitive._KINDS``).
-
-def register_pallas_cost(prim, rule):
-  """``rule(ctx, **params) -> CostEstimate``: what Pallas' cost estimate
-  (``pl.estimate_cost``, which JAX's shipped kernels call on a reference
-  function to fill a kernel's ``cost_estimate``) counts for an equation of
-  ``prim``, as Pallas' own rules recurse into ``jit`` and ``custom_vjp_call``.
-  Without one an equation counts nothing: a swapped module's kernel then
-  tells XLA it does no work, and XLA's TPU compiler places buffers
-  differently (3% of a flash attention step on a TPU v5e,
-  design/upstream/tpu_gap.md). Nothing where Pallas has no such table."""
-  try:
-    from jax._src.pallas import cost_estimate
-    cost_estimate.register_cost_rule(prim, rule)
-  except (ImportError, AttributeError):
-    pass
-
-
-def pallas_cost(closed_jaxpr):
-  """Pallas' cost estimate of ``closed_jaxpr`` (for a rule of
-  :func:`register_pallas_cost`)."""
-  from jax._src.pallas import cost_estimate
-  c = cost_estimate.cost_estimate_jaxpr(closed_jaxpr)
-  return cost_estimate.CostEstimate(flops=c.flops,
-                                    transcendentals=c.transcendentals,
-                                    bytes_accessed=c.bytes_accessed)
-
 
 def register_lowering(prim, impl, inline=None):
   """Lowers ``prim`` by tracing ``impl`` (which evaluates its jaxprs); with

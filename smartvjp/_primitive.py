@@ -55,7 +55,7 @@ _KINDS = {
     "checkify": jx.register_checkify,
     "discharge": jx.register_discharge,
     # what Pallas' cost estimate counts for an equation (pl.estimate_cost)
-    "pallas_cost": jx.register_pallas_cost,
+    "pallas_cost": jx.pallas_cost.register_cost_rule,
     "remat3": jx.register_remat3,
     # how JAX evaluates prim where it needs low-level primitives only (a
     # jaxpr holding checkpoint_name under jax_remat3)
@@ -255,8 +255,12 @@ def define(name: str, *, abstract_eval: Callable, shows: Callable,
     define_evaluation(prim, impl, role, jvp=jvp, discharge=discharge,
                       inline=inline)
 
-    def pallas_cost(ctx, **params):
-      return jx.pallas_cost(live_code(code(**params)))
+    def pallas_cost(ctx, **params):   # the code it runs, as for jit's
+      del ctx
+      c = jx.pallas_cost.cost_estimate_jaxpr(live_code(code(**params)))
+      return jx.pallas_cost.CostEstimate(
+          flops=c.flops, transcendentals=c.transcendentals,
+          bytes_accessed=c.bytes_accessed)
     register(prim, "pallas_cost", pallas_cost)
   if bind is not None:
     default = prim.bind
