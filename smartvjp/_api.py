@@ -172,7 +172,6 @@ class smart_custom_vjp:
 
   def __getattr__(self, name):
     """Attributes that the wrapper lacks are looked up on ``fun``."""
-    # like jax.custom_vjp: attributes of the wrapped function show through
     if name in ("fun", "__wrapped__"):
       raise AttributeError(name)
     return getattr(self.fun, name)

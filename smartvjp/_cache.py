@@ -64,12 +64,16 @@ _BATCHING: contextvars.ContextVar = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def batching(key):
-  token = _BATCHING.set(key)
+def _setting(var: contextvars.ContextVar, value):
+  token = var.set(value)
   try:
     yield
   finally:
-    _BATCHING.reset(token)
+    var.reset(token)
+
+
+def batching(key):
+  return _setting(_BATCHING, key)
 
 
 def batching_tag(axis_data):
@@ -84,10 +88,5 @@ made_where_differentiated: contextvars.ContextVar = contextvars.ContextVar(
     "smartvjp_made_where_differentiated", default=None)
 
 
-@contextlib.contextmanager
 def differentiated_where_made(call):
-  token = made_where_differentiated.set(call)
-  try:
-    yield
-  finally:
-    made_where_differentiated.reset(token)
+  return _setting(made_where_differentiated, call)

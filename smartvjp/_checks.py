@@ -87,9 +87,10 @@ _FIX = {
 
 # -- the types of the rules' outputs ----------------------------------------
 
-def _leaf_paths(tree) -> list:
+def _leaf_paths(tree) -> list[str]:
   leaves = tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
-  return [p for p, _ in tree_util.tree_flatten_with_path(leaves)[0]]
+  return [tree_util.keystr(p)
+          for p, _ in tree_util.tree_flatten_with_path(leaves)[0]]
 
 
 def blame_fwd(call, error: Exception) -> None:
@@ -111,7 +112,7 @@ def blame_fwd(call, error: Exception) -> None:
             f"{rules.name} gives {tree}, fwd gives {call.out_tree}")
   else:
     what = None
-    paths = [tree_util.keystr(p) for p in _leaf_paths(tree)]
+    paths = _leaf_paths(tree)
     for path, w, got in zip(paths, leaves, call.out_avals):
       if (w.shape, w.dtype) != (got.shape, got.dtype):
         want_type = jx.core.ShapedArray(w.shape, w.dtype).str_short()
@@ -131,14 +132,12 @@ def blame_fwd(call, error: Exception) -> None:
   error.add_note(f"smartvjp: {blame}")
 
 
-
-
 def fwd_output_type_mismatches(call, fwd) -> list:
   """Outputs of the same shape and dtype whose full types (sharding, varying
   manual axes) differ between ``f`` and ``fwd``."""
   if fwd is None or not fwd.out_avals:
     return []
-  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
+  paths = _leaf_paths(call.out_tree)
   return [(path, a, b) for path, a, b in
           zip(paths, call.out_avals, fwd.out_avals)
           if (a.shape, a.dtype) == (b.shape, b.dtype)
@@ -229,7 +228,7 @@ def check_f_output_invariance(call) -> None:
 
 def _check_invariance(call, jaxpr, role, what, consequence) -> None:
   outs = jaxpr.jaxpr.outvars[:call.num_outs]
-  paths = [tree_util.keystr(p) for p in _leaf_paths(call.out_tree)]
+  paths = _leaf_paths(call.out_tree)
   for path, v, missing in zip(paths, outs, unjustified_invariance(jaxpr)):
     if missing:
       axes = tuple(sorted(missing))
@@ -253,9 +252,7 @@ def check_primal_out(call, primal_out) -> None:
         TypeError, rules, "fwd",
         "returned a primal output whose pytree structure differs from "
         f"{rules.name}'s output: expected {call.out_tree}, got {tree}.")
-  paths = [tree_util.keystr(p) for p, _ in
-           tree_util.tree_flatten_with_path(primal_out)[0]]
-  for path, leaf, want in zip(paths, leaves, call.out_avals):
+  for path, leaf, want in zip(_leaf_paths(tree), leaves, call.out_avals):
     got = jx.core.typeof(leaf)
     if not jx.core.typecompat(want, got):   # as JAX compares, where f has run
       same = (got.shape, got.dtype) == (want.shape, want.dtype)
@@ -350,11 +347,9 @@ def _accepts(want, got) -> bool:
 def flatten_cotangents(call, out, which: str) -> list:
   rules = call.rules
   flat = _spread(call, out, which)
-  paths = [tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(
-      tree_util.tree_unflatten(call.in_tree, list(call.in_avals)))[0]]
   unchecked = bwd_checks_disabled()
   results = []
-  for path, aval, ct in zip(paths, call.in_avals, flat):
+  for path, aval, ct in zip(_leaf_paths(call.in_tree), call.in_avals, flat):
     ct_aval = aval.to_ct_aval()
     if ct is _NO_CT or ct_aval.dtype == jx.dtypes.float0:
       results.append(jx.ad_util.Zero(ct_aval))

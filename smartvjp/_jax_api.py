@@ -40,7 +40,6 @@ _HAS = {
 }
 
 
-
 # The oldest Python that jax 0.11 and newer install on (pip picks jax 0.10.2
 # on Python 3.11).
 NEWER_JAX_NEEDS_PYTHON = (3, 12)

@@ -99,11 +99,6 @@ def eval_scoped(jaxpr, scope_name: str, args) -> list:
     return jx.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
-def evaluate(code: Code, call, args) -> list:
-  return code.finish(eval_scoped(code.jaxpr, call.scopes[code.role],
-                                 code.inputs(args)))
-
-
 def dce_whole(used_outputs, eqn):
   if not any(used_outputs) and not jx.effects_keep_alive(eqn.effects):
     return [False] * len(eqn.invars), None
@@ -238,7 +233,9 @@ def define(name: str, *, abstract_eval: Callable, shows: Callable,
   register(prim, "dce", dce_whole)
   if code is not None:
     def impl(*args, **params):
-      return evaluate(code(**params), params["call"], args)
+      c = code(**params)
+      return c.finish(eval_scoped(c.jaxpr, params["call"].scopes[c.role],
+                                  c.inputs(args)))
 
     def inline(**params):
       c = code(**params)

@@ -32,8 +32,8 @@ def _call_process(bind, leaves, call) -> list:
       and not any(isinstance(x, jx.core.Tracer) for x in leaves)):
     if not _versions.ALIASED_REFS_CHECKED_AT_CALL:   # (else checked already)
       check_aliased_arguments(rules, "fun", num_args, in_tree, leaves)
-    out = rules.fun(*_rebuilt_args(rules.nondiff_argnums, nondiff, in_tree,
-                                   leaves, num_args))
+    out = rules.fun(*_spec.full_args(rules, nondiff, num_args, in_tree,
+                                     leaves))
     check_f_output(rules, out)
     out_leaves, call.out_tree = tree_util.tree_flatten(out)
     return out_leaves
@@ -105,17 +105,15 @@ def _vmap_of_linearized(call, leaves):
   # vmaps over vmaps over the linearization
   if not isinstance(_below_vmaps(parent), jx.ad.LinearizeTrace):
     return None
-  _, axis_data = (batch.tag, batch.axis_data)
+  axis_data = batch.axis_data
   parts = [(x.val, x.batch_dim) if isinstance(x, jx.batching.BatchTracer)
            and x._trace is batch else None  # pylint: disable=protected-access
            for x in leaves]
   vals = [x if p is None else _vmap.front(axis_data, p[0], p[1])
           if p[1] is not None else p[0] for x, p in zip(leaves, parts)]
   in_dims = [None if p is None or p[1] is None else 0 for p in parts]
-  base = _spec.CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
-                        in_tree=in_tree, in_avals=avals, out_tree=None,
-                        out_avals=(), jaxpr=None, num_consts=0)
-  with batching((batch.tag, batch.axis_data)):
+  base = _spec.untraced(rules, nondiff, num_args, in_tree, avals)
+  with batching((batch.tag, axis_data)):
     brules = _vmap.batched_rules(base, (), (), in_dims, axis_data)
   bavals = _vmap.batched_avals(avals, in_dims, axis_data)
   with jx.core.set_current_trace(parent):
@@ -196,9 +194,3 @@ def _below_vmaps(trace):
 
 def _has_refs(avals) -> bool:
   return any(isinstance(a, jx.state_types.AbstractRef) for a in avals)
-
-
-def _rebuilt_args(nondiff_argnums, nondiff, in_tree, leaves, num_args):
-  dyn = iter(tree_util.tree_unflatten(in_tree, list(leaves)))
-  static = dict(zip(nondiff_argnums, nondiff))
-  return [static[i] if i in static else next(dyn) for i in range(num_args)]

@@ -60,7 +60,6 @@ class Rules:
     return function_name(getattr(self, which))
 
 
-
 @dataclasses.dataclass(frozen=True)
 class StaticResidual:
   """A Python scalar residual: it reaches ``bwd`` as ``fwd`` returned it, as
@@ -233,10 +232,8 @@ class CallSpec:
     return perturbed(nonzero, self.in_avals)
 
   def full_args(self, dyn_leaves) -> list:
-    dyn = iter(tree_util.tree_unflatten(self.in_tree, list(dyn_leaves)))
-    nondiff = dict(zip(self.rules.nondiff_argnums, self.nondiff))
-    return [nondiff[i] if i in nondiff else next(dyn)
-            for i in range(self.num_args)]
+    return full_args(self.rules, self.nondiff, self.num_args, self.in_tree,
+                     dyn_leaves)
 
   def fwd_inputs(self, primals, in_nz):
     if self.rules.symbolic_zeros:
@@ -390,16 +387,20 @@ def _has_tangent(aval) -> bool:
     return False
 
 
+def full_args(rules: Rules, nondiff: tuple, num_args: int, in_tree,
+              dyn_leaves) -> list:
+  """The user's arguments: the nondiff ones in their places."""
+  dyn = iter(tree_util.tree_unflatten(in_tree, list(dyn_leaves)))
+  fixed = dict(zip(rules.nondiff_argnums, nondiff))
+  return [fixed[i] if i in fixed else next(dyn) for i in range(num_args)]
+
+
 def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
                in_avals: tuple) -> tuple[CallSpec, list]:
   store = {}
-  nondiff_map = dict(zip(rules.nondiff_argnums, nondiff))
 
   def f_flat(*primals):
-    dyn = iter(tree_util.tree_unflatten(in_tree, list(primals)))
-    args = [nondiff_map[i] if i in nondiff_map else next(dyn)
-            for i in range(num_args)]
-    out = rules.fun(*args)
+    out = rules.fun(*full_args(rules, nondiff, num_args, in_tree, primals))
     leaves, tree = tree_util.tree_flatten(out)
     check_jax_leaves(out, rules, "fun", "output")
     check_f_output(rules, out)
@@ -412,8 +413,7 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
       f_flat, in_avals, "smart_custom_vjp f", rules.fun, example)
   spec = CallSpec(rules=rules, nondiff=nondiff, num_args=num_args,
                   in_tree=in_tree, in_avals=in_avals,
-                  out_tree=store["out_tree"],
-                  out_avals=tuple(closed.out_avals[:]),
+                  out_tree=store["out_tree"], out_avals=tuple(closed.out_avals),
                   jaxpr=closed, num_consts=len(consts))
   return spec, consts
 
@@ -577,6 +577,3 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]),
       jvp_primals=k)
   return spec, consts
-
-
-
