@@ -362,9 +362,20 @@ def attention(doc, save, args, on_tpu):
 
 def megablox(doc, save, args, on_tpu):
   import megablox_tpu as M
+  if args.megablox_shape:   # tokens, width, expert width, experts, layers
+    m, k, n, g, layers = args.megablox_shape
+    M.SHAPES = dict(m=m, k=k, n=n, groups=g, layers=layers)
+    # uneven routing with one empty expert, in tiles of 128 tokens
+    tiles = [((i * 5) % 7) for i in range(g)]
+    tiles[g // 2] = 0
+    scale = (m // 128) / sum(tiles)
+    sizes = [int(t * scale) * 128 for t in tiles]
+    sizes[0] += m - sum(sizes)
+    M.GROUP_SIZES = tuple(sizes)
   mods = M.modules()
   margs = M.inputs(**M.SHAPES)
-  rec = doc["megablox"] = dict(shapes=M.SHAPES, variants={})
+  rec = doc["megablox"] = dict(shapes=M.SHAPES, group_sizes=M.GROUP_SIZES,
+                               variants={})
   for checkpoint, scan in ((True, True), (False, True)):
     v = rec["variants"][f"checkpoint={checkpoint} scan={scan}"] = {}
     steps = {side: M.step(m, checkpoint, scan) for side, m in mods.items()}
@@ -409,6 +420,11 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--budget", type=float, default=540)
   p.add_argument("--skip-megablox", action="store_true")
+  p.add_argument("--skip-attention", action="store_true")
+  p.add_argument("--megablox-shape", type=int, nargs=5, default=None,
+                 metavar=("M", "K", "N", "G", "L"),
+                 help="tokens, width, expert width, experts, layers "
+                 "(default: megablox_tpu.py's toy shapes)")
   p.add_argument("--smoke", action="store_true")
   args = p.parse_args(argv)
   on_tpu = jax.default_backend() == "tpu" and not args.smoke
@@ -429,7 +445,8 @@ def main(argv=None):
       json.dump(doc, fh, indent=1)
 
   try:
-    attention(doc, save, args, on_tpu)
+    if not args.skip_attention:
+      attention(doc, save, args, on_tpu)
   except Exception as e:  # noqa: BLE001
     doc["attention_error"] = traceback.format_exc()[-3000:]
     print("attention ERROR", e, flush=True)
