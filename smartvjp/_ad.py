@@ -16,7 +16,7 @@ from smartvjp import _plan
 from smartvjp import _policy
 from smartvjp import _versions
 from smartvjp._checks import (
-    blame_fwd, check_aliased_refs, check_f_output_invariance,
+    blame_fwd, check_aliased_arguments, check_f_output_invariance,
     check_fwd_output_invariance, check_fwd_output_types)
 from smartvjp._cache import made_where_differentiated
 from smartvjp._forward import tangents_only
@@ -69,7 +69,8 @@ def _call_jvp(primals, tangents, *, call):
   f_consts, primals = primals[:call.num_consts], primals[call.num_consts:]
   if not any(in_nz):
     return call_p.bind(*f_consts, *primals, call=call), call.expand_tangents([])
-  check_aliased_refs(call, primals)
+  check_aliased_arguments(call.rules, "fwd", call.num_args, call.in_tree,
+                          primals)
   fwd, fwd_consts = call.fwd_for(in_nz)
   check_fwd_output_types(call, fwd)   # f and fwd may both run (remat)
   nz_tangents = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
@@ -84,7 +85,9 @@ register(call_p, "jvp", _call_jvp)
 
 # -- smartvjp_call: linearization (jax.grad, jax.vjp) --------------------------------
 
-def _linearized(call, in_nz, primal_outs, residuals, params):
+def _linearized(call, fwd, in_nz, primal_outs, residuals):
+  params = ex.lin_params(call, fwd, in_nz)
+
   def linearized(residuals, *tangents):
     nz_t = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
     return call.expand_tangents(lin_p.bind(*residuals, *nz_t, **params))
@@ -94,8 +97,7 @@ def _linearized(call, in_nz, primal_outs, residuals, params):
 def _call_linearization(is_vjp, nonzeros, *primals_in, call):
   if call.eager is not None:   # fwd (or f) already ran on concrete values
     in_nz, primal_outs, residuals, fwd = call.eager
-    return _linearized(call, in_nz, primal_outs, residuals,
-                       ex.lin_params(call, fwd, in_nz))
+    return _linearized(call, fwd, in_nz, primal_outs, residuals)
   in_nz = call.perturbed(nonzeros[call.num_consts:])
   if (call.fwd_only is None
       and _classify(call, nonzeros, in_nz) == "closure"):
@@ -106,7 +108,8 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return (outs, [False] * call.num_outs, [],
             lambda _res, *_t: call.expand_tangents([]))
-  check_aliased_refs(call, primals)
+  check_aliased_arguments(call.rules, "fwd", call.num_args, call.in_tree,
+                          primals)
   eager = isinstance(jx.core.trace_ctx.trace, jx.core.EvalTrace) and not any(
       isinstance(p, jx.core.Tracer) for p in primals_in)
   plan = _plan.plan(_policy.facts_of(call, None), None)
@@ -114,21 +117,18 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
     outs = (eager_f(call, primals) if eager else
             ex.primal(ex.Bind(), call, None, f_consts, [], primals,
                       plan.schedule.primal_by))
-    return _linearized(call, in_nz, outs, primals,
-                       ex.lin_params(call, None, in_nz))
+    return _linearized(call, None, in_nz, outs, primals)
   if call.fwd_only is not None:   # fwd traced where the call was made
     fwd, fwd_consts = call.fwd_only, f_consts
   elif eager:   # concrete values: fwd itself runs, as with jax.custom_vjp
     outs, residuals, fwd = eager_fwd(call, in_nz, primals)
-    return _linearized(call, in_nz, outs, residuals,
-                       ex.lin_params(call, fwd, in_nz))
+    return _linearized(call, fwd, in_nz, outs, residuals)
   else:
     fwd, fwd_consts = call.fwd_for(in_nz)
   fwd_inputs = [*fwd_consts, *primals]
   outs = rule_p.bind(*fwd_inputs, **ex.fwd_params(call, fwd))
   residuals = fwd.assemble_residuals(fwd_inputs, outs[call.num_outs:])
-  return _linearized(call, in_nz, outs[:call.num_outs], residuals,
-                     ex.lin_params(call, fwd, in_nz))
+  return _linearized(call, fwd, in_nz, outs[:call.num_outs], residuals)
 
 
 register(call_p, "linearization", _call_linearization)
@@ -297,11 +297,11 @@ def jvp_forward(*args, call, fwd, in_nz, schedule):
     return [*outs, *nz_touts]
   if fwd is None:
     outs = call_p.impl(*f_consts, *primals, call=call)
-    return [*outs, *lin_forward(*primals, *nz_t,
-                                **ex.lin_params(call, None, in_nz))]
-  fwd_inputs = [*fwd_consts, *primals]
-  outs = rule_p.impl(*fwd_inputs, **ex.fwd_params(call, fwd))
-  res = fwd.assemble_residuals(fwd_inputs, outs[call.num_outs:])
+    res = primals
+  else:
+    fwd_inputs = [*fwd_consts, *primals]
+    outs = rule_p.impl(*fwd_inputs, **ex.fwd_params(call, fwd))
+    res = fwd.assemble_residuals(fwd_inputs, outs[call.num_outs:])
   return [*outs[:call.num_outs],
           *lin_forward(*res, *nz_t, **ex.lin_params(call, fwd, in_nz))]
 

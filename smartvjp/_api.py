@@ -368,9 +368,7 @@ class smart_custom_vjp:
       NotImplementedError: when the installed ``jax.custom_vjp`` has no such
         method (before jax 0.11.2).
     """
-    _jax_api.require_method(self.fun, "defvjp_with_logs")
-    _jax_api.check_generic_batching(self.fun, "defvjp_with_logs",
-                                    generic_batching)
+    _jax_api.require_method(self.fun, "defvjp_with_logs", generic_batching)
     self.defvjp(fwd, _jax_api.without_logs(self.fun, bwd, "defvjp_with_logs"),
                 symbolic_zeros, optimize_remat, generic_batching)
     self.fwd, self.bwd = fwd, bwd
@@ -390,9 +388,7 @@ class smart_custom_vjp:
       NotImplementedError: when the installed ``jax.custom_vjp`` has no such
         method (before jax 0.12).
     """
-    _jax_api.require_method(self.fun, "defvjp_with_accums")
-    _jax_api.check_generic_batching(self.fun, "defvjp_with_accums",
-                                    generic_batching)
+    _jax_api.require_method(self.fun, "defvjp_with_accums", generic_batching)
     self.defvjp(_jax_api.with_arguments(fwd, self.nondiff_argnums),
                 _jax_api.accums_bwd(self.fun, bwd, len(self.nondiff_argnums)),
                 symbolic_zeros, optimize_remat, generic_batching)
@@ -416,8 +412,7 @@ class smart_custom_vjp:
         method (before jax 0.12).
       TypeError: when a rule is not callable.
     """
-    _jax_api.require_method(self.fun, "defremat")
-    _jax_api.check_generic_batching(self.fun, "defremat", generic_batching)
+    _jax_api.require_method(self.fun, "defremat", generic_batching)
     self._define_remat(fwd, rem, bwd, False, generic_batching)
 
   def defremat_with_logs(self, fwd: Callable, rem: Callable, bwd: Callable,
@@ -431,9 +426,7 @@ class smart_custom_vjp:
         method (before jax 0.12).
       TypeError: when a rule is not callable.
     """
-    _jax_api.require_method(self.fun, "defremat_with_logs")
-    _jax_api.check_generic_batching(self.fun, "defremat_with_logs",
-                                    generic_batching)
+    _jax_api.require_method(self.fun, "defremat_with_logs", generic_batching)
     self._define_remat(fwd, rem, bwd, True, generic_batching)
 
   def _define_remat(self, fwd, rem, bwd, with_logs, generic_batching):

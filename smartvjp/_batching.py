@@ -11,7 +11,6 @@ from smartvjp import _execute as ex
 from smartvjp import _facade as jx
 from smartvjp import _vmap
 from smartvjp._cache import differentiated_where_made, made_where_differentiated
-from smartvjp._forward import tangents_only
 from smartvjp._primitive import (
     call_p, jvp_p, lin_p, register, rem_p, rule_p)
 
@@ -80,9 +79,7 @@ def _rule_batching(axis_data, args, dims, **params):
                           [*dims[:n1], *dims[n2:]], call=call)
   if _vmap.unbatched(axis_data, dims, fwd.jaxpr.effects):
     return rule_p.bind(*args, **params), [None] * len(fwd.jaxpr.out_avals)
-  n_out = len(fwd.jaxpr.out_avals)
-  bfwd, extra, out_batched = _vmap.batched_fwd(
-      call, fwd, axis_data, dims, [jx.batching.zero_if_mapped] * n_out)
+  bfwd, extra, out_batched = _vmap.batched_fwd(call, fwd, axis_data, dims)
   outs = rule_p.bind(*extra, *args, **dict(params, fwd=bfwd))
   return outs, [0 if b else None for b in out_batched]
 
@@ -100,11 +97,8 @@ def _lin_batching(axis_data, args, dims, *, call, fwd, in_nz, reload):
   if call.rules.jvp is not None and all(d is None for d in dims[:n]):
     # only tangents mapped (jax.jacfwd): the forward rule with its primals
     # unmapped, evaluated here
-    tangents = [_vmap.front(axis_data, t, d) for t, d in zip(args[n:],
-                                                             dims[n:])]
-    fwd_rule = _vmap.jvp_rule_over_tangents(call, len(tangents), axis_data)
-    outs = tangents_only(call, args[n - call.num_primals:n], in_nz, tangents,
-                         fwd_rule)
+    outs = _vmap.tangents_over_mapped(call, args[n - call.num_primals:n],
+                                      in_nz, args[n:], dims[n:], axis_data)
     return outs, [0] * len(outs)
   # residuals vmap does not map stay unmapped (bwd reads them so, as
   # jax.custom_vjp's batched bwd does); tangents, and the primals of the
@@ -119,9 +113,8 @@ def _lin_batching(axis_data, args, dims, *, call, fwd, in_nz, reload):
   if fwd is not None:
     bfwd = dataclasses.replace(
         fwd, res_avals=tuple(jx.core.typeof(r) for r in args[:n]),
-        out_avals=tuple(jx.core.unmapped_aval(
-                            axis_data.size, 0, a, axis_data.explicit_mesh_axis)
-                        for a in fwd.out_avals))
+        out_avals=_vmap.batched_avals(
+            fwd.out_avals, [0] * len(fwd.out_avals), axis_data))
   outs = lin_p.bind(*args, **ex.lin_params(bcall, bfwd, in_nz, reload))
   return outs, [0] * len(outs)
 
@@ -162,23 +155,21 @@ register(jvp_p, "batching", _jvp_batching)
 
 def _tangents_only(axis_data, call, fwd, in_nz, schedule, f_consts,
                    fwd_consts, primals, tangents, tdims):
-  if call.rules.jvp is not None:
-    outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals,
-                     schedule.primal_by)
-    tangents = [_vmap.front(axis_data, t, d) for t, d in zip(tangents, tdims)]
-    fwd_rule = _vmap.jvp_rule_over_tangents(call, len(tangents), axis_data)
-    touts = tangents_only(call, primals, in_nz, tangents, fwd_rule)
-    return [*outs, *touts], [None] * len(outs) + [0] * len(touts)
-  if fwd is None:
+  if call.rules.jvp is not None or fwd is None:
     outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals,
                      schedule.primal_by)
     lin_inputs = primals
   else:
     outs, lin_inputs = ex.fwd_side(call, fwd, schedule, f_consts, fwd_consts,
                                    primals)
-  touts, _ = _lin_batching(
-      axis_data, [*lin_inputs, *tangents],
-      [None] * len(lin_inputs) + list(tdims), **ex.lin_params(call, fwd, in_nz))
+  if call.rules.jvp is not None:
+    touts = _vmap.tangents_over_mapped(call, primals, in_nz, tangents, tdims,
+                                       axis_data)
+  else:
+    touts, _ = _lin_batching(
+        axis_data, [*lin_inputs, *tangents],
+        [None] * len(lin_inputs) + list(tdims),
+        **ex.lin_params(call, fwd, in_nz))
   return [*outs, *touts], [None] * len(outs) + [0] * len(touts)
 
 
@@ -198,9 +189,8 @@ def _rem_batching(axis_data, args, dims, *, call, fwd, schedule):
   f_consts, fwd_in, primals = args[:n1], args[n1:n2], args[n2:]
   bcall, bconsts = _vmap.batched_call(call, f_consts, [0] * len(f_consts),
                                       [0] * len(primals), axis_data)
-  n_in, n_out = len(fwd.jaxpr.in_avals), len(fwd.jaxpr.out_avals)
-  bfwd, extra, _ = _vmap.batched_fwd(call, fwd, axis_data, [0] * n_in,
-                                     [0] * n_out)
+  bfwd, extra, _ = _vmap.batched_fwd(
+      call, fwd, axis_data, [0] * len(fwd.jaxpr.in_avals), 0)
   jaxpr = bfwd.jaxpr.jaxpr
   in_avals = [v.aval for v in jaxpr.invars]
   new_res = iter(v.aval for v in jaxpr.outvars[call.num_outs:])

@@ -6,7 +6,8 @@ from __future__ import annotations
 from jax import tree_util
 
 from smartvjp import _facade as jx
-from smartvjp._checks import check_primal_out, flatten_cotangents
+from smartvjp._checks import (
+    check_primal_out, flatten_cotangents, primal_value)
 from smartvjp._primitive import call_p, replace_rule
 from smartvjp._spec import Rules, trace_call
 
@@ -25,14 +26,9 @@ def _call_checkify(ctx, error, enabled, *args, call):
                                 tree_util.tree_structure(tuple(leaves)), avals)
   outs = call_p.bind(*consts, *leaves, call=new_call)
   n_out_err = store["tree"].num_leaves
-  if store.get("fwd_ran"):
-    return error, list(outs[n_out_err:])
-  return (tree_util.tree_unflatten(store["tree"], outs[:n_out_err]),
-          list(outs[n_out_err:]))
-
-
-def _value(x):
-  return x.value if isinstance(x, jx.cd.CustomVJPPrimal) else x
+  if not store.get("fwd_ran"):
+    error = tree_util.tree_unflatten(store["tree"], outs[:n_out_err])
+  return error, list(outs[n_out_err:])
 
 
 def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
@@ -47,8 +43,8 @@ def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
 
   def fwd(*leaves):
     store["fwd_ran"] = True   # traced or run for this call: it is its rule
-    in_err = tree_util.tree_unflatten(err_tree,
-                                      [_value(e) for e in leaves[:n_err]])
+    in_err = tree_util.tree_unflatten(
+        err_tree, [primal_value(e) for e in leaves[:n_err]])
     out, res = user.fwd(*call.full_args(leaves[n_err:]))
     check_primal_out(call, out)
     widened = jx.widen_error(in_err, store["effects"])

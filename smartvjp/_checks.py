@@ -87,7 +87,7 @@ _FIX = {
 
 # -- the types of the rules' outputs ----------------------------------------
 
-def _leaf_paths(tree) -> list[str]:
+def leaf_paths(tree) -> list[str]:
   leaves = tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
   return [tree_util.keystr(p)
           for p, _ in tree_util.tree_flatten_with_path(leaves)[0]]
@@ -112,8 +112,7 @@ def blame_fwd(call, error: Exception) -> None:
             f"{rules.name} gives {tree}, fwd gives {call.out_tree}")
   else:
     what = None
-    paths = _leaf_paths(tree)
-    for path, w, got in zip(paths, leaves, call.out_avals):
+    for path, w, got in zip(leaf_paths(tree), leaves, call.out_avals):
       if (w.shape, w.dtype) != (got.shape, got.dtype):
         want_type = jx.core.ShapedArray(w.shape, w.dtype).str_short()
         what = (f"that differs from {rules.name}'s at "
@@ -137,9 +136,8 @@ def fwd_output_type_mismatches(call, fwd) -> list:
   manual axes) differ between ``f`` and ``fwd``."""
   if fwd is None or not fwd.out_avals:
     return []
-  paths = _leaf_paths(call.out_tree)
   return [(path, a, b) for path, a, b in
-          zip(paths, call.out_avals, fwd.out_avals)
+          zip(leaf_paths(call.out_tree), call.out_avals, fwd.out_avals)
           if (a.shape, a.dtype) == (b.shape, b.dtype)
           and not jx.core.typecompat(a, b)]
 
@@ -228,8 +226,8 @@ def check_f_output_invariance(call) -> None:
 
 def _check_invariance(call, jaxpr, role, what, consequence) -> None:
   outs = jaxpr.jaxpr.outvars[:call.num_outs]
-  paths = _leaf_paths(call.out_tree)
-  for path, v, missing in zip(paths, outs, unjustified_invariance(jaxpr)):
+  for path, v, missing in zip(leaf_paths(call.out_tree), outs,
+                              unjustified_invariance(jaxpr)):
     if missing:
       axes = tuple(sorted(missing))
       raise rule_error(
@@ -252,7 +250,7 @@ def check_primal_out(call, primal_out) -> None:
         TypeError, rules, "fwd",
         "returned a primal output whose pytree structure differs from "
         f"{rules.name}'s output: expected {call.out_tree}, got {tree}.")
-  for path, leaf, want in zip(_leaf_paths(tree), leaves, call.out_avals):
+  for path, leaf, want in zip(leaf_paths(tree), leaves, call.out_avals):
     got = jx.core.typeof(leaf)
     if not jx.core.typecompat(want, got):   # as JAX compares, where f has run
       same = (got.shape, got.dtype) == (want.shape, want.dtype)
@@ -278,6 +276,11 @@ def _custom_vjp3() -> bool:
   """``jax_custom_vjp3`` takes cotangents as a list of any length, refusing
   a wrong length with ``ValueError``."""
   return bool(getattr(jax.config, "jax_custom_vjp3", False))
+
+
+def zero_tangent(aval, symbolic: bool):
+  zero = jx.ad_util.Zero(aval.to_tangent_aval())
+  return jx.ad_util.SymbolicZero(zero.aval) if symbolic else jx.ad.instantiate_zeros(zero)
 
 
 _NO_CT = object()   # a None cotangent: no contribution to the input
@@ -349,7 +352,7 @@ def flatten_cotangents(call, out, which: str) -> list:
   flat = _spread(call, out, which)
   unchecked = bwd_checks_disabled()
   results = []
-  for path, aval, ct in zip(_leaf_paths(call.in_tree), call.in_avals, flat):
+  for path, aval, ct in zip(leaf_paths(call.in_tree), call.in_avals, flat):
     ct_aval = aval.to_ct_aval()
     if ct is _NO_CT or ct_aval.dtype == jx.dtypes.float0:
       results.append(jx.ad_util.Zero(ct_aval))
@@ -377,17 +380,13 @@ def flatten_cotangents(call, out, which: str) -> list:
           f"returned a cotangent of type {got.str_short()} at "
           f"output{path}, but the corresponding input of {rules.name} has "
           f"type {aval.str_short()} (expected cotangent "
-          f"{ct_aval.str_short()}){_sharding_hint(ct_aval, got)}.")
+          f"{ct_aval.str_short()})" + (
+              "; shape and dtype agree, so the sharding or the varying manual "
+              "axes (shard_map) differ, and a psum over the missing axes is "
+              "usually what is needed." if (ct_aval.shape, ct_aval.dtype)
+              == (got.shape, got.dtype) else "."))
     results.append(ct)
   return results
-
-
-def _sharding_hint(want, got) -> str:
-  if (want.shape, want.dtype) != (got.shape, got.dtype):
-    return ""
-  return ("; shape and dtype agree, so the sharding or the varying manual "
-          "axes (shard_map) differ, and a psum over the missing axes is "
-          "usually what is needed")
 
 
 # -- references ------------------------------------------------------------
@@ -422,6 +421,10 @@ def _parameter_names(fun, num_args: int) -> list[str]:
           for i in range(num_args)]
 
 
+def primal_value(x):
+  return x.value if isinstance(x, jx.cd.CustomVJPPrimal) else x
+
+
 def _is_ref(x) -> bool:
   """A mutable array reference (``jax.new_ref``) or its tracer."""
   try:
@@ -435,7 +438,7 @@ def aliased_refs(leaves) -> list:
     return []
   first, pairs = {}, []
   for j, x in enumerate(leaves):
-    x = x.value if isinstance(x, jx.cd.CustomVJPPrimal) else x
+    x = primal_value(x)
     if _is_ref(x):
       i = first.setdefault(id(jx.core.get_referent(x)), j)
       if i != j:
@@ -450,8 +453,7 @@ def check_aliased_arguments(rules, role: str, num_args: int, in_tree,
     return
   i, j = pairs[0]
   names = argument_leaf_names(rules, num_args, in_tree)
-  leaf = primals[j]
-  leaf = leaf.value if isinstance(leaf, jx.cd.CustomVJPPrimal) else leaf
+  leaf = primal_value(primals[j])
   raise rule_error(
       ValueError, rules, role,
       f"received one mutable array through two differentiable arguments, "
@@ -461,16 +463,14 @@ def check_aliased_arguments(rules, role: str, num_args: int, in_tree,
       "cotangent per argument.")
 
 
-def check_aliased_refs(call, primals) -> None:
-  check_aliased_arguments(call.rules, "fwd", call.num_args, call.in_tree,
-                          primals)
-
-
-def _first_ref(tree):
-  for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
+def _refuse_refs(rules, role: str, out, where: str, advice: str) -> None:
+  for path, leaf in tree_util.tree_flatten_with_path(out)[0]:
     if _is_ref(leaf):
-      return tree_util.keystr(path), leaf
-  return None
+      raise rule_error(
+          ValueError, rules, role,
+          f"returned a mutable array reference of type "
+          f"{jx.core.typeof(leaf).str_short()}{where}"
+          f"{_at('output', tree_util.keystr(path))}; {advice}")
 
 
 def _at(what: str, path: str) -> str:
@@ -478,33 +478,19 @@ def _at(what: str, path: str) -> str:
 
 
 def check_f_output(rules, out) -> None:
-  if not _checks_on():
-    return
-  hit = _first_ref(out)
-  if hit is not None:
-    path, leaf = hit
-    raise rule_error(
-        ValueError, rules, "fun",
-        f"returned a mutable array reference of type "
-        f"{jx.core.typeof(leaf).str_short()}{_at('output', path)}; f must "
-        "return values: read the reference (ref[...]) to return its value.")
+  if _checks_on():
+    _refuse_refs(rules, "fun", out, "", "f must return values: read the "
+                 "reference (ref[...]) to return its value.")
 
 
 def check_fwd_output(rules, primal_out, res, primals) -> None:
   if _checks_on():
-    hit = _first_ref(primal_out)
-    if hit is not None:
-      path, leaf = hit
-      raise rule_error(
-          ValueError, rules, "fwd",
-          f"returned a mutable array reference of type "
-          f"{jx.core.typeof(leaf).str_short()} in its primal output"
-          f"{_at('output', path)}; like f, fwd must return values there "
-          "(residuals may hold the references fwd received as arguments).")
-  passed = {id(p.value if isinstance(p, jx.cd.CustomVJPPrimal) else p)
-            for p in primals}
+    _refuse_refs(rules, "fwd", primal_out, " in its primal output",
+                 "like f, fwd must return values there (residuals may hold "
+                 "the references fwd received as arguments).")
+  passed = {id(primal_value(p)) for p in primals}
   for path, leaf in tree_util.tree_flatten_with_path(res)[0]:
-    leaf = leaf.value if isinstance(leaf, jx.cd.CustomVJPPrimal) else leaf
+    leaf = primal_value(leaf)
     if _is_ref(leaf) and id(leaf) not in passed:
       raise rule_error(
           ValueError, rules, "fwd",
@@ -516,11 +502,11 @@ def check_fwd_output(rules, primal_out, res, primals) -> None:
 
 
 def argument_position(leaf, primals):
-  leaf = leaf.value if isinstance(leaf, jx.cd.CustomVJPPrimal) else leaf
+  leaf = primal_value(leaf)
   if not _is_ref(leaf):
     return None
   for i, p in enumerate(primals):
-    if (p.value if isinstance(p, jx.cd.CustomVJPPrimal) else p) is leaf:
+    if primal_value(p) is leaf:
       return i
   raise RuntimeError(
       "smartvjp internal error: a residual reference that fwd did not "

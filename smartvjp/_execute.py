@@ -119,24 +119,20 @@ def _prepare_cts(call, cts_out):
 
 
 def run_bwd(call, fwd, residuals, cts_out) -> list:
-  rules = call.rules
-
   def user(res, cts):
-    py_res = fwd.residual_tree(res)
     py_ct = tree_util.tree_unflatten(call.out_tree, list(cts))
-    return flatten_cotangents(call, rules.bwd(*call.nondiff, py_res, py_ct),
-                              "bwd")
+    out = call.rules.bwd(*call.nondiff, fwd.residual_tree(res), py_ct)
+    return flatten_cotangents(call, out, "bwd")
   return _bind_rule(call, "bwd", fwd, user, list(residuals),
                     _prepare_cts(call, cts_out))
 
 
 def run_fwd_bwd(call, primals, in_nz, cts_out) -> list:
-  rules = call.rules
-
   def user(primals, cts):
     args = call.full_args(call.fwd_inputs(primals, in_nz))
     py_ct = tree_util.tree_unflatten(call.out_tree, list(cts))
-    return flatten_cotangents(call, rules.fwd_bwd(*args, py_ct), "fwd_bwd")
+    out = call.rules.fwd_bwd(*args, py_ct)
+    return flatten_cotangents(call, out, "fwd_bwd")
   return _bind_rule(call, "fwd_bwd", tuple(in_nz), user, list(primals),
                     _prepare_cts(call, cts_out))
 

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax import tree_util
 
 from smartvjp import _facade as jx
-from smartvjp._checks import describe_tree, function_name, rule_error
+from smartvjp._checks import (
+    describe_tree, function_name, leaf_paths, rule_error, zero_tangent)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -28,20 +29,14 @@ class JvpRule:
   def run(self, call, primals, in_nz, nz_tangents) -> tuple[list, list]:
     """On flat leaves; a tangent per ``call.out_nz`` output; raises
     ``TypeError`` naming the rule and path where the result does not fit."""
-    rules = call.rules
     it = iter(nz_tangents)
-    tangents = [next(it) if nz else _zero(a, rules.symbolic_zeros)
+    tangents = [next(it) if nz else zero_tangent(a, call.rules.symbolic_zeros)
                 for a, nz in zip(call.in_avals, in_nz)]
     py_primals = tree_util.tree_unflatten(call.in_tree, list(primals))
     py_tangents = tree_util.tree_unflatten(call.in_tree, tangents)
     with jax.named_scope(call.scopes["jvp"]):
       pair = self.fn(*call.nondiff, tuple(py_primals), tuple(py_tangents))
     return _checked(call, pair)
-
-
-def _zero(aval, symbolic: bool):
-  zero = jx.ad_util.Zero(aval.to_tangent_aval())
-  return jx.ad_util.SymbolicZero(zero.aval) if symbolic else jx.ad.instantiate_zeros(zero)
 
 
 def _checked(call, pair) -> tuple[list, list]:
@@ -64,11 +59,10 @@ def _checked(call, pair) -> tuple[list, list]:
         TypeError, rules, "jvp",
         "returned a tangent output whose pytree structure differs from its "
         f"primal output's: expected {out_tree}, got {t_tree}.")
-  paths = [tree_util.keystr(p) for p, _ in
-           tree_util.tree_flatten_with_path(primal_out)[0]]
   want_avals = call.out_avals or [jx.core.typeof(x) for x in out_leaves]
   nz_out = []
-  for path, leaf, t, want in zip(paths, out_leaves, t_leaves, want_avals):
+  for path, leaf, t, want in zip(leaf_paths(out_tree), out_leaves, t_leaves,
+                                 want_avals):
     where = f"output{path}" if path else "its output"
     got = jx.core.typeof(leaf)
     if (got.shape, got.dtype) != (want.shape, want.dtype):

@@ -17,7 +17,7 @@ from typing import Callable
 from jax import tree_util
 
 from smartvjp import _facade as jx
-from smartvjp._checks import function_name
+from smartvjp._checks import function_name, primal_value
 from smartvjp import _versions
 
 # The JAX release that added each method (or defvjp's parameter).
@@ -55,7 +55,7 @@ def upgrade_advice(release: str, python=None) -> str:
   return f"Upgrade JAX to {release} or newer"
 
 
-def require_method(fun, method: str) -> None:
+def require_method(fun, method: str, generic_batching) -> None:
   if not _HAS[method]:
     import jax
     raise NotImplementedError(
@@ -63,6 +63,7 @@ def require_method(fun, method: str) -> None:
         f"jax.custom_vjp.{method}, which JAX added in jax "
         f"{INTRODUCED[method]}; the installed jax {jax.__version__} does not "
         f"have it. {upgrade_advice(INTRODUCED[method])}, or use defvjp.")
+  check_generic_batching(fun, method, generic_batching)
 
 
 def check_generic_batching(fun, method: str, value) -> None:
@@ -160,8 +161,7 @@ def _merge(nondiff_argnums, nondiff, dyn):
 
 def _values(args):
   return tree_util.tree_map(
-      lambda x: x.value if isinstance(x, jx.cd.CustomVJPPrimal) else x, args,
-      is_leaf=lambda x: isinstance(x, jx.cd.CustomVJPPrimal))
+      primal_value, args, is_leaf=lambda x: isinstance(x, jx.cd.CustomVJPPrimal))
 
 
 def with_arguments(fwd: Callable, nondiff_argnums) -> Callable:

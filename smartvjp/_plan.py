@@ -225,10 +225,9 @@ def plan(facts: Facts, answers: Answers | None) -> Plan:
                  for a in answers.residuals)
   offloads = kept is not None and any(s is not None for s in kept)
   if (not offloads and facts.splittable and not facts.remat_rules
-      and facts.num_computed):
-    if answers.split is not None:
-      return Plan(Kind.SPLIT, SPLIT_REBUILT,
-                  split=None if answers.split is ASK else answers.split)
+      and facts.num_computed and answers.split is not None):
+    return Plan(Kind.SPLIT, SPLIT_REBUILT,
+                split=None if answers.split is ASK else answers.split)
   if kept is None and facts.remat_rules and facts.remat_rules_usable:
     # the schedule is the defremat rules' own: ask fwd_or_f with their facts
     return Plan(Kind.REMAT_RULES, Schedule(Forward.FWD, Backward.BWD))

@@ -29,7 +29,7 @@ class Split:
   saved_outputs: tuple = ()
 
 
-def split_fwd(saveable, call, fwd) -> Split | None:
+def split_fwd(policy, call, fwd) -> Split | None:
   if fwd is None or fwd.jaxpr is None or not fwd.num_new_res:
     return None
   jaxpr = fwd.jaxpr.jaxpr
@@ -39,7 +39,7 @@ def split_fwd(saveable, call, fwd) -> Split | None:
   none = [False] * len(jaxpr.invars)
   known, staged, _, _, num_res = jx.pe.partial_eval_jaxpr_custom(
       jaxpr, none, none, [False] * n_out + [True] * fwd.num_new_res, True,
-      saveable)
+      named_policy(policy))
   inputs = set(jaxpr.invars)
   computed = [r for r in staged.invars[:num_res] if r not in inputs]
   staged, fillers = _without_saved_outputs(
@@ -157,12 +157,6 @@ def cost(eqns) -> float:
 
 # -- facts and answers --------------------------------------------------------------
 
-def has_effects(call, fwd) -> bool:
-  return ((call.jaxpr is not None and jx.effects_keep_alive(call.jaxpr.effects))
-          or (fwd is not None and fwd.jaxpr is not None
-              and jx.effects_keep_alive(fwd.jaxpr.effects)))
-
-
 def f_matches_fwd(call, fwd) -> bool:
   return fwd is None or not fwd.out_avals or all(
       jx.core.typecompat(a, b) for a, b in zip(call.out_avals, fwd.out_avals))
@@ -197,6 +191,7 @@ def facts_of(call, fwd) -> _plan.Facts:
 
 def facts(call, fwd) -> _plan.Facts:
   traced = fwd is not None and fwd.jaxpr is not None
+  fwd_effects = traced and jx.effects_keep_alive(fwd.jaxpr.effects)
   return _plan.Facts(
       has_fwd=call.rules.fwd is not None,
       has_fwd_bwd=call.rules.fwd_bwd is not None,
@@ -206,9 +201,10 @@ def facts(call, fwd) -> _plan.Facts:
       remat_rules=call.rules.remat is not None,
       splittable=(traced and call.jaxpr is not None
                   and not call.references),
-      keeps_effects=has_effects(call, fwd),
+      keeps_effects=fwd_effects or (call.jaxpr is not None and
+                                    jx.effects_keep_alive(call.jaxpr.effects)),
       f_matches_fwd=call.jaxpr is not None and f_matches_fwd(call, fwd),
-      fwd_keeps_effects=traced and jx.effects_keep_alive(fwd.jaxpr.effects),
+      fwd_keeps_effects=fwd_effects,
       f_traced=call.jaxpr is not None,
       f_closes_over=bool(call.num_consts),
       references=call.references,
@@ -242,7 +238,7 @@ def _asked(policy, prim, avals, params) -> _plan.Asked:
 
 def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers:
   """``policy`` ``None`` (remat3's plain checkpoint) or no ``fwd``:
-  recompute everything; the split is asked for later (:func:`split`)."""
+  recompute everything; the split is asked for later (:func:`split_fwd`)."""
   if fwd is None:
     return _plan.Answers(_plan.RECOMPUTE)
   if policy is None:
@@ -259,10 +255,6 @@ def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers
       call_answer,
       tuple(_plan.answer_for_chain(call_answer, along(c)) for c in chains),
       split=_plan.ASK)
-
-
-def split(policy, call, fwd) -> Split | None:
-  return split_fwd(named_policy(policy), call, fwd)
 
 
 def producers(v, producers_of) -> tuple:
@@ -286,7 +278,7 @@ def decide(call, fwd, in_nz, policy, answers):
   facts = facts_of(call, fwd)
   plan = _plan.plan(facts, answers)
   if plan.asks_split:
-    answers = dataclasses.replace(answers, split=split(policy, call, fwd))
+    answers = dataclasses.replace(answers, split=split_fwd(policy, call, fwd))
     plan = _plan.plan(facts, answers)
   if plan.kind is not _plan.Kind.REMAT_RULES:
     return call, fwd, plan, False

@@ -336,10 +336,6 @@ call_p = define("smartvjp_call", code=_call_code,
                 jvp="elsewhere", bind=_bind_call)
 
 
-def _num_fwd_consts(fwd) -> int:
-  return 0 if fwd is None else fwd.num_consts
-
-
 def _offloaded(call, offload):
   if offload is None:
     return None
@@ -359,7 +355,7 @@ def _rule_code(*, call, which, fwd=None, offload=None, jaxpr=None):
     return Code(jaxpr, "fun" if which == "f" else which)
   if which == "f":
     n1 = call.num_consts
-    n2 = n1 + _num_fwd_consts(fwd)
+    n2 = n1 + (0 if fwd is None else fwd.num_consts)
     return Code(call.jaxpr, "fun",
                 positions=None if n2 == n1 else
                 (*range(n1), *range(n2, n2 + call.num_primals)))
@@ -435,14 +431,11 @@ register(rule_p, "to_lojax", rule_p.impl)
 def _rem_code(*, call, fwd, schedule):
   """``f`` where ``fwd_bwd`` will run, else ``fwd``'s primal outputs (the
   rem side's ``fwd``)."""
-  n1 = call.num_consts
-  n2 = n1 + fwd.num_consts
   if schedule.runs_fwd_bwd:
-    return Code(call.jaxpr, "fun",
-                positions=(*range(n1), *range(n2, n2 + call.num_primals)))
-  return Code(fwd.jaxpr, "fwd",
-              positions=tuple(range(n1, n2 + call.num_primals)),
-              num_outs=call.num_outs)
+    return _rule_code(call=call, which="f", fwd=fwd)
+  n1 = call.num_consts
+  positions = tuple(range(n1, n1 + fwd.num_consts + call.num_primals))
+  return Code(fwd.jaxpr, "fwd", positions=positions, num_outs=call.num_outs)
 
 
 def _rem_abstract_eval(*avals, call, fwd, schedule):
@@ -475,7 +468,7 @@ def lin_out_avals(call, fwd):
 
 
 def _jvp_abstract_eval(*avals, call, fwd, in_nz, schedule):
-  nc, nw = call.num_consts, _num_fwd_consts(fwd)
+  nc, nw = call.num_consts, 0 if fwd is None else fwd.num_consts
   # inputs [*f_consts, *fwd_consts, *primals, *tangents]: f's and fwd's own
   # input positions moved there
   effects = jx.move_input_effects(jx.positional_effects(call.jaxpr),

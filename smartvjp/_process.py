@@ -70,8 +70,7 @@ def _linearized(call, trace, primals, nonzero):
       isinstance(p, jx.core.Tracer) for p in primals):
     try:
       with jx.core.set_current_trace(parent):
-        return eager_call(rules, nondiff, num_args, in_tree, avals, primals,
-                          nonzero), ()
+        return eager_call(*call.signature, primals, nonzero), ()
     except (EagerClosureError, UnexpectedTracerError):
       return None    # a rule closes over a tracer: trace f to find it
   if rules.fwd is None or _has_refs(avals):
@@ -84,9 +83,8 @@ def _linearized(call, trace, primals, nonzero):
          jx.config.trace_context())
   hit = None if None in static else call.cache.get(key)
   if hit is None:
-    hit = linearized_call(
-        rules, nondiff, num_args, in_tree, avals, in_nz,
-        lambda c: _linearize_parts(c, trace) is not None)
+    hit = linearized_call(*call.signature, in_nz,
+                          lambda c: _linearize_parts(c, trace) is not None)
     if hit is not None and None not in static:
       call.cache.put(key, hit, hit[1])
   return hit

@@ -181,7 +181,7 @@ def _handled(ctx, call) -> bool:
 
 
 def _call_remat3(ctx, *in_vals, call):
-  in_nz = call.in_nz_possible
+  in_nz = call.perturbed((True,) * call.num_primals)
   if not _handled(ctx, call) or not any(in_nz):
     return _full_remat(call_p, in_vals, dict(call=call))
   fwd, fwd_consts = call.fwd_for(in_nz)

@@ -17,9 +17,9 @@ from smartvjp import _facade as jx
 from smartvjp import _plan
 from smartvjp._cache import TraceLocalCache
 from smartvjp._checks import (
-    argument_position, check_aliased_refs, check_f_output, check_fwd_output,
-    check_jax_leaves, check_primal_out, describe_tree, function_name,
-    rule_error, ROLE_NAMES)
+    argument_position, check_aliased_arguments, check_f_output,
+    check_fwd_output, check_jax_leaves, check_primal_out, describe_tree,
+    function_name, rule_error, ROLE_NAMES, zero_tangent)
 from smartvjp._policy import facts_of
 from smartvjp._policy import producers as policy_producers
 
@@ -134,15 +134,13 @@ class FwdSpec:
     it = iter(kept)
     src, avals, carried = [], [], iter(self.res_avals)
     for s in self.res_src:
-      if type(s) is StaticResidual:
-        src.append(s)
-        continue
-      aval = next(carried)
-      if s is None and not next(it):
-        src.append(StaticResidual(None))
-        continue
+      if type(s) is not StaticResidual:
+        aval = next(carried)
+        if s is None and not next(it):
+          s = StaticResidual(None)
+        else:
+          avals.append(aval)
       src.append(s)
-      avals.append(aval)
     pick = lambda xs: tuple(x for x, k in zip(xs, kept) if k)
     return dataclasses.replace(
         self, jaxpr=jaxpr, res_src=tuple(src), res_avals=tuple(avals),
@@ -223,10 +221,6 @@ class CallSpec:
   @functools.cached_property
   def out_nz(self) -> tuple[bool, ...]:
     return tuple(_has_tangent(a) for a in self.out_avals)
-
-  @functools.cached_property
-  def in_nz_possible(self) -> tuple[bool, ...]:
-    return self.perturbed((True,) * self.num_primals)
 
   def perturbed(self, nonzero) -> tuple[bool, ...]:
     return perturbed(nonzero, self.in_avals)
@@ -336,9 +330,7 @@ def _pruned_rules(full: CallSpec, rules: Rules, kept: tuple) -> Rules:
     return out   # not a pair: _call_fwd says so
 
   def cotangents(bwd, *args):   # zeros for the outputs no longer there
-    cts = [jx.ad_util.Zero(a.to_tangent_aval()) for a in full.out_avals]
-    cts = [jx.ad_util.SymbolicZero(c.aval) if rules.symbolic_zeros else
-           jx.ad.instantiate_zeros(c) for c in cts]
+    cts = [zero_tangent(a, rules.symbolic_zeros) for a in full.out_avals]
     for i, c in zip(kept, args[-1]):
       cts[i] = c
     return bwd(*args[:-1], tree_util.tree_unflatten(full.out_tree, cts))
@@ -420,7 +412,7 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
 def _call_fwd(call: CallSpec, in_nz, primals):
   rules = call.rules
-  check_aliased_refs(call, primals)
+  check_aliased_arguments(rules, "fwd", call.num_args, call.in_tree, primals)
   pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
   if not isinstance(pair, (tuple, list)) or len(pair) != 2:
     raise rule_error(

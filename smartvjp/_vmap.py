@@ -16,7 +16,7 @@ from smartvjp import _facade as jx
 from smartvjp import _jax_api
 from smartvjp._cache import batching_tag
 from smartvjp._checks import flatten_cotangents
-from smartvjp._forward import BatchedJvpRule
+from smartvjp._forward import BatchedJvpRule, tangents_only
 from smartvjp._spec import (
     CallSpec, Rules, is_static_residual, trace_call)
 
@@ -218,14 +218,16 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
                            axis_data) if rules.remat is not None else None))
 
 
-def jvp_rule_over_tangents(call, num_tangents, axis_data):
-  """The forward rule with only its tangents mapped (``jax.jacfwd``), so a
-  kernel in its primal part serves the whole batch."""
+def tangents_over_mapped(call, primals, in_nz, tangents, tdims, axis_data):
+  """The forward rule's tangent part with only its tangents mapped
+  (``jax.jacfwd``), so a kernel in its primal part serves the whole batch."""
+  tangents = [front(axis_data, t, d) for t, d in zip(tangents, tdims)]
   tag = batching_tag(axis_data)
-  return BatchedJvpRule(
+  rule = BatchedJvpRule(
       call.rules.jvp, call, (None,) * call.num_primals,
       lambda fn, in_axes: _vmap_rule(fn, in_axes, axis_data, tag),
-      t_dims=(0,) * num_tangents)
+      t_dims=(0,) * len(tangents))
+  return tangents_only(call, primals, in_nz, tangents, rule)
 
 
 def batched_avals(avals, in_dims, axis_data):
@@ -270,22 +272,18 @@ def linear_only_call(call, in_dims, axis_data, res_mapped=None):
   return spec
 
 
-def batched_fwd(call, fwd, axis_data, dims, out_dims):
-  batched, out_batched = jx.batching.batch_jaxpr_axes(fwd.jaxpr, axis_data, dims,
-                                             out_dims)
-  extra = list(batched.consts)
-  jaxpr = jx.pe.convert_constvars_jaxpr(batched.jaxpr)
-  bfwd = fwd.shifted(jx.ClosedJaxpr(jaxpr, ()), len(extra))
+def batched_fwd(call, fwd, axis_data, dims,
+                out_dim=jx.batching.zero_if_mapped):
+  new, extra, out_batched = batched_jaxpr(fwd.jaxpr, axis_data, dims, out_dim)
   bfwd = dataclasses.replace(
-      bfwd, out_avals=tuple(v.aval for v in jaxpr.outvars[:call.num_outs])
-      if fwd.out_avals else ())
+      fwd.shifted(new, len(extra)),
+      out_avals=tuple(new.out_avals[:call.num_outs]) if fwd.out_avals else ())
   return bfwd, extra, out_batched
 
 
-def batched_jaxpr(jaxpr, axis_data, dims):
-  n_out = len(jaxpr.out_avals)
+def batched_jaxpr(jaxpr, axis_data, dims, out_dim=jx.batching.zero_if_mapped):
   batched, out_batched = jx.batching.batch_jaxpr_axes(
-      jaxpr, axis_data, dims, [jx.batching.zero_if_mapped] * n_out)
+      jaxpr, axis_data, dims, [out_dim] * len(jaxpr.out_avals))
   new = jx.ClosedJaxpr(jx.pe.convert_constvars_jaxpr(batched.jaxpr), ())
   return new, list(batched.consts), out_batched
 
