@@ -13,14 +13,14 @@ import numpy as np
 
 from smartvjp import _facade as jx
 
-_option = jx.define_string_option(
+option = jx.define_string_option(
     "smartvjp_check_primals",
     "Compare f's and fwd's primal outputs where both run (remat): "
     "'warn' or 'raise', optionally followed by ':rtol:atol'.")
 
 
 def _settings():
-  value = _option.value
+  value = option.value
   if not value or value == "off":
     return "off", 0.0, 0.0
   mode, *tols = value.split(":")
@@ -106,7 +106,7 @@ class check_primals(contextlib.ContextDecorator):
       raise ValueError(f"check_primals tolerances must be >= 0, got "
                        f"rtol={rtol}, atol={atol}.")
     value = "off" if mode == "off" else f"{mode}:{rtol!r}:{atol!r}"
-    self._ctx = _option(value)
+    self._ctx = option(value)
 
   def __enter__(self):
     """Turns the check on (with this mode and tolerances) until exit."""

@@ -11,6 +11,12 @@
 * the walk of ``jit(grad(sum(checkpoint(F)(x)**2)))`` traced with
   ``sys.setprofile``, for design/walkthrough.py's ``F`` and for the seed's
   (its ``fwd``'s residual is its input): see :func:`walk`.
+
+Issue 47's targets: the core at most 5,700 lines, ``_facade.py`` at most
+600, ``_policy.facts`` once per differentiated call, at most 90 module
+switches in the walk of design/walkthrough.py's ``F`` counted outside
+``_facade`` (the count the issue's 130 at f7b3041 compares with: this tool
+gives 127 at f6fea98 on jax 0.12.0.1, 247 counting ``_facade``'s frames).
 """
 
 from __future__ import annotations
