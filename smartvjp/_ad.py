@@ -16,7 +16,7 @@ from smartvjp import _plan
 from smartvjp import _policy
 from smartvjp import _versions
 from smartvjp._checks import (
-    blame_fwd, check_aliased_arguments, check_f_output_invariance,
+    blame_fwd, check_aliased_refs, check_f_output_invariance,
     check_fwd_output_invariance, check_fwd_output_types)
 from smartvjp._cache import made_where_differentiated
 from smartvjp._forward import tangents_only
@@ -69,8 +69,7 @@ def _call_jvp(primals, tangents, *, call):
   f_consts, primals = primals[:call.num_consts], primals[call.num_consts:]
   if not any(in_nz):
     return call_p.bind(*f_consts, *primals, call=call), call.expand_tangents([])
-  check_aliased_arguments(call.rules, "fwd", call.num_args, call.in_tree,
-                          primals)
+  check_aliased_refs(call, primals)
   fwd, fwd_consts = call.fwd_for(in_nz)
   check_fwd_output_types(call, fwd)   # f and fwd may both run (remat)
   nz_tangents = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
@@ -108,8 +107,7 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return (outs, [False] * call.num_outs, [],
             lambda _res, *_t: call.expand_tangents([]))
-  check_aliased_arguments(call.rules, "fwd", call.num_args, call.in_tree,
-                          primals)
+  check_aliased_refs(call, primals)
   eager = isinstance(jx.core.trace_ctx.trace, jx.core.EvalTrace) and not any(
       isinstance(p, jx.core.Tracer) for p in primals_in)
   plan = _plan.plan(_policy.facts_of(call, None), None)

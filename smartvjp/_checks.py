@@ -280,7 +280,9 @@ def _custom_vjp3() -> bool:
 
 def zero_tangent(aval, symbolic: bool):
   zero = jx.ad_util.Zero(aval.to_tangent_aval())
-  return jx.ad_util.SymbolicZero(zero.aval) if symbolic else jx.ad.instantiate_zeros(zero)
+  if symbolic:
+    return jx.ad_util.SymbolicZero(zero.aval)
+  return jx.ad.instantiate_zeros(zero)
 
 
 _NO_CT = object()   # a None cotangent: no contribution to the input
@@ -380,13 +382,17 @@ def flatten_cotangents(call, out, which: str) -> list:
           f"returned a cotangent of type {got.str_short()} at "
           f"output{path}, but the corresponding input of {rules.name} has "
           f"type {aval.str_short()} (expected cotangent "
-          f"{ct_aval.str_short()})" + (
-              "; shape and dtype agree, so the sharding or the varying manual "
-              "axes (shard_map) differ, and a psum over the missing axes is "
-              "usually what is needed." if (ct_aval.shape, ct_aval.dtype)
-              == (got.shape, got.dtype) else "."))
+          f"{ct_aval.str_short()}){_sharding_hint(ct_aval, got)}.")
     results.append(ct)
   return results
+
+
+def _sharding_hint(want, got) -> str:
+  if (want.shape, want.dtype) != (got.shape, got.dtype):
+    return ""
+  return ("; shape and dtype agree, so the sharding or the varying manual "
+          "axes (shard_map) differ, and a psum over the missing axes is "
+          "usually what is needed")
 
 
 # -- references ------------------------------------------------------------
@@ -461,6 +467,12 @@ def check_aliased_arguments(rules, role: str, num_args: int, in_tree,
       f"{jx.core.typeof(leaf).str_short()}); pass each mutable array at "
       "most once among the differentiable arguments, since bwd returns one "
       "cotangent per argument.")
+
+
+def check_aliased_refs(call, primals) -> None:
+  """As ``check_aliased_arguments``, for ``fwd`` of a traced call."""
+  check_aliased_arguments(call.rules, "fwd", call.num_args, call.in_tree,
+                          primals)
 
 
 def _refuse_refs(rules, role: str, out, where: str, advice: str) -> None:

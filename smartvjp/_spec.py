@@ -17,7 +17,7 @@ from smartvjp import _facade as jx
 from smartvjp import _plan
 from smartvjp._cache import TraceLocalCache
 from smartvjp._checks import (
-    argument_position, check_aliased_arguments, check_f_output,
+    argument_position, check_aliased_refs, check_f_output,
     check_fwd_output, check_jax_leaves, check_primal_out, describe_tree,
     function_name, rule_error, ROLE_NAMES, zero_tangent)
 from smartvjp._policy import facts_of
@@ -412,7 +412,7 @@ def trace_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
 
 def _call_fwd(call: CallSpec, in_nz, primals):
   rules = call.rules
-  check_aliased_arguments(rules, "fwd", call.num_args, call.in_tree, primals)
+  check_aliased_refs(call, primals)
   pair = rules.fwd(*call.full_args(call.fwd_inputs(primals, in_nz)))
   if not isinstance(pair, (tuple, list)) or len(pair) != 2:
     raise rule_error(
