@@ -44,6 +44,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -80,6 +81,7 @@ NEEDS_REMAT_RULE = tuple(f'test_{t}' for t in (
 # residual.
 KEEPING = ('names', 'offload')
 PROGRAMS = 'plain,scan4,static,vmap_outside,vmap_inside,uses_output,cond,const_in_fwd'
+DOCS_NOTE = os.path.join(HERE, 'docs-note.md')
 TABLES = (os.path.join(os.path.dirname(HERE), 'upstream.md'),
           os.path.join(HERE, 'counts-jax-0.12.1.md'))
 
@@ -286,6 +288,24 @@ def check_tables(measured, problems):
   return n
 
 
+def check_docs_note(py, path, work, problems):
+  """Runs the docs note's cell (after the page's own imports) and compares
+  what it prints with the ``# {...}`` comments of its print lines."""
+  text = open(DOCS_NOTE).read()
+  cell, = re.findall(r'```\{code-cell\}\n(.*?)```', text, re.S)
+  want = re.findall(r'^print\(.*# (\{.*\})$', cell, re.M)
+  script = os.path.join(work, 'docs_note_cell.py')
+  with open(script, 'w') as f:
+    f.write('import jax\nimport jax.numpy as jnp\n'
+            'from jax.ad_checkpoint import checkpoint_name\n' + cell)
+  proc = run([py, script], env=base_env(path), check=False)
+  got = proc.stdout.splitlines()
+  if proc.returncode != 0 or got != want:
+    problems.append(f'docs-note.md: its cell prints {got}, its comments say '
+                    f'{want} ({proc.stderr[-1000:]})')
+  return got
+
+
 def check_target(target, py, src, args, work, plugins, problems, timings):
   """Every step for one target (its jax/ in ``src``); returns its record."""
   peer_dir = os.path.join(args.peer, target.peer)
@@ -386,6 +406,8 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
                         f'PR 2 tests fail {fails}, expected '
                         f'{sorted(NEEDS_REMAT_RULE)}')
     step(f'launches, {label}', lambda: launches(label))
+  rec['docs_note'] = step('docs note cell, the series',
+                          lambda: check_docs_note(py, path, work, problems))
 
   if args.force_true:
     forced = step('custom_api_test.py, True forced, the series',

@@ -337,6 +337,23 @@ class CustomVJPOptimizeRematPolicyTest(jtu.JaxTestCase):
     self.assertAllClose(step(x), _expected('plain', x))
     self.assertAllClose(jax.jit(step)(x), _expected('plain', x))
 
+  @parameterized.parameters('nothing', 'dots', 'names')
+  def test_custom_jvp_in_fwd(self, policy):
+    # remat_transform cannot trace a custom_jvp call in fwd yet (JAX's
+    # default rule raises there): the decision keeps f forward.
+    @jax.custom_vjp
+    def relu(x):
+      return jax.nn.relu(x)
+    def relu_fwd(x):
+      return jax.nn.relu(x), checkpoint_name(x, 'cos')
+    relu.defvjp(relu_fwd, lambda x, g: (jnp.where(x > 0, g, 0.),),
+                optimize_remat=True)
+    step = jax.grad(jax.checkpoint(lambda x: relu(x).sum(),
+                                   policy=_POLICIES[policy]))
+    x = jnp.array([-1., 2.], np.float32)
+    self.assertAllClose(step(x), jnp.array([0., 1.], np.float32))
+    self.assertAllClose(jax.jit(step)(x), jnp.array([0., 1.], np.float32))
+
   @parameterized.parameters((False, False), (True, False), (False, True))
   @jtu.run_on_devices('cpu')
   def test_unchanged_without_both_flags(self, remat3, custom_vjp3):
