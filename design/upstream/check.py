@@ -1,42 +1,39 @@
 #!/usr/bin/env python3
 """Checks the patches of this folder against JAX's own tests and their own.
 
-JAX's ``main`` is the target. CI reaches only PyPI, so the default target is
-the ``jax==0.11.0`` wheel, whose ``jax/`` is main's first-parent commit
-0145058aac (2026-07-16) byte for byte apart from ``version.py``, with jaxlib
-0.11.0, on Python 3.12. ``--jax-git DIR`` (a clone of jax-ml/jax) checks that
-match and adds the target ``main``: commit cec06d116c (2026-08-08) from
-``git archive``, with the same jaxlib.
+The target is JAX 0.12.1, the newest JAX reachable here: the ``jax==0.12.1``
+wheel's ``jax/`` with jaxlib 0.12.1 from PyPI, on Python 3.12. (The newest
+``main`` reachable, cec06d116c, is older than that release; the series does not
+apply there.) JAX's ``custom_api_test.py`` is not in the wheel, and no 0.12.1
+copy is reachable here, so the newest one is run: ``--peer``'s
+``jax-main-2026-08-08`` file, where it lies.
 
-Per target, with the target's ``jax/`` copied into a scratch folder on
-``PYTHONPATH``:
+With the target's ``jax/`` copied into a scratch folder on ``PYTHONPATH``:
 
-1. unpatched: JAX's ``custom_api_test.py`` (``--peer``'s file for that
-   commit, run where it lies) and the new test file, which is expected to
-   fail there in part;
-2. ``git apply`` PR 1: its test class must pass; JAX's file must fail no test
-   that passed unpatched; PR 1's class runs once more with
-   ``CustomVJPTraced.remat`` deleted and must then fail where the policy
-   saves fwd's residual (the objection that deleting that method would turn
-   'policy' into True silently);
-3. ``git apply`` PR 2 on top: every new test must pass, and JAX's file must
-   again fail no test that passed unpatched.
+1. unpatched: JAX's ``custom_api_test.py`` and the new test file, which is
+   expected to fail there in part;
+2. ``git apply`` PR 1: its test class must pass, and JAX's file must fail no
+   test that passed unpatched;
+3. ``git apply`` PR 2 on top: every new test must pass, JAX's file again fails
+   no test that passed unpatched; PR 2's class runs once more with
+   ``CustomVJPTraced.remat`` deleted and must then fail exactly where the
+   policy keeps fwd's residual and the checkpoint does not short-circuit.
 
-At each step ``launches.py`` counts the launches of the ``False`` and
-``True`` rules (and ``'policy'`` once patched): the ``False`` and ``True``
-cells must be those of the unpatched step, and with the patches a fwd with an
-array constant under ``dots_saveable`` must run f 1, fwd 1, bwd 1. With
-``--jax-git``, ``tests-BUILD.patch`` (the test file's BUILD entry) must apply
-to ``tests/BUILD`` of each target commit.
+At each step ``launches.py`` counts the launches of the ``False`` and ``True``
+rules: every ``False`` cell must be that of the unpatched step; a ``True``
+cell may change only where the policy keeps every residual (names, offload),
+and each change is listed. Every count table of ``../upstream.md`` and
+``counts-jax-0.12.1.md`` (a table after ``<!-- counts: jax 0.12.1 -->``) is
+compared cell by cell with what was measured.
 
-It prints what failed where, pass counts and the time taken (wall and CPU
-seconds of its child processes), writes them with ``--json``, and exits 0
-only when every check holds. ``--launches`` also prints the launch tables of
-``launches.py`` at each step (they are always compared); ``--force-policy`` runs JAX's file once more
-with ``optimize_remat='policy'`` forced on every custom_vjp.
+It prints what failed where, pass counts and the time taken, writes them with
+``--json``, and exits 0 only when every check holds. ``--force-true`` also
+runs JAX's file with ``optimize_remat=True`` forced on every custom_vjp that
+neither sets it nor asks for symbolic zeros, unpatched and patched, and
+compares the two.
 
 Usage, from the repository root:
-  python3 design/upstream/check.py --peer ../shared/peer [--jax-git DIR]
+  python3 design/upstream/check.py --peer ../shared/peer
 """
 
 from __future__ import annotations
@@ -44,10 +41,10 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import filecmp
 import glob
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -57,33 +54,45 @@ import time
 import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PATCHES = ('pr1-optimize_remat_policy.patch', 'pr2-saved-residuals.patch')
+PATCHES = ('pr1-remat-kept-outputs.patch',
+           'pr2-optimize_remat-follows-policy.patch')
 BUILD_PATCH = 'tests-BUILD.patch'
 TEST_FILE = 'custom_vjp_policy_test.py'
 # The test class that comes with each patch, in TEST_FILE.
-CLASSES = ('CustomVJPOptimizeRematPolicyTest',
-           'CustomVJPPolicySavedResidualsTest')
+CLASSES = ('RematKeptOutputsTest', 'CustomVJPOptimizeRematPolicyTest')
 PYTHON = '3.12'
-JAXLIB = '0.11.0'
-# PR 1's tests that must fail once CustomVJPTraced.remat is deleted.
-NEEDS_REMAT_RULE = ('test_launches_everything_saveable',
-                    'test_launches_residual_name_saved',
-                    'test_launches_residual_saved_jnp_scalar_in_fwd',
-                    'test_launches_residual_saved_mask_in_fwd',
-                    'test_launches_scan_residual_saved')
+JAXLIB = '0.12.1'
+# PR 2's tests that must fail once CustomVJPTraced.remat is deleted: where
+# the policy keeps fwd's residual (everything_saveable short-circuits the
+# checkpoint in 0.12.1, so its cases pass either way).
+NEEDS_REMAT_RULE = tuple(f'test_{t}' for t in (
+    'eager_launches_nondiff_arg', 'eager_launches_residual_name_saved',
+    'eager_launches_residual_offloaded',
+    'eager_launches_residual_offloaded_kept_kernel', 'eager_launches_vmap',
+    'launches_kept_kernel_numpy_array_in_fwd',
+    'launches_kept_kernel_residual_saved', 'launches_kept_kernel_scan',
+    'launches_residual_name_saved', 'launches_residual_offloaded',
+    'launches_residual_offloaded_kept_kernel',
+    'launches_residual_saved_jnp_scalar_in_fwd',
+    'launches_residual_saved_mask_in_fwd', 'launches_scan_residual_saved',
+    'launches_vmap_residual_saved',
+    'second_order_offloaded_residual_raises'))
+# Policies of launches.py under which True may change: they keep fwd's
+# residual.
+KEEPING = ('names', 'offload')
+PROGRAMS = 'plain,scan4,static,vmap_outside,vmap_inside,uses_output,cond,const_in_fwd'
+DOCS_NOTE = os.path.join(HERE, 'docs-note.md')
+TABLES = (os.path.join(os.path.dirname(HERE), 'upstream.md'),
+          os.path.join(HERE, 'counts-jax-0.12.1.md'))
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
   name: str
-  commit: str        # JAX's main commit that the target's jax/ is
-  peer: str          # the folder of --peer with that commit's test file
+  peer: str          # the folder of --peer with the test file run
 
 
-WHEEL = Target('wheel', '0145058aaca8775b7c8f5a84a5a2e92d575f0722',
-               'jax-v0.11.0')
-MAIN = Target('main', 'cec06d116c05f0d52adfceee3d3b730fdbcb0ce5',
-              'jax-main-2026-08-08')
+RELEASE = Target('jax-0.12.1', 'jax-main-2026-08-08')
 
 # A pytest plugin (on PYTHONPATH in a scratch folder) for the objection run.
 DROP_REMAT_RULE = """\
@@ -91,15 +100,17 @@ from jax._src import hijax
 del hijax.CustomVJPTraced.remat
 """
 
-# A pytest plugin for --force-policy: 'policy' on every custom_vjp whose
-# defvjp call does not set optimize_remat itself.
-FORCE_POLICY = """\
+# A pytest plugin for --force-true: optimize_remat=True on every custom_vjp
+# whose defvjp call sets neither optimize_remat nor symbolic_zeros (JAX
+# refuses the two together, by design).
+FORCE_TRUE = """\
 from jax._src import custom_derivatives, hijax
 
 def _forcing(defvjp):
   def forced(self, fwd, bwd, *args, **kwargs):
-    if len(args) < 2 and 'optimize_remat' not in kwargs:
-      kwargs['optimize_remat'] = 'policy'
+    if (not args and 'optimize_remat' not in kwargs
+        and not kwargs.get('symbolic_zeros')):
+      kwargs['optimize_remat'] = True
     return defvjp(self, fwd, bwd, *args, **kwargs)
   return forced
 
@@ -151,7 +162,7 @@ def find_python(given):
 
 
 def make_venv(python, work):
-  """A virtualenv with jax and jaxlib 0.11.0 and the test tools from PyPI;
+  """A virtualenv with jax and jaxlib 0.12.1 and the test tools from PyPI;
   returns (its python, the installed jax/ folder)."""
   venv = os.path.join(work, 'venv')
   run([python, '-m', 'venv', venv])
@@ -165,32 +176,6 @@ def make_venv(python, work):
   if out[1].split() != [JAXLIB, JAXLIB]:
     raise CheckError(f'installed jax/jaxlib {out[1]}, wanted {JAXLIB}')
   return py, out[0]
-
-
-def git_archive(jax_git, commit, dest):
-  """``jax/`` of ``commit`` from the clone ``jax_git`` into ``dest``."""
-  os.makedirs(dest)
-  archive = subprocess.run(['git', '-C', jax_git, 'archive', commit, 'jax'],
-                           capture_output=True, check=True).stdout
-  subprocess.run(['tar', '-x', '-C', dest], input=archive, check=True)
-
-
-def compare_wheel(wheel_jax, jax_git, work):
-  """Files of the wheel's jax/ that differ from WHEEL.commit's (version.py is
-  stamped at release), and how many the wheel holds."""
-  src = os.path.join(work, 'wheel-source')
-  git_archive(jax_git, WHEEL.commit, src)
-  differ, n = [], 0
-  for root, dirs, files in os.walk(wheel_jax):
-    dirs[:] = [d for d in dirs if d != '__pycache__']
-    for name in files:
-      n += 1
-      path = os.path.join(root, name)
-      rel = os.path.relpath(path, os.path.dirname(wheel_jax))
-      other = os.path.join(src, rel)
-      if not (os.path.exists(other) and filecmp.cmp(path, other, shallow=False)):
-        differ.append(rel)
-  return differ, n
 
 
 def base_env(pythonpath):
@@ -253,13 +238,89 @@ def git_apply(src, patch):
       raise CheckError(f'{patch} does not apply to {src}:\n{proc.stderr}')
 
 
+KERNEL_NAMES = {'callback': 'callback', 'never removed': 'never_dce'}
+POLICY_NAMES = {'none': 'nothing', 'dots': 'dots', 'everything': 'everything',
+                'names': 'names', 'offload': 'offload'}
+# A table's value columns: the step and mode each was measured at.
+COLUMNS = {'False': ('unpatched', 'False'), 'True': ('unpatched', 'True'),
+           'True, the series': ('pr2', 'True')}
+
+
+def launch_total(cell):
+  """Launches in a cell ('f 1, fwd 1, bwd 1' -> 3); an error counts as
+  none, so that a cell that raises never passes for a cheaper one."""
+  counts = re.findall(r'\b\w+ (\d+)', cell)
+  return sum(map(int, counts)) if counts else float('inf')
+
+
+def table_cells(path):
+  """The cells of every count table in ``path``: a markdown table after a
+  line ``<!-- counts: jax 0.12.1 -->``, whose key columns (program, kernel,
+  policy, run) may list several values separated by commas. Returns
+  ``{(program, kernel, policy, run, column): launches}``."""
+  cells, lines = {}, open(path).read().splitlines()
+  clean = lambda c: c.strip().strip('*`').replace('`', '').strip()
+  for n, line in enumerate(lines):
+    if line.strip() != '<!-- counts: jax 0.12.1 -->':
+      continue
+    head = [clean(c) for c in lines[n + 1].strip().strip('|').split('|')]
+    for row in lines[n + 3:]:
+      if not row.startswith('|'):
+        break
+      vals = dict(zip(head, (c.strip() for c in row.strip().strip('|').split('|'))))
+      keys = [[clean(v) for v in vals[k].split(',')] for k in
+              ('program', 'kernel', 'policy', 'run')]
+      for prog in keys[0]:
+        for kernel in keys[1]:
+          for policy in keys[2]:
+            for run in keys[3]:
+              for col in COLUMNS:
+                if col in vals:
+                  cells[(prog, KERNEL_NAMES[kernel], POLICY_NAMES[policy], run,
+                         col)] = clean(vals[col])
+  return cells
+
+
+def check_tables(measured, problems):
+  """Compares every table cell with ``measured[(step, mode)][key]``."""
+  n = 0
+  for path in TABLES:
+    for (prog, kernel, policy, run, col), want in table_cells(path).items():
+      step, mode = COLUMNS[col]
+      got = measured.get(step, {}).get((prog, kernel, policy, run, mode))
+      n += 1
+      if got != want:
+        problems.append(f'{os.path.basename(path)}: {prog}/{kernel}/{policy}/'
+                        f'{run}, {col}: the table says {want!r}, measured {got!r}')
+  return n
+
+
+def check_docs_note(py, path, work, problems):
+  """Runs the docs note's cell (after the page's own imports) and compares
+  what it prints with the ``# {...}`` comments of its print lines."""
+  text = open(DOCS_NOTE).read()
+  cell, = re.findall(r'```\{code-cell\}\n(.*?)```', text, re.S)
+  want = re.findall(r'^print\(.*# (\{.*\})$', cell, re.M)
+  script = os.path.join(work, 'docs_note_cell.py')
+  with open(script, 'w') as f:
+    f.write('import jax\nimport jax.numpy as jnp\n'
+            'from jax.ad_checkpoint import checkpoint_name\n' + cell)
+  proc = run([py, script], env=base_env(path), check=False)
+  got = proc.stdout.splitlines()
+  if proc.returncode != 0 or got != want:
+    problems.append(f'docs-note.md: its cell prints {got}, its comments say '
+                    f'{want} ({proc.stderr[-1000:]})')
+  return got
+
+
 def check_target(target, py, src, args, work, plugins, problems, timings):
   """Every step for one target (its jax/ in ``src``); returns its record."""
   peer_dir = os.path.join(args.peer, target.peer)
   if not os.path.exists(os.path.join(peer_dir, 'custom_api_test.py')):
     raise CheckError(f'{peer_dir}/custom_api_test.py is missing')
   path = [src]
-  rec = dict(target=target.name, commit=target.commit, peer=peer_dir, steps={})
+  rec = dict(target=target.name, peer=peer_dir, steps={})
+  measured = {}
 
   def step(name, fn):
     t0 = time.monotonic()
@@ -268,17 +329,17 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
     timings[f'{target.name}: {name}'] = round(time.monotonic() - t0, 1)
     return out
 
-  def suite():
-    return pytest(py, peer_dir, 'custom_api_test.py', args.jobs, path, work)
+  def suite(plugin=None):
+    return pytest(py, peer_dir, 'custom_api_test.py', args.jobs,
+                  [*path, plugins] if plugin else path, work, plugin=plugin)
 
   def new_tests():
     return pytest(py, HERE, TEST_FILE, args.jobs, path, work)
 
   def launches(label):
     out = os.path.join(work, f'launches-{target.name}-{label}.json')
-    proc = run([py, os.path.join(HERE, 'launches.py'), '--modes',
-                'False,True' + (',policy' if label != 'unpatched' else ''),
-                '--programs', args.launch_programs, '--json', out],
+    proc = run([py, os.path.join(HERE, 'launches.py'), '--modes', 'False,True',
+                '--programs', PROGRAMS, '--json', out],
                env=base_env(path), check=False)
     if proc.returncode != 0 or not os.path.exists(out):
       problems.append(f'{target.name}/{label}: launches.py failed: '
@@ -289,40 +350,43 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
     if args.launches:
       rec['steps'][label]['launches'] = proc.stdout
     key = lambda c: (c['program'], c['kernel'], c['policy'], c['jit'], c['mode'])
-    got = {key(c): c['launches'] for c in cells}
+    got = measured[label] = {key(c): c['launches'] for c in cells}
     if label == 'unpatched':
-      baseline.update(got)
       return
-    changed = sorted(k for k, v in baseline.items() if got.get(k) != v)
+    base = measured['unpatched']
+    changed = sorted(k for k, v in base.items() if got.get(k) != v)
+    allowed = [k for k in changed if k[4] == 'True' and k[2] in KEEPING]
     rec['steps'][label]['false_true_cells'] = (
-        f'{len(baseline)} compared, {len(changed)} changed')
-    if changed:
-      problems.append(f'{target.name}/{label}: False/True launch cells changed: '
-                      + '; '.join(f'{k}: {baseline[k]} -> {got.get(k)}'
-                                  for k in changed))
-    for k, v in got.items():
-      if (k[0], k[2], k[4]) == ('const_in_fwd', 'dots', 'policy') and (
-          v != 'f 1, fwd 1, bwd 1'):
-        problems.append(f"{target.name}/{label}: an array constant in fwd under "
-                        f"dots_saveable, 'policy' runs {v} ({k[1]}, {k[3]})")
-
-  baseline = {}
-  if args.jax_git:
-    build = os.path.join(work, f'build-{target.name}')
-    archive = subprocess.run(['git', '-C', args.jax_git, 'archive',
-                              target.commit, 'tests/BUILD'],
-                             capture_output=True, check=True).stdout
-    os.makedirs(build)
-    subprocess.run(['tar', '-x', '-C', build], input=archive, check=True)
-    git_apply(build, BUILD_PATCH)
-    rec['build_patch'] = 'applies'
+        f'{len(base)} compared, {len(changed)} changed')
+    rec['steps'][label]['changed'] = [
+        f'{"/".join(k)}: {base[k]} -> {got.get(k)}' for k in changed]
+    wrong = [k for k in changed if k not in allowed or label == 'pr1']
+    if wrong:
+      problems.append(f'{target.name}/{label}: launch cells changed: '
+                      + '; '.join(f'{k}: {base[k]} -> {got.get(k)}'
+                                  for k in wrong))
+    if label == 'pr2':
+      for k, v in got.items():  # upstream.md: never more than False or True
+        if k[4] == 'True' and not all(
+            launch_total(v) <= launch_total(base[(*k[:4], m)])
+            for m in ('False', 'True')):
+          problems.append(f'{target.name}: {k[:4]}: the series runs {v}, more '
+                          f"than False ({base[(*k[:4], 'False')]}) or True "
+                          f"({base[k]})")
+        if k[4] == 'True' and k[2] in KEEPING and k[0] != 'uses_output' and (
+            'f ' in v.replace('fwd', '')):
+          problems.append(f'{target.name}: True still runs f where the policy '
+                          f'keeps the residual: {k}: {v}')
 
   before = step('custom_api_test.py, unpatched', suite)
   rec['steps']['unpatched'] = dict(custom_api_test=tally(before),
                                    custom_api_test_failing=failed(before))
   new0 = step('new tests, unpatched', new_tests)
   rec['steps']['unpatched']['new_tests'] = tally(new0)
-  launches('unpatched')
+  step('launches, unpatched', lambda: launches('unpatched'))
+  if args.force_true:
+    forced0 = step('custom_api_test.py, True forced, unpatched',
+                   lambda: suite('force_true'))
 
   for i, patch in enumerate(PATCHES):
     label = patch.split('-')[0]
@@ -343,29 +407,34 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
       bad = [k for k in failed(new) if k.startswith(cls + '::')]
       if bad:
         problems.append(f'{target.name}/{label}: {bad} fail')
-    if i == 0:
-      dropped = step('PR 1 tests, CustomVJPTraced.remat deleted',
-                     lambda: pytest(py, HERE, f'{TEST_FILE}::{CLASSES[0]}',
+    if i == 1:
+      dropped = step('PR 2 tests, CustomVJPTraced.remat deleted',
+                     lambda: pytest(py, HERE, f'{TEST_FILE}::{CLASSES[1]}',
                                     args.jobs, [*path, plugins], work,
                                     plugin='drop_custom_vjp_remat'))
       fails = sorted(k.split('::')[1] for k in failed(dropped))
       rec['steps'][label]['failing_without_remat_rule'] = fails
       if fails != sorted(NEEDS_REMAT_RULE):
         problems.append(f'{target.name}: with CustomVJPTraced.remat deleted, '
-                        f'PR 1 tests fail {fails}, expected '
+                        f'PR 2 tests fail {fails}, expected '
                         f'{sorted(NEEDS_REMAT_RULE)}')
-    launches(label)
+    step(f'launches, {label}', lambda: launches(label))
+  rec['docs_note'] = step('docs note cell, the series',
+                          lambda: check_docs_note(py, path, work, problems))
 
-  if args.force_policy:
-    forced = step("custom_api_test.py, 'policy' forced",
-                  lambda: pytest(py, peer_dir, 'custom_api_test.py', args.jobs,
-                                 [*path, plugins], work, plugin='force_policy'))
+  if args.force_true:
+    forced = step('custom_api_test.py, True forced, the series',
+                  lambda: suite('force_true'))
     regressions = sorted(k for k, v in forced.items()
-                         if v == 'failed' and before.get(k) == 'passed')
-    rec['steps']['forced'] = dict(custom_api_test=tally(forced),
-                                  failing_only_forced=regressions)
+                         if v == 'failed' and forced0.get(k) == 'passed')
+    rec['steps']['forced'] = dict(
+        custom_api_test=f'{tally(forced0)} unpatched; {tally(forced)} patched',
+        failing_only_forced=regressions)
     if regressions:
-      problems.append(f"{target.name}: with 'policy' forced, {regressions} fail")
+      problems.append(f'{target.name}: with True forced, {regressions} fail '
+                      'patched only')
+  n = check_tables(measured, problems)
+  rec['table_cells'] = f'{n} table cells compared'
   return rec
 
 
@@ -373,21 +442,15 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   ap.add_argument('--peer', required=True,
                   help="folder with JAX's custom_api_test.py per commit "
-                       '(jax-v0.11.0/, jax-main-2026-08-08/)')
-  ap.add_argument('--jax-git', metavar='DIR',
-                  help='a clone of jax-ml/jax: check the wheel against main '
-                       f'{WHEEL.commit[:10]} and add the target main '
-                       f'{MAIN.commit[:10]}')
+                       f'({RELEASE.peer}/)')
   ap.add_argument('--json', help='write the results here')
   ap.add_argument('--jobs', type=int, default=2, help='pytest-xdist workers')
   ap.add_argument('--python', help=f'the Python {PYTHON} interpreter')
   ap.add_argument('--launches', action='store_true',
                   help="also print launches.py's tables at each step")
-  ap.add_argument('--launch-programs', default='plain,uses_output,const_in_fwd',
-                  help='programs for --launches (comma-separated)')
-  ap.add_argument('--force-policy', action='store_true',
-                  help="also run custom_api_test.py with optimize_remat='policy' "
-                       'forced on every custom_vjp')
+  ap.add_argument('--force-true', action='store_true',
+                  help='also run custom_api_test.py with optimize_remat=True '
+                       'forced on every custom_vjp, unpatched and patched')
   ap.add_argument('--work', help='scratch folder (default: a new temporary '
                   'one, removed at the end)')
   args = ap.parse_args(argv)
@@ -403,29 +466,18 @@ def main(argv=None):
     plugins = os.path.join(work, 'plugins')
     os.makedirs(plugins)
     for name, text in (('drop_custom_vjp_remat', DROP_REMAT_RULE),
-                       ('force_policy', FORCE_POLICY)):
+                       ('force_true', FORCE_TRUE)):
       with open(os.path.join(plugins, name + '.py'), 'w') as f:
         f.write(text)
     t0 = time.monotonic()
     log(f'installing jax and jaxlib {JAXLIB} (Python {PYTHON}) ...')
     py, wheel_jax = make_venv(find_python(args.python), work)
     timings['install'] = round(time.monotonic() - t0, 1)
-    targets = [(WHEEL, wheel_jax)]
-    if args.jax_git:
-      differ, n = compare_wheel(wheel_jax, args.jax_git, work)
-      result['wheel_vs_main'] = dict(commit=WHEEL.commit, wheel_files=n,
-                                     differing=differ)
-      if differ != ['jax/version.py']:
-        problems.append(f'the wheel differs from {WHEEL.commit[:10]} in {differ}')
-      main_src = os.path.join(work, 'main-source')
-      git_archive(args.jax_git, MAIN.commit, main_src)
-      targets.append((MAIN, os.path.join(main_src, 'jax')))
-    for target, jax_dir in targets:
-      src = os.path.join(work, f'src-{target.name}')
-      shutil.copytree(jax_dir, os.path.join(src, 'jax'),
-                      ignore=shutil.ignore_patterns('__pycache__'))
-      result['targets'].append(check_target(target, py, src, args, work,
-                                            plugins, problems, timings))
+    src = os.path.join(work, f'src-{RELEASE.name}')
+    shutil.copytree(wheel_jax, os.path.join(src, 'jax'),
+                    ignore=shutil.ignore_patterns('__pycache__'))
+    result['targets'].append(check_target(RELEASE, py, src, args, work,
+                                          plugins, problems, timings))
     result['ok'] = not problems
   except CheckError as e:
     result['error'] = str(e)
@@ -438,27 +490,27 @@ def main(argv=None):
   result['cpu_seconds'] = dict(user=round(usage.ru_utime, 1),
                                system=round(usage.ru_stime, 1))
 
-  if 'wheel_vs_main' in result:
-    w = result['wheel_vs_main']
-    log(f"\njax {JAXLIB} wheel vs main {w['commit'][:10]}: {w['wheel_files']} "
-        f"files, differing: {', '.join(w['differing']) or 'none'}")
   for rec in result['targets']:
-    log(f"\n=== {rec['target']}: main {rec['commit'][:10]}, JAX's tests from "
-        f"{rec['peer']} ===")
+    log(f"\n=== {rec['target']}, JAX's tests from {rec['peer']} ===")
     for label, s in rec['steps'].items():
       log(f'{label}: custom_api_test.py {s["custom_api_test"]}'
           + (f'; new tests {s["new_tests"]}' if 'new_tests' in s else ''))
       if s.get('failing_only_patched'):
         log(f'  failing only patched: {s["failing_only_patched"]}')
+      if s.get('failing_only_forced'):
+        log(f'  failing only patched, True forced: {s["failing_only_forced"]}')
       if s.get('new_tests_failing'):
         log(f'  new tests failing: {", ".join(s["new_tests_failing"])}')
       if 'false_true_cells' in s:
         log(f'  launches.py False/True cells: {s["false_true_cells"]}')
+        for c in s['changed']:
+          log(f'    {c}')
       if 'failing_without_remat_rule' in s:
-        log('  PR 1 tests failing with CustomVJPTraced.remat deleted: '
+        log('  PR 2 tests failing with CustomVJPTraced.remat deleted: '
             + ', '.join(s['failing_without_remat_rule']))
       if s.get('launches'):
         log(s['launches'])
+    log(rec.get('table_cells', ''))
   for p in problems:
     log(f'PROBLEM: {p}')
   log('timings (s): ' + ', '.join(f'{k} {v}' for k, v in timings.items()))

@@ -3,9 +3,9 @@
 
 Prints a markdown table: for each program, kernel kind, checkpoint policy and
 eager/jit, the kernel runs of one ``value_and_grad`` step, per way of
-defining the rules (``False``: today's default rule; ``True``;
-``policy``: ``optimize_remat='policy'``, which needs PR 1; ``custom_remat``:
-the fused schedule written by hand with ``jax.custom_remat``). The function is
+defining the rules (``False``: the default rule; ``True``, which follows the
+policy with the series applied; ``custom_remat``: the fused schedule written
+by hand with ``jax.custom_remat``, where the JAX has it). The function is
 ``sin``; its ``f``, ``fwd``, ``bwd`` (and ``fwd_bwd``) are one host kernel
 each, counted by the host, of two kinds:
 
@@ -17,7 +17,7 @@ each, counted by the host, of two kinds:
 
 Gradients are checked against ``jnp.cos``'s. Runs against the JAX it
 imports, with the ``jax_remat3`` and ``jax_custom_vjp3`` flags on (``--no-flags``
-leaves them off). Usage: ``python launches.py --modes False,True,policy``.
+leaves them off). Usage: ``python launches.py --modes False,True``.
 """
 
 import argparse
@@ -101,7 +101,10 @@ POLICIES = dict(
     nothing=None,
     everything=jax.checkpoint_policies.everything_saveable,
     dots=jax.checkpoint_policies.dots_saveable,
-    names=jax.checkpoint_policies.save_only_these_names('c'))
+    names=jax.checkpoint_policies.save_only_these_names('c'),
+    offload=jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=['c'],
+        offload_src='device', offload_dst='pinned_host'))
 PROGRAMS = ('plain', 'scan4', 'static', 'vmap_outside', 'vmap_inside',
             'uses_output', 'cond', 'const_in_fwd')
 
@@ -179,10 +182,10 @@ def describe(counts):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  ap.add_argument('--modes', default='False,True,policy')
+  ap.add_argument('--modes', default='False,True')
   ap.add_argument('--programs', default='plain')
   ap.add_argument('--kernels', default='callback,never_dce')
-  ap.add_argument('--policies', default='nothing,everything,dots,names')
+  ap.add_argument('--policies', default='nothing,everything,dots,names,offload')
   ap.add_argument('--jit', default='eager,jit')
   ap.add_argument('--no-flags', action='store_true')
   ap.add_argument('--json', help='also write the cells here')

@@ -6,8 +6,8 @@ the JAX installed (the TPU machine has jax 0.10.2 only).
 The patches of this folder do not apply to jax 0.10.2: its
 ``CustomVJPTraced`` has no ``remat`` rule that reads the checkpoint policy
 (a ``custom_vjp`` under remat3 is fully rematerialized there) and its
-``remat_transform`` takes no ``custom_vjp_rules``; PR 1 changes a method that
-0.10.2 does not have. So ``'policy'`` itself is not measured here. What is:
+``remat_transform`` takes no ``custom_vjp_rules``; the series changes a method
+that 0.10.2 does not have. So the series itself is not measured here. What is:
 JAX's shipped Pallas TPU flash attention (a ``jax.custom_vjp`` whose ``f``
 launches the forward kernel with one output, ``fwd`` the same kernel writing
 the softmax statistics ``l`` and ``m`` too, ``bwd`` the dkv and dq kernels),
@@ -15,10 +15,10 @@ in ``benchmarks/tpu_attention.py``'s model (scanned self-attention layers,
 each under ``jax.checkpoint``), scheduled
 
 * ``False``: as shipped (the default rule);
-* ``True``: the same rules with ``optimize_remat=True``, which is what
-  ``'policy'`` does wherever the policy saves no residual of ``fwd`` (here
-  under ``nothing_saveable`` and ``dots_saveable``: no policy saves a Pallas
-  call's outputs), by its rule;
+* ``True``: the same rules with ``optimize_remat=True``, which is what the
+  series keeps wherever the policy keeps no residual of ``fwd`` (here under
+  ``nothing_saveable`` and ``dots_saveable``: no policy saves a Pallas call's
+  outputs), by its rule;
 * ``smartvjp``: smartvjp's swapped copy of the module;
 
 each without and with the ``jax_remat3`` + ``jax_custom_vjp3`` flags. Per
