@@ -56,6 +56,8 @@ class Facts:
   references: bool = False
   rebuilds: bool = True
   fwd_reads_saved: bool = False
+  # defvjp(..., fused=...): True or False forces the backward pair
+  fused: bool | None = None
 
 
 ASK = "ask"   # Answers.split not known yet
@@ -92,9 +94,11 @@ class Backward(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """What each pass runs (and, derived, what the rules ask of it)."""
+  """What each pass runs (and, derived, what the rules ask of it); ``why``:
+  the reason :func:`backward_pair` gave, once it chose (``""``: not asked)."""
   forward: Forward
   backward: Backward
+  why: str = ""
   runs_fwd_bwd: bool = dataclasses.field(init=False, compare=False,
                                          repr=False)
   # the part of fwd where it reads saved values, else f
@@ -111,8 +115,18 @@ class Schedule:
     object.__setattr__(self, "recomputes", (
         self.forward is Forward.F and self.backward is not Backward.BWD))
 
+  @property
+  def shown_backward(self) -> str:
+    return (f"{self.backward.value} ({self.why})" if self.why
+            else self.backward.value)
+
+  @property
+  def asks_pair(self) -> bool:
+    """``f`` + ``fwd_bwd`` not yet weighed against ``fwd`` + ``bwd``."""
+    return self.runs_fwd_bwd and not self.why
+
   def __str__(self):
-    return f"{self.forward.value} forward, {self.backward.value} backward"
+    return f"{self.forward.value} forward, {self.shown_backward} backward"
 
 
 SPLIT_REBUILT = Schedule(Forward.PART_OF_FWD, Backward.FWD_THEN_BWD)
@@ -200,6 +214,58 @@ def prune(facts: Facts, schedule: Schedule | None, outputs_used: bool,
                         or facts.references or not facts.f_matches_fwd):
     return Pruned(Forward.FWD, False)
   return Pruned(Forward.F, False)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Cost:
+  """What a rule (or a pair of them) costs, compared field by field:
+  collectives, then operations (XLA's or a Pallas kernel's estimate), then
+  opaque kernels (a callback or kernel no estimate sees into); ``written``,
+  the bytes of the outputs, breaks ties."""
+  collectives: int = 0
+  flops: float = 0.0
+  kernels: int = 0
+  written: int = 0
+
+  def __add__(self, other: "Cost") -> "Cost":
+    return Cost(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                        dataclasses.astuple(other))))
+
+  @property
+  def work(self) -> tuple:
+    return (self.collectives, self.flops, self.kernels)
+
+
+def backward_pair(facts: Facts, output_read: bool | None,
+                  fused: Cost | None, unfused: Cost | None) -> Schedule:
+  """The rematerialized backward region's pair for a call whose plan says
+  ``f`` forward, ``fwd_bwd`` backward and which has ``fwd`` too.
+
+  ``output_read``: whether that region reads the call's primal output
+  (``None``: not known, taken as read). Where it is not read ``fwd_bwd``
+  runs alone; where it is, ``f`` + ``fwd_bwd`` (``fused``) and ``fwd`` +
+  ``bwd`` (``unfused``) are weighed (:class:`Cost`; ``None``: not known),
+  ties going to the one writing fewer bytes, and unknown costs to
+  ``fwd`` + ``bwd``. ``defvjp(..., fused=...)`` forces either."""
+  apart = _recompute(dataclasses.replace(facts, has_fwd_bwd=False)).schedule
+
+  def chosen(fuse: bool, why: str) -> Schedule:
+    if fuse:
+      return Schedule(Forward.F, Backward.FWD_BWD, why)
+    return dataclasses.replace(apart, why=why)
+  if facts.fused is not None:
+    return chosen(facts.fused, f"defvjp fused={facts.fused}")
+  if output_read is False:
+    return chosen(True, "output not read")
+  read = "output read" if output_read else "output maybe read"
+  if fused is None or unfused is None:
+    return chosen(False, f"{read}; cost not known")
+  if fused.work != unfused.work:
+    cheaper = fused.work < unfused.work
+    return chosen(cheaper, f"{read}; fused costs {'less' if cheaper else 'more'}")
+  fewer = fused.written <= unfused.written
+  return chosen(fewer, f"{read}; same cost, "
+                       f"{'fused' if fewer else 'unfused'} writes less")
 
 
 def plan(facts: Facts, answers: Answers | None) -> Plan:

@@ -185,7 +185,7 @@ def _pp_rule(shows):
     schedule = params.pop("schedule", None)
     if schedule is not None:
       shown.update(forward=schedule.forward.value,
-                   backward=schedule.backward.value)
+                   backward=schedule.shown_backward)
     shown.update((k, v) for k, v in params.items() if v is not None)
     return jx.pp_eqn(eqn.replace(params=dict(shown, f=call.name)),
                      context, settings, name=name or eqn.primitive.name)

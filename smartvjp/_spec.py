@@ -51,6 +51,9 @@ class Rules:
   # defvjp(..., jvp=...): the forward rule (a _forward.JvpRule), run by
   # forward mode instead of transposing bwd
   jvp: Any = None
+  # defvjp(..., fused=...): True or False forces f + fwd_bwd or fwd + bwd in
+  # the rematerialized backward region (None: _plan.backward_pair chooses)
+  fused: bool | None = None
   name: str = dataclasses.field(init=False)
 
   def __post_init__(self):
