@@ -13,6 +13,7 @@ from smartvjp import _check
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
 from smartvjp import _plan
+from smartvjp import _policy
 from smartvjp._checks import bwd_checks_disabled, flatten_cotangents
 from smartvjp._primitive import call_p, lin_p, rule_p
 
@@ -56,12 +57,20 @@ def forward(emit, call, fwd, plan, f_consts, fwd_consts, primals,
                 fwd_params(call, plan.split.known), first)
     return outs[:n], outs[n:]
   if plan.schedule.forward is not _plan.Forward.FWD:
+    kept = (passed_inputs(fwd, [*fwd_consts, *primals])
+            if plan.kind is _plan.Kind.FWD else [])
     return primal(emit, call, fwd, f_consts, fwd_consts, primals,
-                  plan.schedule.forward, first), []
+                  plan.schedule.forward, first), kept
   offload = plan.spaces if plan.offloads else None
   outs = emit(rule_p, [*fwd_consts, *primals], fwd_params(call, fwd, offload),
               first)
   return outs[:n], outs[n:]
+
+
+def passed_inputs(fwd, fwd_inputs) -> list:
+  """What a ``fwd`` computing nothing but its inputs (``Facts.inputs_only``)
+  returns as computed residuals: those inputs."""
+  return [fwd_inputs[i] for i in _policy.passed_through(fwd)]
 
 
 def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
@@ -71,7 +80,8 @@ def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
       and schedule.backward is _plan.Backward.BWD):
     outs = primal(Bind(), call, fwd, f_consts, fwd_consts, primals,
                   _plan.Forward.F)
-    return outs, fwd.assemble_residuals(fwd_inputs, [])
+    return outs, fwd.assemble_residuals(fwd_inputs,
+                                        passed_inputs(fwd, fwd_inputs))
   outs = rule_p.bind(*fwd_inputs, **fwd_params(call, fwd))
   n = call.num_outs
   return outs[:n], fwd.assemble_residuals(fwd_inputs, outs[n:])

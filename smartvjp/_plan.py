@@ -3,7 +3,12 @@
 Pure (nothing traced), so ``tests/test_plan.py`` tests it as a table. A
 plan's ``Schedule`` travels in the params of the equations that carry the
 call on (``smartvjp_jvp``, ``smartvjp_rem``); the rules that meet them read
-it, and :func:`prune` says what is left where outputs are unused."""
+it, and :func:`prune` says what is left where outputs are unused.
+
+Forward mode (``jax.jvp``, ``jax.jacfwd``, a ``linearize`` evaluated) runs
+a ``smartvjp_jvp`` equation whole, whatever its schedule: the forward rule
+where given, else ``fwd`` and the linear map's forward mode; the schedule
+is for the reverse passes only."""
 
 from __future__ import annotations
 
@@ -49,12 +54,15 @@ class Facts:
   splittable: bool = True
   keeps_effects: bool = False
   f_matches_fwd: bool = True
-  # for prune; rebuilds: the backward side computes residuals before bwd
+  # inputs_only: fwd computes nothing but its inputs (every residual an input,
+  # through checkpoint_name at most): nothing to rebuild before bwd, and f
+  # may stand in for it
+  inputs_only: bool = False
+  # for prune
   fwd_keeps_effects: bool = False
   f_traced: bool = True
   f_closes_over: bool = False
   references: bool = False
-  rebuilds: bool = True
   fwd_reads_saved: bool = False
   # defvjp(..., fused=...): True or False forces the backward pair
   fused: bool | None = None
@@ -162,7 +170,7 @@ def _recompute(facts: Facts) -> Plan:
   if facts.fwd_reads_saved:   # recomputing a split's backward side again
     return Plan(Kind.RECOMPUTE, Schedule(
         Forward.PART_OF_FWD,
-        Backward.FWD_THEN_BWD if facts.rebuilds else Backward.BWD))
+        Backward.BWD if facts.inputs_only else Backward.FWD_THEN_BWD))
   if not facts.has_fwd or facts.has_fwd_bwd:
     return Plan(Kind.RECOMPUTE, Schedule(Forward.F, Backward.FWD_BWD))
   if fwd_or_f(facts).schedule.forward is Forward.F:
@@ -175,34 +183,59 @@ def _recompute(facts: Facts) -> Plan:
 def fwd_or_f(facts: Facts, spaces: tuple = ()) -> Plan:
   """``fwd`` with its residuals kept, or ``f`` in its place where ``fwd``
   computes nothing more and neither has effects."""
-  if (facts.num_computed == 0 and not facts.keeps_effects
-      and facts.f_matches_fwd):
+  if (facts.inputs_only and not facts.keeps_effects and facts.f_matches_fwd
+      and not any(s is not None for s in spaces)):
     return Plan(Kind.FWD, Schedule(Forward.F, Backward.BWD))
   return Plan(Kind.FWD, Schedule(Forward.FWD, Backward.BWD), spaces)
+
+
+class FwdLeft(enum.Enum):
+  WHOLE = "fwd's equation as it is"
+  CODE = "fwd's traced code pruned to the outputs read"
+  RESIDUALS = "fwd computing only the residuals read"
 
 
 @dataclasses.dataclass(frozen=True)
 class Pruned:
   """``primal``: what computes the primal outputs (``None``: nothing);
-  ``linear``: whether the linear map stays."""
+  ``linear``: whether the linear map stays (for ``fwd``'s own equation:
+  whether a residual is read); ``fwd``: what is left of ``fwd``'s own
+  equation where a residual is read."""
   primal: Forward | None
   linear: bool
+  fwd: FwdLeft | None = None
 
 
 def prune(facts: Facts, schedule: Schedule | None, outputs_used: bool,
-          tangents_used: bool, carries_f: bool = True) -> Pruned:
+          tangents_used: bool, carries_f: bool = True, *,
+          all_outputs_used: bool = True, all_tangents_used: bool = True,
+          offloaded: bool = False) -> Pruned:
   """What is left of a ``smartvjp_jvp`` with unused outputs, or of a
-  ``fwd`` none of whose residuals is read (``carries_f=False``).
+  ``fwd``'s own equation (``carries_f=False``; its residuals in place of
+  tangents).
 
   Tangents read, primal outputs not: the linear map alone where nothing
   computes its inputs and no effect or reference would be skipped. No tangent
   read: ``fwd`` where it has effects; nothing where no output is read; the
   primal part of a ``fwd`` reading saved values; else ``f`` where it can
-  stand in (traced, carried, no references, the same output types)."""
+  stand in (traced, carried, no references, the same output types).
+  ``fwd``'s own equation with residuals read (``fwd`` traced): its code
+  pruned to the outputs read where a primal output is unread and nothing
+  is offloaded (as JAX prunes the inlined ``fwd`` of a ``jax.custom_vjp``);
+  else only the residuals read where some are not; else whole."""
+  if not carries_f and tangents_used:
+    traced = facts.num_computed is not None
+    if traced and not all_outputs_used and not offloaded:
+      left = FwdLeft.CODE
+    elif traced and not all_tangents_used:
+      left = FwdLeft.RESIDUALS
+    else:
+      left = FwdLeft.WHOLE
+    return Pruned(Forward.FWD, True, left)
   if tangents_used:
     alone = (not outputs_used and not facts.keeps_effects
              and not facts.references
-             and (schedule.runs_fwd_bwd or not facts.rebuilds))
+             and (schedule.runs_fwd_bwd or facts.inputs_only))
     return Pruned(None if alone else schedule.forward, True)
   if facts.fwd_keeps_effects:
     return Pruned(Forward.FWD, False)
@@ -211,7 +244,8 @@ def prune(facts: Facts, schedule: Schedule | None, outputs_used: bool,
   if facts.fwd_reads_saved:
     return Pruned(Forward.PART_OF_FWD, False)
   if not carries_f and (not facts.f_traced or facts.f_closes_over
-                        or facts.references or not facts.f_matches_fwd):
+                        or facts.references or not facts.f_matches_fwd
+                        or facts.num_computed is None):
     return Pruned(Forward.FWD, False)
   return Pruned(Forward.F, False)
 

@@ -254,7 +254,7 @@ def facts(call, fwd) -> _plan.Facts:
       f_traced=call.jaxpr is not None,
       f_closes_over=bool(call.num_consts),
       references=call.references,
-      rebuilds=not traced or passed_through(fwd) is None,
+      inputs_only=traced and passed_through(fwd) is not None,
       fwd_reads_saved=traced and fwd.reads_saved,
       fused=call.rules.fused)
 

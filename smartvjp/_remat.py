@@ -302,8 +302,8 @@ def _jvp_dce(used_outputs, eqn):
       ins, params = primals, ex.lin_params(call, None, in_nz)
     else:
       fwd_inputs = [*fwd_consts, *primals]
-      passed = _policy.passed_through(fwd)
-      ins = fwd.assemble_residuals(fwd_inputs, [fwd_inputs[i] for i in passed])
+      ins = fwd.assemble_residuals(fwd_inputs,
+                                   ex.passed_inputs(fwd, fwd_inputs))
       params = ex.lin_params(call, fwd, in_nz)
     emit(lin_p, [*ins, *tangents], params, first=eqn.outvars[n:])
   elif left.primal is None:
@@ -341,19 +341,19 @@ replace_rule(call_p, "dce", _call_dce)
 
 
 def _fwd_dce(used_outputs, eqn):
-  call, fwd = eqn.params["call"], eqn.params["fwd"]
+  call, fwd, offload = (eqn.params[k] for k in ("call", "fwd", "offload"))
   n = call.num_outs
   kept = used_outputs[n:]
-  if (any(kept) and not all(used_outputs[:n]) and fwd.jaxpr is not None
-      and eqn.params["offload"] is None):
-    # residuals read and some primal outputs not: fwd's traced code pruned
-    # as JAX prunes the inlined fwd of a jax.custom_vjp (a solver's unused
-    # state is not computed)
+  left = _plan.prune(_policy.facts_of(call, fwd), None,
+                     any(used_outputs[:n]), any(kept), carries_f=False,
+                     all_outputs_used=all(used_outputs[:n]),
+                     all_tangents_used=all(kept),
+                     offloaded=offload is not None)
+  if left.fwd is _plan.FwdLeft.CODE:
+    # a solver's unused state is not computed
     return _traced_dce(used_outputs, eqn.replace(params=dict(
         call=call, which="fwd", jaxpr=fwd.jaxpr)))
-  if any(kept) and not all(kept) and fwd.jaxpr is not None:
-    # some residuals read, some not: fwd computes only those read
-    offload = eqn.params["offload"]
+  if left.fwd is _plan.FwdLeft.RESIDUALS:
     if offload is not None:
       offload = tuple(o for o, k in zip(offload, kept) if k)
     emit = Eqn(eqn)
@@ -362,15 +362,11 @@ def _fwd_dce(used_outputs, eqn):
          first=[*eqn.outvars[:n], *(v for v, k in zip(eqn.outvars[n:], kept)
                                     if k)])
     return [True] * len(eqn.invars), emit.eqn
-  if any(used_outputs[n:]) or not any(used_outputs[:n]) or fwd.jaxpr is None:
-    return dce_whole(used_outputs, eqn)
-  by = _plan.prune(_policy.facts_of(call, fwd), None, True, False,
-                   carries_f=False).primal
-  if by is _plan.Forward.FWD:
+  if left.primal in (None, _plan.Forward.FWD):
     return dce_whole(used_outputs, eqn)
   fwd_consts, primals = eqn.invars[:fwd.num_consts], eqn.invars[fwd.num_consts:]
   emit = Eqn(eqn)
-  ex.primal(emit, call, fwd, [], fwd_consts, primals, by,
+  ex.primal(emit, call, fwd, [], fwd_consts, primals, left.primal,
             first=eqn.outvars[:n])
   return _reads(eqn, emit.eqn), emit.eqn
 

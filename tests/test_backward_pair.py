@@ -20,7 +20,7 @@ from smartvjp import _remat
 from smartvjp._plan import Backward, Cost, Facts, Forward, Schedule
 
 ALL_THREE = Facts(has_fwd=True, has_fwd_bwd=True)
-SEED = Facts(has_fwd=True, has_fwd_bwd=True, num_computed=0)
+SEED = Facts(has_fwd=True, has_fwd_bwd=True, num_computed=0, inputs_only=True)
 CHEAP, DEAR = Cost(0, 10.0, 1, 64), Cost(0, 20.0, 1, 64)
 
 # (name, facts, output read, fused pair's cost, unfused pair's cost,
