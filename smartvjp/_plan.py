@@ -113,6 +113,8 @@ class Schedule:
   primal_by: Forward = dataclasses.field(init=False, compare=False,
                                          repr=False)
   recomputes: bool = dataclasses.field(init=False, compare=False, repr=False)
+  # f + fwd_bwd not yet weighed against fwd + bwd (backward_pair)
+  asks_pair: bool = dataclasses.field(init=False, compare=False, repr=False)
 
   def __post_init__(self):
     fused = self.backward is Backward.FWD_BWD
@@ -122,16 +124,12 @@ class Schedule:
         else Forward.F))
     object.__setattr__(self, "recomputes", (
         self.forward is Forward.F and self.backward is not Backward.BWD))
+    object.__setattr__(self, "asks_pair", fused and not self.why)
 
   @property
   def shown_backward(self) -> str:
     return (f"{self.backward.value} ({self.why})" if self.why
             else self.backward.value)
-
-  @property
-  def asks_pair(self) -> bool:
-    """``f`` + ``fwd_bwd`` not yet weighed against ``fwd`` + ``bwd``."""
-    return self.runs_fwd_bwd and not self.why
 
   def __str__(self):
     return f"{self.forward.value} forward, {self.shown_backward} backward"

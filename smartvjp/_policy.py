@@ -304,18 +304,6 @@ def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers
       split=_plan.ASK)
 
 
-def producers(v, producers_of) -> tuple:
-  """A value's producer and, through ``checkpoint_name``, the named value's."""
-  chain = []
-  while type(v) is jx.core.Var and v in producers_of:
-    eqn = producers_of[v]
-    chain.append(eqn)
-    if jx.checkpoint_name_of(eqn.primitive, eqn.params) is None:
-      break
-    v = eqn.invars[0]
-  return tuple(chain)
-
-
 # -- deciding ---------------------------------------------------------------
 
 def decide(call, fwd, in_nz, policy, answers):

@@ -270,9 +270,9 @@ def _rem_remat3(ctx, *in_vals, call, fwd, schedule):
   params = dict(call=call, fwd=fwd, schedule=schedule)
   if schedule.forward is not _plan.Forward.F or not ctx.custom_vjp_rules:
     return _full_remat(rem_p, in_vals, params)
-  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
-  outs = ex.primal(ex.Bind(), call, fwd, in_vals[:n1], in_vals[n1:n2],
-                   in_vals[n2:], schedule.forward)
+  f_consts, fwd_consts, primals, _ = call.split_jvp_args(in_vals, fwd)
+  outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals,
+                   schedule.forward)
   return list(outs), (), lambda _res, *rem_in: rem_p.bind(*rem_in, **params)
 
 
