@@ -26,8 +26,10 @@ columns, each one program:
   through ``smartvjp.import_swapped``;
 * ``smartvjp+fused``: the same with the kernels' fused ``fwd_bwd`` rules.
 
-Under each policy (``nothing_saveable``, ``dots_saveable``, and
-``save_only_these_names("x_mid")``, the residual stream after attention):
+Under each policy (``nothing_saveable``, ``dots_saveable``,
+``save_only_these_names("x_mid")``, the residual stream after attention, and
+``save_kernel_outputs``: ``save_only_these_names("h1", "h2", "u")``, the
+kernels' outputs):
 
 * time to the first step: trace + lower + compile + the first step, each
   program alone, one after another;
@@ -94,6 +96,9 @@ POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "save_only_x_mid": jax.checkpoint_policies.save_only_these_names("x_mid"),
+    # the kernels' outputs by name: both norms' (h1, h2) and the matmul's (u)
+    "save_kernel_outputs": jax.checkpoint_policies.save_only_these_names(
+        "h1", "h2", "u"),
 }
 BRANCHING = 4
 XLA_LOSS_TOL = 0.05       # relative, per step: bf16 kernels vs XLA's fusions
@@ -202,12 +207,14 @@ def make_loss(cfg, column, policy, smoke):
     return a.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
 
   def layer(x, p):                      # x: [b * t, d] bf16
-    a = norm(x, p["g1"].astype(bf)) @ p["wqkv"].astype(bf)
+    a = checkpoint_name(norm(x, p["g1"].astype(bf)), "h1") @ \
+        p["wqkv"].astype(bf)
     q, k, v = jnp.split(a, 3, axis=-1)
     o = attention(heads(q), heads(k), heads(v))
     x = x + o.transpose(0, 2, 1, 3).reshape(b * t, d) @ p["wo"].astype(bf)
     x = checkpoint_name(x, "x_mid")
-    u = mm(norm(x, p["g2"].astype(bf)), p["w1"].astype(bf))
+    u = checkpoint_name(mm(checkpoint_name(norm(x, p["g2"].astype(bf)), "h2"),
+                           p["w1"].astype(bf)), "u")
     return x + u @ p["w2"].astype(bf)
 
   layer = jax.checkpoint(layer, policy=policy)

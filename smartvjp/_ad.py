@@ -312,17 +312,17 @@ define_evaluation(jvp_p, jvp_forward, forward_role)
 def _rem_jvp(primals, tangents, *, call, fwd, schedule):
   """A closed-over value's tangent is refused as ``jax.custom_vjp`` refuses
   it under remat3, except where remat3 perturbs every input (``_versions``)."""
-  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
-  f_consts, fwd_consts, args = primals[:n1], primals[n1:n2], primals[n2:]
-  in_nz = call.perturbed([type(t) is not jx.ad_util.Zero for t in tangents[n2:]])
-  if (any(type(t) is not jx.ad_util.Zero for t in tangents[:n1])
+  f_consts, fwd_consts, args, _ = call.split_jvp_args(primals, fwd)
+  const_t, _, arg_t, _ = call.split_jvp_args(tangents, fwd)
+  in_nz = call.perturbed([type(t) is not jx.ad_util.Zero for t in arg_t])
+  if (any(type(t) is not jx.ad_util.Zero for t in const_t)
       and not _versions.REMAT3_PERTURBS_EVERY_INPUT):
     raise closure_error(call, "inside jax.checkpoint under JAX's jax_remat3 "
                         "flag")
   if not any(in_nz):
     return (rem_p.bind(*primals, call=call, fwd=fwd, schedule=schedule),
             call.expand_tangents([]))
-  nz_t = [t for t, nz in zip(tangents[n2:], in_nz) if nz]
+  nz_t = [t for t, nz in zip(arg_t, in_nz) if nz]
   outs = jvp_p.bind(*f_consts, *fwd_consts, *args, *nz_t, call=call, fwd=fwd,
                     in_nz=in_nz, schedule=schedule)
   return outs[:call.num_outs], call.expand_tangents(outs[call.num_outs:])

@@ -180,7 +180,8 @@ class smart_custom_vjp:
              symbolic_zeros: bool = False, optimize_remat: bool = False,
              generic_batching: bool | None = None, *,
              fwd_bwd: Callable | None = None,
-             jvp: Callable | None = None) -> None:
+             jvp: Callable | None = None,
+             fused: bool | None = None) -> None:
     """Defines the rules; the signature of ``jax.custom_vjp.defvjp`` +
     ``fwd_bwd`` and ``jvp``.
 
@@ -230,6 +231,15 @@ class smart_custom_vjp:
         ``jax.custom_vjp`` exclude each other on one function: this goes
         beyond both (``design/limitations.md``).
 
+      fused: with all three rules, which pair the rematerialized backward
+        region runs where it reads ``f``'s output: ``True``, ``f`` then
+        ``fwd_bwd``; ``False``, ``fwd`` then ``bwd``; ``None`` (default),
+        the cheaper by the traced rules' cost estimates (collectives, then
+        operations, then opaque kernels; ties to the pair writing fewer
+        bytes). Where the output is not read ``fwd_bwd`` runs alone unless
+        ``fused=False``. Printed jaxprs say which and why
+        (``backward=fwd+bwd (output read; fused costs more)``).
+
     Returns:
       None.
 
@@ -237,7 +247,7 @@ class smart_custom_vjp:
       TypeError: unless ``fwd`` and ``bwd``, or ``fwd_bwd``, or all three are
         given; when a given rule is not callable; when ``symbolic_zeros`` or
         ``generic_batching`` is not a bool (e.g. ``fwd_bwd`` passed by
-        position).
+        position); when ``fused`` is not ``None`` or a bool.
       NotImplementedError: ``generic_batching`` given where the installed
         ``jax.custom_vjp.defvjp`` has no such parameter (before jax 0.12).
     """
@@ -262,6 +272,10 @@ class smart_custom_vjp:
         raise TypeError(
             f"smart_custom_vjp function {function_name(self.fun)}: defvjp's {n} "
             f"must be callable, got {type(r).__name__}.")
+    if fused is not None and not isinstance(fused, bool):
+      raise TypeError(
+          f"smart_custom_vjp function {function_name(self.fun)}: defvjp's "
+          f"fused must be None, True or False, got {type(fused).__name__}.")
     self.fwd, self.bwd, self.fwd_bwd = fwd, bwd, fwd_bwd
     self.symbolic_zeros = bool(symbolic_zeros)
     self.generic_batching = bool(generic_batching)
@@ -273,7 +287,8 @@ class smart_custom_vjp:
                         remat=remat and dataclasses.replace(
                             remat, generic_batching=self.generic_batching,
                             jvp=jvp_rule),
-                        generic_batching=self.generic_batching, jvp=jvp_rule)
+                        generic_batching=self.generic_batching, jvp=jvp_rule,
+                        fused=fused)
     self._cache = TraceLocalCache(_CACHE_SIZE)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -74,9 +74,10 @@ def _rule_batching(axis_data, args, dims, **params):
     return outs, [0 if b else None for b in out_batched]
   fwd = params["fwd"]
   if which == "f":   # batched as the smartvjp_call it evaluates
-    n1, n2 = call.num_consts, call.num_consts + (fwd.num_consts if fwd else 0)
-    return _call_batching(axis_data, [*args[:n1], *args[n2:]],
-                          [*dims[:n1], *dims[n2:]], call=call)
+    f_consts, _, primals, _ = call.split_jvp_args(args, fwd)
+    cdims, _, pdims, _ = call.split_jvp_args(dims, fwd)
+    return _call_batching(axis_data, [*f_consts, *primals], [*cdims, *pdims],
+                          call=call)
   if _vmap.unbatched(axis_data, dims, fwd.jaxpr.effects):
     return rule_p.bind(*args, **params), [None] * len(fwd.jaxpr.out_avals)
   bfwd, extra, out_batched = _vmap.batched_fwd(call, fwd, axis_data, dims)
@@ -185,8 +186,7 @@ def _rem_batching(axis_data, args, dims, *, call, fwd, schedule):
     return rem_p.bind(*args, **params), [None] * call.num_outs
   args, _ = _vmap.to_front_or_none(
       axis_data, args, ["broadcast" if d is None else d for d in dims])
-  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
-  f_consts, fwd_in, primals = args[:n1], args[n1:n2], args[n2:]
+  f_consts, fwd_in, primals, _ = call.split_jvp_args(args, fwd)
   bcall, bconsts = _vmap.batched_call(call, f_consts, [0] * len(f_consts),
                                       [0] * len(primals), axis_data)
   bfwd, extra, _ = _vmap.batched_fwd(

@@ -74,7 +74,7 @@ def _checked_rules(ctx, call, enabled, err_tree, n_err, f_consts, store):
                bwd=bwd if user.bwd is not None else None,
                fwd_bwd=fwd_bwd if user.fwd_bwd is not None else None,
                symbolic_zeros=user.symbolic_zeros, nondiff_argnums=(),
-               generic_batching=user.generic_batching)
+               generic_batching=user.generic_batching, fused=user.fused)
 
 
 replace_rule(call_p, "checkify", _call_checkify)

@@ -13,6 +13,7 @@ from smartvjp import _check
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
 from smartvjp import _plan
+from smartvjp import _policy
 from smartvjp._checks import bwd_checks_disabled, flatten_cotangents
 from smartvjp._primitive import call_p, lin_p, rule_p
 
@@ -56,12 +57,20 @@ def forward(emit, call, fwd, plan, f_consts, fwd_consts, primals,
                 fwd_params(call, plan.split.known), first)
     return outs[:n], outs[n:]
   if plan.schedule.forward is not _plan.Forward.FWD:
+    kept = (passed_inputs(fwd, [*fwd_consts, *primals])
+            if plan.kind is _plan.Kind.FWD else [])
     return primal(emit, call, fwd, f_consts, fwd_consts, primals,
-                  plan.schedule.forward, first), []
+                  plan.schedule.forward, first), kept
   offload = plan.spaces if plan.offloads else None
   outs = emit(rule_p, [*fwd_consts, *primals], fwd_params(call, fwd, offload),
               first)
   return outs[:n], outs[n:]
+
+
+def passed_inputs(fwd, fwd_inputs) -> list:
+  """What a ``fwd`` computing nothing but its inputs (``Facts.inputs_only``)
+  returns as computed residuals: those inputs."""
+  return [fwd_inputs[i] for i in _policy.passed_through(fwd)]
 
 
 def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
@@ -71,7 +80,8 @@ def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
       and schedule.backward is _plan.Backward.BWD):
     outs = primal(Bind(), call, fwd, f_consts, fwd_consts, primals,
                   _plan.Forward.F)
-    return outs, fwd.assemble_residuals(fwd_inputs, [])
+    return outs, fwd.assemble_residuals(fwd_inputs,
+                                        passed_inputs(fwd, fwd_inputs))
   outs = rule_p.bind(*fwd_inputs, **fwd_params(call, fwd))
   n = call.num_outs
   return outs[:n], fwd.assemble_residuals(fwd_inputs, outs[n:])
@@ -119,23 +129,44 @@ def _prepare_cts(call, cts_out):
   return [jx.ad.instantiate_zeros(ct) for ct in cts_out]
 
 
-def run_bwd(call, fwd, residuals, cts_out) -> list:
+def _bwd_user(call, fwd):
   def user(res, cts):
     py_ct = tree_util.tree_unflatten(call.out_tree, list(cts))
     out = call.rules.bwd(*call.nondiff, fwd.residual_tree(res), py_ct)
     return flatten_cotangents(call, out, "bwd")
-  return _bind_rule(call, "bwd", fwd, user, list(residuals),
-                    _prepare_cts(call, cts_out))
+  return user
 
 
-def run_fwd_bwd(call, primals, in_nz, cts_out) -> list:
+def _fwd_bwd_user(call, in_nz):
   def user(primals, cts):
     args = call.full_args(call.fwd_inputs(primals, in_nz))
     py_ct = tree_util.tree_unflatten(call.out_tree, list(cts))
     out = call.rules.fwd_bwd(*args, py_ct)
     return flatten_cotangents(call, out, "fwd_bwd")
-  return _bind_rule(call, "fwd_bwd", tuple(in_nz), user, list(primals),
+  return user
+
+
+def run_bwd(call, fwd, residuals, cts_out) -> list:
+  return _bind_rule(call, "bwd", fwd, _bwd_user(call, fwd), list(residuals),
                     _prepare_cts(call, cts_out))
+
+
+def run_fwd_bwd(call, primals, in_nz, cts_out) -> list:
+  return _bind_rule(call, "fwd_bwd", tuple(in_nz), _fwd_bwd_user(call, in_nz),
+                    list(primals), _prepare_cts(call, cts_out))
+
+
+def traced_backward_rules(call, fwd, in_nz):
+  """``(bwd's jaxpr, fwd_bwd's jaxpr)`` as the backward pass will bind them
+  (nonzero cotangents), traced once and kept with them."""
+  ct_avals = [a.to_tangent_aval() for a in call.out_avals]
+  zero_in = (False,) * len(ct_avals)
+  bwd = _traced_rule(call, "bwd", fwd, _bwd_user(call, fwd),
+                     len(fwd.res_avals), (*fwd.res_avals, *ct_avals), zero_in)
+  fused = _traced_rule(call, "fwd_bwd", tuple(in_nz),
+                       _fwd_bwd_user(call, in_nz), call.num_primals,
+                       (*call.in_avals, *ct_avals), zero_in)
+  return bwd[0], fused[0]
 
 
 def _stages_nothing() -> bool:
@@ -160,28 +191,9 @@ def _bind_rule(call, which, key, user, inputs, cts):
     # unbatched residual reaches it as a concrete array
     return user(inputs, cts)
   avals = tuple(jx.core.typeof(a) for a in args)
-  cache_key = (which, key, avals, zero_in, jx.config.trace_context(),
-               bwd_checks_disabled())
-  hit = call.rule_cache.get(cache_key)
-  if hit is None:
-    store = {}
-
-    def flat(*args):
-      ins, nz_cts = args[:len(inputs)], iter(args[len(inputs):])
-      full = [c if z else next(nz_cts) for c, z in zip(cts, zero_in)]
-      with _jax_api.collecting_logs() as sink:
-        outs = user(ins, full)
-      log_leaves, store["logs"] = tree_util.tree_flatten(
-          _jax_api.merged_logs(sink))
-      store["zero_out"] = tuple(type(o) is jx.ad_util.Zero for o in outs)
-      return [o for o in outs if type(o) is not jx.ad_util.Zero] + log_leaves
-
-    jaxpr, consts = jx.trace_to_closed_jaxpr(
-        flat, avals, f"smart_custom_vjp {which}", getattr(call.rules, which),
-        avals)
-    hit = (jaxpr, consts, store["zero_out"], store["logs"])
-    call.rule_cache.put(cache_key, hit, consts)
-  jaxpr, consts, zero_out, logs_tree = hit
+  jaxpr, consts, zero_out, logs_tree = _traced_rule(
+      call, which, key, user, len(inputs), avals, zero_in,
+      [c if z else None for c, z in zip(cts, zero_in)])
   outs = rule_p.bind(*consts, *args, call=call, which=which, jaxpr=jaxpr)
   n_logs = logs_tree.num_leaves
   if n_logs:   # the logs bwd returned, as outputs of the equation
@@ -190,6 +202,36 @@ def _bind_rule(call, which, key, user, inputs, cts):
   outs = iter(outs)
   return [jx.ad_util.Zero(a.to_ct_aval()) if z else next(outs)
           for a, z in zip(call.in_avals, zero_out)]
+
+
+def _traced_rule(call, which, key, user, num_inputs, avals, zero_in,
+                 zero_cts=None):
+  """``user`` traced on ``avals`` (inputs, then the nonzero cotangents;
+  ``zero_cts``: the ``SymbolicZero`` in each zero place), once per signature:
+  ``(jaxpr, consts, zero_out, logs_tree)``."""
+  zero_cts = zero_cts or [None] * len(zero_in)
+  cache_key = (which, key, tuple(avals), zero_in, jx.config.trace_context(),
+               bwd_checks_disabled())
+  hit = call.rule_cache.get(cache_key)
+  if hit is None:
+    store = {}
+
+    def flat(*args):
+      ins, nz_cts = args[:num_inputs], iter(args[num_inputs:])
+      full = [c if z else next(nz_cts) for c, z in zip(zero_cts, zero_in)]
+      with _jax_api.collecting_logs() as sink:
+        outs = user(ins, full)
+      log_leaves, store["logs"] = tree_util.tree_flatten(
+          _jax_api.merged_logs(sink))
+      store["zero_out"] = tuple(type(o) is jx.ad_util.Zero for o in outs)
+      return [o for o in outs if type(o) is not jx.ad_util.Zero] + log_leaves
+
+    jaxpr, consts = jx.trace_to_closed_jaxpr(
+        flat, tuple(avals), f"smart_custom_vjp {which}",
+        getattr(call.rules, which), tuple(avals))
+    hit = (jaxpr, consts, store["zero_out"], store["logs"])
+    call.rule_cache.put(cache_key, hit, consts)
+  return hit
 
 
 def with_offload_reloaded(res, reload):

@@ -155,6 +155,52 @@ def cost(eqns) -> float:
   return total
 
 
+# what a collective or an opaque kernel is called in a jaxpr
+_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all",
+                "ppermute", "psum_scatter", "reduce_scatter", "pbroadcast",
+                "psum_invariant", "all_gather_invariant")
+_KERNELS = ("pure_callback", "io_callback", "ffi_call", "pallas_call",
+            "custom_call", "tpu_custom_call", "triton_kernel_call")
+_NOT_KERNELS = ("split", "optimization_barrier", "smartvjp_rule",
+                "smartvjp_call")
+
+
+def _counted(eqns) -> tuple[int, int]:
+  """``(collectives, opaque kernels)`` run, loops counted per trip."""
+  collectives = kernels = 0
+  for e in eqns:
+    name = e.primitive.name
+    if name in _COLLECTIVES:
+      collectives += 1
+    elif name in _KERNELS:
+      kernels += 1
+    else:
+      subs = [_counted(j.eqns) for j in _sub_jaxprs(e)]
+      if (not subs and e.primitive.multiple_results
+          and name not in _NOT_KERNELS):
+        kernels += 1   # a primitive of its own, several results: a kernel
+      elif subs:
+        trips = e.params.get("length", 1)
+        collectives += trips * max(c for c, _ in subs)
+        kernels += trips * max(k for _, k in subs)
+  return collectives, kernels
+
+
+def rule_cost(jaxpr) -> _plan.Cost:
+  """A traced rule's cost (``jaxpr``: closed): the Pallas cost estimate of
+  its code (a ``pallas_call``'s own estimate inside), its collectives and
+  opaque kernels, and the bytes of its outputs."""
+  try:
+    est = jx.pallas_cost.cost_estimate_jaxpr(jaxpr)
+    flops = float(est.flops + est.transcendentals)
+  except Exception:  # noqa: BLE001 - a primitive it has no rule for
+    flops = 0.0
+  collectives, kernels = _counted(jaxpr.jaxpr.eqns)
+  written = sum(_size(a) * getattr(getattr(a, "dtype", None), "itemsize", 0)
+                for a in jaxpr.out_avals)
+  return _plan.Cost(collectives, flops, kernels, written)
+
+
 # -- facts and answers --------------------------------------------------------------
 
 def f_matches_fwd(call, fwd) -> bool:
@@ -208,8 +254,9 @@ def facts(call, fwd) -> _plan.Facts:
       f_traced=call.jaxpr is not None,
       f_closes_over=bool(call.num_consts),
       references=call.references,
-      rebuilds=not traced or passed_through(fwd) is None,
-      fwd_reads_saved=traced and fwd.reads_saved)
+      inputs_only=traced and passed_through(fwd) is not None,
+      fwd_reads_saved=traced and fwd.reads_saved,
+      fused=call.rules.fused)
 
 
 def schedule_without_policy(call, fwd) -> _plan.Schedule:
@@ -255,18 +302,6 @@ def answers(policy, call, fwd, jvp_prim, jvp_avals, jvp_params) -> _plan.Answers
       call_answer,
       tuple(_plan.answer_for_chain(call_answer, along(c)) for c in chains),
       split=_plan.ASK)
-
-
-def producers(v, producers_of) -> tuple:
-  """A value's producer and, through ``checkpoint_name``, the named value's."""
-  chain = []
-  while type(v) is jx.core.Var and v in producers_of:
-    eqn = producers_of[v]
-    chain.append(eqn)
-    if jx.checkpoint_name_of(eqn.primitive, eqn.params) is None:
-      break
-    v = eqn.invars[0]
-  return tuple(chain)
 
 
 # -- deciding ---------------------------------------------------------------

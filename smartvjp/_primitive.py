@@ -185,7 +185,7 @@ def _pp_rule(shows):
     schedule = params.pop("schedule", None)
     if schedule is not None:
       shown.update(forward=schedule.forward.value,
-                   backward=schedule.backward.value)
+                   backward=schedule.shown_backward)
     shown.update((k, v) for k, v in params.items() if v is not None)
     return jx.pp_eqn(eqn.replace(params=dict(shown, f=call.name)),
                      context, settings, name=name or eqn.primitive.name)
@@ -354,11 +354,11 @@ def _rule_code(*, call, which, fwd=None, offload=None, jaxpr=None):
   if jaxpr is not None:
     return Code(jaxpr, "fun" if which == "f" else which)
   if which == "f":
-    n1 = call.num_consts
-    n2 = n1 + (0 if fwd is None else fwd.num_consts)
+    f_consts, fwd_consts, primals, _ = call.split_jvp_args(
+        range(call.num_consts + (fwd.num_consts if fwd is not None else 0)
+              + call.num_primals), fwd)
     return Code(call.jaxpr, "fun",
-                positions=None if n2 == n1 else
-                (*range(n1), *range(n2, n2 + call.num_primals)))
+                positions=(*f_consts, *primals) if fwd_consts else None)
   return Code(fwd.jaxpr, "fwd", post=_offloaded(call, offload))
 
 
@@ -433,9 +433,10 @@ def _rem_code(*, call, fwd, schedule):
   rem side's ``fwd``)."""
   if schedule.runs_fwd_bwd:
     return _rule_code(call=call, which="f", fwd=fwd)
-  n1 = call.num_consts
-  positions = tuple(range(n1, n1 + fwd.num_consts + call.num_primals))
-  return Code(fwd.jaxpr, "fwd", positions=positions, num_outs=call.num_outs)
+  _, fwd_consts, primals, _ = call.split_jvp_args(
+      range(call.num_consts + fwd.num_consts + call.num_primals), fwd)
+  return Code(fwd.jaxpr, "fwd", positions=(*fwd_consts, *primals),
+              num_outs=call.num_outs)
 
 
 def _rem_abstract_eval(*avals, call, fwd, schedule):

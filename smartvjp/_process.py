@@ -7,20 +7,52 @@ traces ``f`` once per signature and outer trace into a ``smartvjp_call``."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
+import jax
 from jax import tree_util
 from jax.errors import UnexpectedTracerError
 
 from smartvjp import _facade as jx
+from smartvjp import _plan
+from smartvjp import _policy
 from smartvjp import _spec
 from smartvjp import _versions
 from smartvjp import _vmap
 from smartvjp._cache import batching, differentiated_where_made
-from smartvjp._checks import check_aliased_arguments, check_f_output
+from smartvjp._checks import (
+    check_aliased_arguments, check_f_output, check_jax_leaves)
 from smartvjp._primitive import call_p, register
 from smartvjp._spec import (
-    EagerClosureError, eager_call, linearized_call, trace_call)
+    EagerClosureError, eager_fwd, linearized_call, trace_call, untraced)
 from smartvjp._static import static_key
+
+
+def eager_call(rules, nondiff: tuple, num_args: int, in_tree,
+               in_avals: tuple, primals, nonzero):
+  """Differentiated eagerly: ``fwd`` (or ``f`` with only ``fwd_bwd``) runs
+  on the concrete values now, as with ``jax.custom_vjp``; ``f`` is never
+  traced. Returns the ``CallSpec`` that carries what ran."""
+  call = untraced(rules, nondiff, num_args, in_tree, in_avals)
+  in_nz = call.perturbed(nonzero)
+  eager_plan = _plan.plan(_policy.facts_of(call, None), None)
+  if eager_plan.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
+    with jax.named_scope(call.scopes["f"]):
+      out = rules.fun(*call.full_args(primals))
+    check_jax_leaves(out, rules, "fun", "output")
+    check_f_output(rules, out)
+    out_leaves, out_tree = tree_util.tree_flatten(out)
+    result = (in_nz, out_leaves, list(primals), None)
+  else:
+    out_leaves, res, fwd = eager_fwd(call, in_nz, primals)
+    out_tree = fwd.out_tree
+    result = (in_nz, out_leaves, res, fwd)
+  if any(isinstance(x, jx.core.Tracer) for x in (*result[1], *result[2])):
+    raise EagerClosureError
+  return dataclasses.replace(
+      call, out_tree=out_tree,
+      out_avals=tuple(jx.core.typeof(x) for x in out_leaves), eager=result,
+      eager_primals=tuple(primals))
 
 
 def _call_process(bind, leaves, call) -> list:

@@ -87,6 +87,38 @@ def _place(emit, policy, call, fwd, in_nz, f_consts, fwd_consts, primals,
   return _Placed(call, fwd, plan, fwd_consts, outs, kept, None, True)
 
 
+# -- the backward region's pair: f + fwd_bwd or fwd + bwd ----------------------------
+
+def backward_pair(call, fwd, in_nz, schedule, output_read):
+  """``schedule`` with its backward pair chosen (``_plan.backward_pair``)
+  where the plan left ``f`` + ``fwd_bwd`` to be weighed; else as it is.
+  ``output_read``: whether the backward region reads ``f``'s output
+  (``None``: not known here)."""
+  if (not schedule.asks_pair or fwd is None or fwd.jaxpr is None
+      or call.jaxpr is None):
+    return schedule
+  facts = _policy.facts_of(call, fwd)
+  costs = (None, None)
+  if facts.fused is None and output_read is not False:
+    costs = _pair_costs(call, fwd, in_nz, facts)
+  return _plan.backward_pair(facts, output_read, *costs)
+
+
+def _pair_costs(call, fwd, in_nz, facts):
+  """``(f + fwd_bwd, fwd + bwd)`` (``f`` + ``bwd`` where ``fwd`` computes
+  nothing), from the traced rules."""
+  try:
+    bwd, fwd_bwd = ex.traced_backward_rules(call, fwd, in_nz)
+  except Exception:  # noqa: BLE001 - raised again where the rule is bound
+    return None, None
+  f = _policy.rule_cost(call.jaxpr)
+  apart = _plan.backward_pair(facts, True, None, None)
+  first = f if apart.backward is _plan.Backward.BWD else \
+      _policy.rule_cost(fwd.jaxpr)
+  return (f + _policy.rule_cost(fwd_bwd),
+          first + _policy.rule_cost(bwd))
+
+
 # -- smartvjp_jvp: policy-driven partial evaluation (jax.checkpoint) ------------------
 
 def _residuals(eqn, inst_in, staged, new_vars=()):
@@ -155,6 +187,9 @@ def _jvp_partial_eval(trace, *tracers, call, fwd, in_nz, schedule):
     return trace.default_process_primitive(jvp_p, tracers, params)
   vals = [t.pval.get_known() for t in known_tracers]
   f_consts, fwd_consts, primals, _ = call.split_jvp_args(vals, fwd)
+  # where no dead-code elimination weighed the pair first, as if f's
+  # output were read
+  schedule = backward_pair(call, fwd, in_nz, schedule, None)
   with jx.core.set_current_trace(getattr(trace, "parent_trace", None)):
     outs, lin_ins, lin_params = ex.backward_region(
         call, fwd, schedule, in_nz, f_consts, fwd_consts, primals)
@@ -194,7 +229,10 @@ def _call_remat3(ctx, *in_vals, call):
              primals, avals, dict(
                  call=call, fwd=fwd, in_nz=in_nz,
                  schedule=_policy.schedule_without_policy(call, fwd)))
-  back, saved, schedule, spaces = p.back, p.saved, p.plan.schedule, ()
+  # the rem side's region is differentiated later: whether it reads f's
+  # output is not known here, so the pair is chosen as if it does
+  back, saved, spaces = p.back, p.saved, ()
+  schedule = backward_pair(p.call, p.fwd, in_nz, p.plan.schedule, None)
   if p.plan.kind is _plan.Kind.SPLIT:
     back = _rebuilding(p.plan.split)
   elif p.kept:   # the rem side hands the kept outputs to bwd
@@ -232,9 +270,9 @@ def _rem_remat3(ctx, *in_vals, call, fwd, schedule):
   params = dict(call=call, fwd=fwd, schedule=schedule)
   if schedule.forward is not _plan.Forward.F or not ctx.custom_vjp_rules:
     return _full_remat(rem_p, in_vals, params)
-  n1, n2 = call.num_consts, call.num_consts + fwd.num_consts
-  outs = ex.primal(ex.Bind(), call, fwd, in_vals[:n1], in_vals[n1:n2],
-                   in_vals[n2:], schedule.forward)
+  f_consts, fwd_consts, primals, _ = call.split_jvp_args(in_vals, fwd)
+  outs = ex.primal(ex.Bind(), call, fwd, f_consts, fwd_consts, primals,
+                   schedule.forward)
   return list(outs), (), lambda _res, *rem_in: rem_p.bind(*rem_in, **params)
 
 
@@ -247,6 +285,11 @@ def _jvp_dce(used_outputs, eqn):
   call, fwd, in_nz, schedule = (eqn.params[k]
                                 for k in ("call", "fwd", "in_nz", "schedule"))
   n = call.num_outs
+  if any(used_outputs[n:]):   # the backward region: is f's output read?
+    chosen = backward_pair(call, fwd, in_nz, schedule, any(used_outputs[:n]))
+    if chosen != schedule:
+      schedule = chosen
+      eqn = eqn.replace(params=dict(eqn.params, schedule=schedule))
   left = _plan.prune(_policy.facts_of(call, fwd), schedule,
                      any(used_outputs[:n]), any(used_outputs[n:]))
   if left.linear and left.primal is not None:
@@ -259,8 +302,8 @@ def _jvp_dce(used_outputs, eqn):
       ins, params = primals, ex.lin_params(call, None, in_nz)
     else:
       fwd_inputs = [*fwd_consts, *primals]
-      passed = _policy.passed_through(fwd)
-      ins = fwd.assemble_residuals(fwd_inputs, [fwd_inputs[i] for i in passed])
+      ins = fwd.assemble_residuals(fwd_inputs,
+                                   ex.passed_inputs(fwd, fwd_inputs))
       params = ex.lin_params(call, fwd, in_nz)
     emit(lin_p, [*ins, *tangents], params, first=eqn.outvars[n:])
   elif left.primal is None:
@@ -298,19 +341,19 @@ replace_rule(call_p, "dce", _call_dce)
 
 
 def _fwd_dce(used_outputs, eqn):
-  call, fwd = eqn.params["call"], eqn.params["fwd"]
+  call, fwd, offload = (eqn.params[k] for k in ("call", "fwd", "offload"))
   n = call.num_outs
   kept = used_outputs[n:]
-  if (any(kept) and not all(used_outputs[:n]) and fwd.jaxpr is not None
-      and eqn.params["offload"] is None):
-    # residuals read and some primal outputs not: fwd's traced code pruned
-    # as JAX prunes the inlined fwd of a jax.custom_vjp (a solver's unused
-    # state is not computed)
+  left = _plan.prune(_policy.facts_of(call, fwd), None,
+                     any(used_outputs[:n]), any(kept), carries_f=False,
+                     all_outputs_used=all(used_outputs[:n]),
+                     all_tangents_used=all(kept),
+                     offloaded=offload is not None)
+  if left.fwd is _plan.FwdLeft.CODE:
+    # a solver's unused state is not computed
     return _traced_dce(used_outputs, eqn.replace(params=dict(
         call=call, which="fwd", jaxpr=fwd.jaxpr)))
-  if any(kept) and not all(kept) and fwd.jaxpr is not None:
-    # some residuals read, some not: fwd computes only those read
-    offload = eqn.params["offload"]
+  if left.fwd is _plan.FwdLeft.RESIDUALS:
     if offload is not None:
       offload = tuple(o for o, k in zip(offload, kept) if k)
     emit = Eqn(eqn)
@@ -319,15 +362,11 @@ def _fwd_dce(used_outputs, eqn):
          first=[*eqn.outvars[:n], *(v for v, k in zip(eqn.outvars[n:], kept)
                                     if k)])
     return [True] * len(eqn.invars), emit.eqn
-  if any(used_outputs[n:]) or not any(used_outputs[:n]) or fwd.jaxpr is None:
-    return dce_whole(used_outputs, eqn)
-  by = _plan.prune(_policy.facts_of(call, fwd), None, True, False,
-                   carries_f=False).primal
-  if by is _plan.Forward.FWD:
+  if left.primal in (None, _plan.Forward.FWD):
     return dce_whole(used_outputs, eqn)
   fwd_consts, primals = eqn.invars[:fwd.num_consts], eqn.invars[fwd.num_consts:]
   emit = Eqn(eqn)
-  ex.primal(emit, call, fwd, [], fwd_consts, primals, by,
+  ex.primal(emit, call, fwd, [], fwd_consts, primals, left.primal,
             first=eqn.outvars[:n])
   return _reads(eqn, emit.eqn), emit.eqn
 

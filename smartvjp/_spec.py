@@ -14,14 +14,11 @@ from jax import tree_util
 from jax.errors import UnexpectedTracerError
 
 from smartvjp import _facade as jx
-from smartvjp import _plan
 from smartvjp._cache import TraceLocalCache
 from smartvjp._checks import (
     argument_position, check_aliased_refs, check_f_output,
     check_fwd_output, check_jax_leaves, check_primal_out, describe_tree,
     function_name, rule_error, ROLE_NAMES, zero_tangent)
-from smartvjp._policy import facts_of
-from smartvjp._policy import producers as policy_producers
 
 
 def expect_used_up(it, what: str) -> None:
@@ -51,6 +48,9 @@ class Rules:
   # defvjp(..., jvp=...): the forward rule (a _forward.JvpRule), run by
   # forward mode instead of transposing bwd
   jvp: Any = None
+  # defvjp(..., fused=...): True or False forces f + fwd_bwd or fwd + bwd in
+  # the rematerialized backward region (None: _plan.backward_pair chooses)
+  fused: bool | None = None
   name: str = dataclasses.field(init=False)
 
   def __post_init__(self):
@@ -171,7 +171,7 @@ class CallSpec:
   out_avals: tuple
   jaxpr: jx.ClosedJaxpr | None  # None for linear-only and eager specs
   num_consts: int
-  # eager differentiation (see ``eager_call``): what fwd (or f) returned,
+  # eager differentiation (see ``_process.eager_call``): what fwd (or f) returned,
   # and the concrete primal leaves it ran on
   eager: Any = None
   eager_primals: tuple = ()
@@ -440,33 +440,6 @@ def untraced(rules: Rules, nondiff: tuple, num_args: int, in_tree,
                   out_avals=(), jaxpr=None, num_consts=0)
 
 
-def eager_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
-               in_avals: tuple, primals, nonzero) -> CallSpec:
-  """Differentiated eagerly: ``fwd`` (or ``f`` with only ``fwd_bwd``) runs
-  on the concrete values now, as with ``jax.custom_vjp``; ``f`` is never
-  traced."""
-  call = untraced(rules, nondiff, num_args, in_tree, in_avals)
-  in_nz = call.perturbed(nonzero)
-  eager_plan = _plan.plan(facts_of(call, None), None)
-  if eager_plan.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
-    with jax.named_scope(call.scopes["f"]):
-      out = rules.fun(*call.full_args(primals))
-    check_jax_leaves(out, rules, "fun", "output")
-    check_f_output(rules, out)
-    out_leaves, out_tree = tree_util.tree_flatten(out)
-    result = (in_nz, out_leaves, list(primals), None)
-  else:
-    out_leaves, res, fwd = eager_fwd(call, in_nz, primals)
-    out_tree = fwd.out_tree
-    result = (in_nz, out_leaves, res, fwd)
-  if any(isinstance(x, jx.core.Tracer) for x in (*result[1], *result[2])):
-    raise EagerClosureError
-  return dataclasses.replace(
-      call, out_tree=out_tree,
-      out_avals=tuple(jx.core.typeof(x) for x in out_leaves), eager=result,
-      eager_primals=tuple(primals))
-
-
 def linearized_call(rules: Rules, nondiff: tuple, num_args: int, in_tree,
                     in_avals: tuple, in_nz: tuple, own_tracer) -> tuple:
   """Linearized where made (``jax.grad`` innermost): only ``fwd`` traced;
@@ -565,7 +538,19 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
       res_src=res_src,
       new_res_names=tuple(names.get(v) if isinstance(v, jx.core.Var) else None
                           for v in new_res),
-      new_res_eqns=tuple(policy_producers(v, producers) for v in new_res),
+      new_res_eqns=tuple(residual_producers(v, producers) for v in new_res),
       out_avals=tuple(v.aval for v in jaxpr.outvars[:n_out]),
       jvp_primals=k)
   return spec, consts
+
+
+def residual_producers(v, producers_of) -> tuple:
+  """A value's producer and, through ``checkpoint_name``, the named value's."""
+  chain = []
+  while type(v) is jx.core.Var and v in producers_of:
+    eqn = producers_of[v]
+    chain.append(eqn)
+    if jx.checkpoint_name_of(eqn.primitive, eqn.params) is None:
+      break
+    v = eqn.invars[0]
+  return tuple(chain)

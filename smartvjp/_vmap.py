@@ -212,6 +212,7 @@ def batched_rules(call: CallSpec, consts, const_dims, in_dims, axis_data,
                if rules.fwd_bwd is not None else None),
       symbolic_zeros=rules.symbolic_zeros, nondiff_argnums=(),
       always_save=rules.always_save, generic_batching=rules.generic_batching,
+      fused=rules.fused,
       jvp=(BatchedJvpRule(rules.jvp, call, tuple(in_dims), vmapped)
            if rules.jvp is not None else None),
       remat=(batched_rules(call.remat_call(), consts, const_dims, in_dims,

@@ -201,3 +201,28 @@ def test_import_graph_has_no_cycle():
   for m in sorted(graph):
     if m not in state:
       visit(m, [])
+
+
+PROSE_NAME = re.compile(r"`(_[a-z]\w*)\.(\w+(?:\.\w+)*)")
+
+
+def test_names_in_the_prose_exist():
+  """Every ``_module.name`` the document names in a sentence (outside the
+  generated table) is an attribute of that smartvjp module, so a rename or
+  a deletion shows here."""
+  text = DOC.read_text()
+  text = text.split("<!-- rules:begin -->")[0] + \
+      text.split("<!-- rules:end -->")[1]
+  modules = {p.stem for p in (ROOT / "smartvjp").glob("_*.py")}
+  checked, missing = 0, []
+  for module, dotted in PROSE_NAME.findall(text):
+    if module not in modules or dotted == "py":   # a file name
+      continue
+    obj = importlib.import_module(f"smartvjp.{module}")
+    for part in dotted.split("."):
+      obj = getattr(obj, part, None)
+    checked += 1
+    if obj is None:
+      missing.append(f"{module}.{dotted}")
+  assert checked > 20
+  assert not missing, missing

@@ -200,15 +200,40 @@ def test_tpu_lm_kernel_launches_off_a_tpu():
   opt = counts["optimize_remat"]     # the kernels' f forward; flash shipped
   assert opt[("gelu_matmul_f", 1)] == opt[("gelu_matmul_fwd", 2)] == L
   assert opt[("_flash_attention_kernel", 3)] == 2 * L
-  # the fused rules: the backward region still needs each kernel's output
-  # (the next matmul's gradient reads it), so f runs there too
-  assert fused[("gelu_matmul_f", 1)] == 2 * L
+  # the fused rules: the backward region reads each kernel's output (the
+  # next matmul's gradient does), so the pairs are weighed: the matmul's
+  # fused rule (three matmuls) costs more than fwd + bwd, which run; the
+  # norm's costs the same operations and writes less, so f + fwd_bwd run
+  assert fused[("gelu_matmul_f", 1)] == fused[("gelu_matmul_fwd", 2)] == L
+  assert ("gelu_matmul_fused_dx", 1) not in fused
   assert fused[("rmsnorm_gelu_f", 1)] == 4 * L
   assert fused[("rmsnorm_gelu_fwd_bwd", 2)] == 2 * L
   for column in lm.KERNEL_COLUMNS:
     c = counts[column]
     assert c[("_flash_attention_dkv_kernel", 2)] == L
     assert c[("_flash_attention_dq_kernel", 1)] == L
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "save_only_x_mid",
+                                    "save_kernel_outputs"])
+def test_tpu_lm_fused_column_launches_no_more_kernels(policy):
+  """Issue 55: under every policy the LM's fused column launches no more of
+  the two kernels than the smartvjp column (lowered for a TPU, off one);
+  where the policy saves the kernels' outputs, fewer."""
+  lm = load("tpu_lm")
+  cfg = lm.Config(layers=2, width=256, heads=2, seq=256, vocab=512, mlp=512,
+                  batch=1)
+  tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
+  runs = {}
+  for column in ("smartvjp", "smartvjp+fused"):
+    step = lm.make_train_step(cfg, column, lm.POLICIES[policy], smoke=False)
+    lowered = step.trace(lm.state_shapes(cfg), tokens).lower(
+        lowering_platforms=("tpu",))
+    runs[column] = sum(n for k, n in lm.EX.kernel_launches(
+        lowered.compiler_ir()).items() if "flash" not in k.name)
+  assert runs["smartvjp+fused"] <= runs["smartvjp"], runs
+  if policy == "save_kernel_outputs":
+    assert runs["smartvjp+fused"] < runs["smartvjp"], runs
 
 
 def test_tpu_lm_smoke(capsys):

@@ -12,12 +12,15 @@ import dataclasses
 
 from smartvjp._plan import (
     ASK, RECOMPUTE, REPLAYED, SAVE, Answer, Answers, Asked, Facts, Forward,
-    Kind, Pruned, answer_for_chain, fwd_or_f, plan, prune)
+    FwdLeft, Kind, Pruned, answer_for_chain, fwd_or_f, plan, prune)
 
 FWD_BWD = Facts(has_fwd=True, has_fwd_bwd=False)          # defvjp(fwd, bwd)
 ALL_THREE = Facts(has_fwd=True, has_fwd_bwd=True)         # + fwd_bwd=
 ONLY_FUSED = Facts(has_fwd=False, has_fwd_bwd=True)       # defvjp(fwd_bwd=)
-INPUTS_ONLY = Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0)
+INPUTS_ONLY = Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0,
+                    inputs_only=True)
+# the seed's twin: fwd's residual is its input through checkpoint_name
+TWIN = Facts(has_fwd=True, has_fwd_bwd=False, num_computed=1, inputs_only=True)
 OPAQUE = Facts(has_fwd=True, has_fwd_bwd=False, num_computed=2,
                splittable=False)                          # a kernel fwd
 HOST = Asked(Answer.OFFLOAD, "pinned_host")
@@ -57,6 +60,13 @@ ROWS = [
     ("checkpoint, fwd computes nothing but prints: fwd backward",
      dataclasses.replace(INPUTS_ONLY, keeps_effects=True),
      Answers(RECOMPUTE, ()), Kind.RECOMPUTE, "f forward, fwd+bwd backward"),
+    ("checkpoint, the seed's twin (its input through checkpoint_name): bwd "
+     "alone backward, as for the seed", TWIN, Answers(RECOMPUTE, (RECOMPUTE,)),
+     Kind.RECOMPUTE, "f forward, bwd backward"),
+    ("the seed's twin, its named input saved: f stands in forward", TWIN,
+     Answers(RECOMPUTE, (SAVE,)), Kind.FWD, "f forward, bwd backward"),
+    ("the seed's twin, its named input offloaded: fwd forward", TWIN,
+     Answers(RECOMPUTE, (HOST,)), Kind.FWD, "fwd forward, bwd backward"),
     ("everything_saveable, the seed's fwd", INPUTS_ONLY,
      Answers(SAVE, ()), Kind.FWD, "f forward, bwd backward"),
     ("everything_saveable", FWD_BWD, Answers(SAVE, (SAVE,), _split(None)),
@@ -95,7 +105,8 @@ ROWS = [
      Facts(has_fwd=True, has_fwd_bwd=False, always_save=True),
      Answers(RECOMPUTE, (RECOMPUTE,)), Kind.FWD, "fwd forward, bwd backward"),
     ("defremat rules alone, fwd computes nothing",
-     Facts(has_fwd=True, has_fwd_bwd=False, always_save=True, num_computed=0),
+     Facts(has_fwd=True, has_fwd_bwd=False, always_save=True, num_computed=0,
+           inputs_only=True),
      Answers(RECOMPUTE, ()), Kind.FWD, "f forward, bwd backward"),
     ("defvjp + defremat, recomputed: the defremat rules",
      Facts(has_fwd=True, has_fwd_bwd=False, remat_rules=True),
@@ -106,7 +117,7 @@ ROWS = [
      Answers(SAVE, (SAVE,)), Kind.FWD, "fwd forward, bwd backward"),
     ("fwd computes nothing, but fwd has a debug print",
      Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0,
-           keeps_effects=True), Answers(SAVE, ()), Kind.FWD, "fwd forward, bwd backward"),
+           inputs_only=True, keeps_effects=True), Answers(SAVE, ()), Kind.FWD, "fwd forward, bwd backward"),
     ("a split's backward side met by a nested plain checkpoint",
      Facts(has_fwd=True, has_fwd_bwd=False, fwd_reads_saved=True),
      Answers(RECOMPUTE, (RECOMPUTE,), _split(None)),
@@ -117,7 +128,7 @@ ROWS = [
      Kind.RECOMPUTE, "part of fwd forward, fwd+bwd backward"),
     ("the same, every residual of it a saved value: bwd alone backward",
      Facts(has_fwd=True, has_fwd_bwd=False, fwd_reads_saved=True,
-           rebuilds=False),
+           inputs_only=True),
      Answers(RECOMPUTE, (RECOMPUTE,), _split(None)),
      Kind.RECOMPUTE, "part of fwd forward, bwd backward"),
     ("a split's backward side, everything saveable inside",
@@ -125,7 +136,7 @@ ROWS = [
      Answers(SAVE, (SAVE,), _split(None)), Kind.FWD, "fwd forward, bwd backward"),
     ("fwd computes nothing, but its output type differs from f's",
      Facts(has_fwd=True, has_fwd_bwd=False, num_computed=0,
-           f_matches_fwd=False), Answers(SAVE, ()), Kind.FWD, "fwd forward, bwd backward"),
+           inputs_only=True, f_matches_fwd=False), Answers(SAVE, ()), Kind.FWD, "fwd forward, bwd backward"),
 ]
 
 
@@ -235,11 +246,14 @@ PRUNE = [
     ("fwd computes residuals: they must be rebuilt", _facts(), RECOMPUTED,
      False, True, True, Pruned(F, True)),
     ("the seed's fwd: residuals are inputs, the linear map alone",
-     _facts(INPUTS_ONLY, rebuilds=False), SEED, False, True, True,
+     _facts(INPUTS_ONLY), SEED, False, True, True,
      Pruned(None, True)),
     ("fwd_bwd runs on the inputs: the linear map alone", _facts(ALL_THREE),
      FUSED, False, True, True, Pruned(None, True)),
-    ("an effect would be skipped", _facts(rebuilds=False, keeps_effects=True),
+    ("the seed's twin (its input named): the linear map alone",
+     _facts(TWIN), plan(TWIN, Answers(RECOMPUTE, (RECOMPUTE,))).schedule,
+     False, True, True, Pruned(None, True)),
+    ("an effect would be skipped", _facts(inputs_only=True, keeps_effects=True),
      RECOMPUTED, False, True, True, Pruned(F, True)),
     ("references", _facts(ALL_THREE, references=True), FUSED, False, True,
      True, Pruned(F, True)),
@@ -283,14 +297,33 @@ PRUNE = [
     ("fwd alone, reading saved values and printing",
      _facts(fwd_reads_saved=True, fwd_keeps_effects=True), None, True, False,
      False, Pruned(FWD, False)),
+    ("fwd alone, not traced (eager): whole", _facts(num_computed=None), None,
+     True, False, False, Pruned(FWD, False)),
+    # fwd's own equation, residuals read (as remat3's and linearize's
+    # forward passes leave it): its last element, what else is unread
+    ("fwd's residuals and outputs all read: whole", _facts(), None, True,
+     True, False, Pruned(FWD, True, FwdLeft.WHOLE)),
+    ("fwd's residuals read, a primal output not: its code pruned", _facts(),
+     None, True, True, False, Pruned(FWD, True, FwdLeft.CODE),
+     dict(all_outputs_used=False)),
+    ("the same with a residual offloaded: the residuals read only",
+     _facts(), None, True, True, False, Pruned(FWD, True, FwdLeft.RESIDUALS),
+     dict(all_outputs_used=False, all_tangents_used=False, offloaded=True)),
+    ("some residuals unread: fwd computing only those read", _facts(), None,
+     True, True, False, Pruned(FWD, True, FwdLeft.RESIDUALS),
+     dict(all_tangents_used=False)),
+    ("some residuals unread, fwd not traced: whole",
+     _facts(num_computed=None), None, True, True, False,
+     Pruned(FWD, True, FwdLeft.WHOLE), dict(all_tangents_used=False)),
 ]
 
 
-@pytest.mark.parametrize("name, facts, schedule, outputs, tangents, "
-                         "carries_f, left", PRUNE, ids=[r[0] for r in PRUNE])
-def test_prune_table(name, facts, schedule, outputs, tangents, carries_f,
-                     left):
-  assert prune(facts, schedule, outputs, tangents, carries_f) == left, name
+@pytest.mark.parametrize("row", PRUNE, ids=[r[0] for r in PRUNE])
+def test_prune_table(row):
+  name, facts, schedule, outputs, tangents, carries_f, left = row[:7]
+  more = row[7] if len(row) > 7 else {}
+  assert prune(facts, schedule, outputs, tangents, carries_f,
+               **more) == left, name
 
 
 def test_the_plan_calls_nothing_back():
@@ -301,3 +334,20 @@ def test_the_plan_calls_nothing_back():
     for field in dataclasses.fields(cls):
       assert "Callable" not in str(field.type), (cls, field.name)
       assert not callable(field.default), (cls, field.name)
+
+
+def test_forward_mode_runs_the_equation_whole():
+  """Whatever its schedule says (here ``f`` forward, ``fwd_bwd`` backward
+  under ``jax.checkpoint``), forward mode runs ``fwd`` and the linear map
+  (``_plan``'s docstring)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import kernels
+  from smartvjp import smart_custom_vjp
+  F, counts = kernels.counting_sin(smart_custom_vjp, with_fwd_bwd=True)
+  x = jnp.linspace(0.0, 1.0, 4)
+  out, tangent = jax.jvp(jax.checkpoint(F), (x,), (jnp.ones(4),))
+  np.testing.assert_allclose(tangent, jnp.cos(x), rtol=1e-6)
+  assert counts["fwd"] >= 1 and counts["fwd_bwd"] == 0, counts

@@ -5,6 +5,7 @@ in the rematerialized backward region of ``grad(checkpoint(F))``."""
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 from jax._src.interpreters import partial_eval as pe  # to show one stage
 
 from smartvjp import smart_custom_vjp
@@ -17,7 +18,10 @@ def _make(residual_is_input):
   def F(x):
     return jnp.sin(x)
 
-  if residual_is_input:   # the seed's fwd
+  if residual_is_input == "named":   # the seed's twin: its input, named
+    F.defvjp(lambda x: (jnp.sin(x), checkpoint_name(x, "x")),
+             lambda x, g: (jnp.cos(x) * g,))
+  elif residual_is_input:   # the seed's fwd
     F.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (jnp.cos(x) * g,))
   else:
     F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
@@ -46,8 +50,10 @@ def _passes(F):
 
 @pytest.mark.parametrize("residual_is_input, printed, backward", [
     (True, ("f", "bwd"), ["bwd"]),
+    ("named", ("f", "bwd"), ["bwd"]),
     (False, ("f", "fwd+bwd"), ["fwd", "bwd"]),
-], ids=["the seed's fwd", "fwd computes cos x"])
+], ids=["the seed's fwd", "the seed's twin (checkpoint_name)",
+        "fwd computes cos x"])
 def test_printed_schedule_is_what_runs(residual_is_input, printed, backward):
   F = _make(residual_is_input)
   schedule = _staged_schedule(F)

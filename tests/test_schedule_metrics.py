@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
@@ -49,3 +50,18 @@ def test_prints_json(metrics, capsys):
   assert metrics.main(["--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["facade"]["functions"] > 0
+
+
+def test_the_core_grows_only_with_a_changelog_note(metrics):
+  """The core may grow ``GROWTH_BUDGET`` lines past the latest size
+  CHANGELOG.md notes ("Core size note: N lines", the first one in the file);
+  beyond, a change notes the new size there, with its reason."""
+  path = os.path.join(metrics.ROOT, "CHANGELOG.md")
+  with open(path, encoding="utf-8") as fh:
+    noted = re.findall(r"Core size note[^:]*: ([\d,]+) lines", fh.read())
+  assert noted, "CHANGELOG.md has no 'Core size note: N lines'"
+  size = metrics.lines()["core"]["lines"]
+  limit = int(noted[0].replace(",", "")) + metrics.GROWTH_BUDGET
+  assert size <= limit, (
+      f"the core is {size} lines, more than {metrics.GROWTH_BUDGET} past the "
+      f"{noted[0]} CHANGELOG.md notes: note the new size there, and why")

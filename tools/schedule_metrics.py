@@ -12,11 +12,13 @@
   ``sys.setprofile``, for design/walkthrough.py's ``F`` and for the seed's
   (its ``fwd``'s residual is its input): see :func:`walk`.
 
-Issue 47's targets: the core at most 5,700 lines, ``_facade.py`` at most
-600, ``_policy.facts`` once per differentiated call, at most 90 module
+Issue 47's targets: ``_facade.py`` at most 600 lines, ``_policy.facts`` once per differentiated call, at most 90 module
 switches in the walk of design/walkthrough.py's ``F`` counted outside
 ``_facade`` (the count the issue's 130 at f7b3041 compares with: this tool
 gives 127 at f6fea98 on jax 0.12.0.1, 247 counting ``_facade``'s frames).
+The core's size has no fixed target (issue 47's 5,700 lines was retired by
+issue 55): ``tests/test_schedule_metrics.py`` fails once it grows more than
+``GROWTH_BUDGET`` lines past the latest size noted in ``CHANGELOG.md``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import tokenize
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 PKG = os.path.normpath(os.path.join(ROOT, "smartvjp"))
 APART = ("_swap", "tesseract", "_equinox")
+# lines the core may grow past CHANGELOG.md's latest "Core size note"
+GROWTH_BUDGET = 150
 
 
 def _code_lines(path) -> int:
