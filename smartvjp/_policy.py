@@ -60,8 +60,8 @@ def split_fwd(policy, call, fwd) -> Split | None:
                              [True] * (n_out + len(extra)), True)
   if not _worth_it(known, staged, call):
     return None
-  names = {e.outvars[0]: jx.checkpoint_name_of(e.primitive, e.params)
-           for e in jaxpr.eqns}
+  names = {v: jx.checkpoint_name_of(e.primitive, e.params)
+           for e in jaxpr.eqns for v in e.outvars[:1]}   # effects: none
   known_spec = dataclasses.replace(
       fwd, jaxpr=jx.ClosedJaxpr(known, ()),
       new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=(),
