@@ -41,6 +41,7 @@ def split_fwd(policy, call, fwd) -> Split | None:
       jaxpr, none, none, [False] * n_out + [True] * fwd.num_new_res, True,
       named_policy(policy))
   inputs = set(jaxpr.invars)
+  staged = _reading_forwarded_inputs(staged, num_res, known, jaxpr)
   computed = [r for r in staged.invars[:num_res] if r not in inputs]
   staged, fillers = _without_saved_outputs(
       staged.replace(invars=[*computed, *jaxpr.invars]), n_out, set(computed))
@@ -72,21 +73,54 @@ def split_fwd(policy, call, fwd) -> Split | None:
   return Split(known_spec, staged_spec, saved_outputs)
 
 
+def _reading_forwarded_inputs(staged, num_res, known, jaxpr):
+  """A residual that is an input returned through a nested ``jit`` (a
+  jitted ``fwd`` or helper returning its arguments) is read as that input,
+  as JAX forwards it, instead of being saved."""
+  subst = {}
+  for r in staged.invars[:num_res]:
+    v = forwarded_input(r, known)
+    if v is not None and v is not r:
+      subst[r] = jaxpr.invars[known.invars.index(v)]
+  if not subst:
+    return staged
+
+  def read(vs):
+    return [subst.get(v, v) if type(v) is jx.core.Var else v for v in vs]
+  return staged.replace(
+      invars=read(staged.invars),
+      eqns=[e.replace(invars=read(e.invars)) for e in staged.eqns],
+      outvars=read(staged.outvars))
+
+
 def _an_input(v, jaxpr) -> bool:
   """``v`` is an input passed through ``jit``s unchanged: saving it keeps
   nothing ``fwd`` computed (a ``while_loop`` makes its inputs residuals)."""
+  return forwarded_input(v, jaxpr) is not None
+
+
+# call primitives whose outputs are their jaxpr's: the param holding it
+_FORWARDING_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+                     "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr"}
+
+
+def forwarded_input(v, jaxpr):
+  """The input of ``jaxpr`` that ``v`` is, through nested calls (``jit``,
+  ``custom_jvp``) that return it unchanged (a jitted ``fwd`` returning its
+  inputs as residuals), else ``None``."""
   producers = {o: e for e in jaxpr.eqns for o in e.outvars}
   inputs = set(jaxpr.invars)
-  while v not in inputs:
+  while type(v) is jx.core.Var and v not in inputs:
     eqn = producers.get(v)
-    if eqn is None or eqn.primitive.name not in ("jit", "pjit"):
-      return False
-    inner = eqn.params["jaxpr"].jaxpr
+    if eqn is None or eqn.primitive.name not in _FORWARDING_CALLS:
+      return None
+    inner = eqn.params[_FORWARDING_CALLS[eqn.primitive.name]]
+    inner = getattr(inner, "jaxpr", inner)
     out = inner.outvars[eqn.outvars.index(v)]
     if type(out) is not jx.core.Var or out not in inner.invars:
-      return False
+      return None
     v = eqn.invars[inner.invars.index(out)]
-  return True
+  return v if type(v) is jx.core.Var else None
 
 
 def _without_saved_outputs(staged, n_out, saved):

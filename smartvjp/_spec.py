@@ -21,6 +21,7 @@ from smartvjp._checks import (
     check_fwd_output, check_jax_leaves, check_primal_out, describe_tree,
     function_name, rule_error, ROLE_NAMES, zero_tangent)
 from smartvjp._policy import facts_of
+from smartvjp._policy import forwarded_input
 from smartvjp._policy import producers as policy_producers
 
 
@@ -537,8 +538,8 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
            if e.primitive is jx.ad_checkpoint.name_p}
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-  dyn_src = [in_pos.get(v) if isinstance(v, jx.core.Var) else None
-             for v in res_vars]
+  # a residual that is an input returned through a nested jit is that input
+  dyn_src = [in_pos.get(forwarded_input(v, jaxpr)) for v in res_vars]
   it = iter(dyn_src)
   res_src = tuple(
       static if static is not None else
