@@ -5,6 +5,7 @@ of ``g -> bwd(res, g)``)."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 from jax.errors import UnexpectedTracerError
@@ -216,8 +217,9 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
   def nz_map(*nz_cts):
     try:
       cts = cotangent_map(call.expand_tangents(nz_cts))
-    except Exception as e:  # noqa: BLE001 - the rule's own error, as is
-      rule_failed.append(e)
+    except Exception as e:  # noqa: BLE001 - our check of its result, as is
+      if _raised_by_smartvjp(e):
+        rule_failed.append(e)
       raise
     return [jx.ad.instantiate_zeros(c) for c in _nz_inputs(cts, in_nz)]
 
@@ -226,7 +228,9 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
     return list(transposed(list(nz_tangents)))
   except Exception as e:  # noqa: BLE001 - re-raised with context below
     if rule_failed and e is rule_failed[0]:
-      raise   # the rule failed (or returned bad cotangents): its own error
+      raise   # the rule returned bad cotangents: our error naming it
+    # else JAX could not transpose it, or the rule could not be traced for
+    # it (NumPy on the cotangent): the transposition was our choice
     raise _not_transposable_error(type(e))(
         f"forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) "
         f"of smart_custom_vjp function {call.name} needs a {which} rule "
@@ -237,6 +241,19 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
         f"instead: {call.name}.defvjp(..., jvp=rule), with rule(primals, "
         f"tangents) -> (primal_out, tangent_out) as for jax.custom_jvp; "
         f"forward mode then runs it and never transposes {which}.") from e
+
+
+def _raised_by_smartvjp(e: BaseException) -> bool:
+  """Raised in smartvjp's own code (a check of a rule's result), not
+  inside the user's rule or what it called."""
+  tb = e.__traceback__
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return tb is not None and os.path.dirname(
+      os.path.abspath(tb.tb_frame.f_code.co_filename)) == _PACKAGE_DIR
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @functools.cache

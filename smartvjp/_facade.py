@@ -155,6 +155,30 @@ def checkpoint_name_of(prim, params):
   return None
 
 
+# call primitives whose outputs are their jaxpr's: the param holding it
+_FORWARDING_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+                     "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr"}
+
+
+def forwarded_input(v, jaxpr):
+  """The input of ``jaxpr`` that ``v`` is, through nested calls (``jit``,
+  ``custom_jvp``) that return it unchanged (a jitted ``fwd`` returning its
+  inputs as residuals), else ``None``."""
+  producers = {o: e for e in jaxpr.eqns for o in e.outvars}
+  inputs = set(jaxpr.invars)
+  while type(v) is core.Var and v not in inputs:
+    eqn = producers.get(v)
+    if eqn is None or eqn.primitive.name not in _FORWARDING_CALLS:
+      return None
+    inner = eqn.params[_FORWARDING_CALLS[eqn.primitive.name]]
+    inner = getattr(inner, "jaxpr", inner)
+    out = inner.outvars[eqn.outvars.index(v)]
+    if type(out) is not core.Var or out not in inner.invars:
+      return None
+    v = eqn.invars[inner.invars.index(out)]
+  return v if type(v) is core.Var else None
+
+
 def quiet_callback_failures(exc_type: type) -> None:
   """Drops the log JAX writes when a ``jax.debug.callback`` raises
   ``exc_type`` (an error raised on purpose, which the user sees raised)."""

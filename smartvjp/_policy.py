@@ -41,6 +41,7 @@ def split_fwd(policy, call, fwd) -> Split | None:
       jaxpr, none, none, [False] * n_out + [True] * fwd.num_new_res, True,
       named_policy(policy))
   inputs = set(jaxpr.invars)
+  staged = _reading_forwarded_inputs(staged, num_res, known, jaxpr)
   computed = [r for r in staged.invars[:num_res] if r not in inputs]
   staged, fillers = _without_saved_outputs(
       staged.replace(invars=[*computed, *jaxpr.invars]), n_out, set(computed))
@@ -60,8 +61,8 @@ def split_fwd(policy, call, fwd) -> Split | None:
                              [True] * (n_out + len(extra)), True)
   if not _worth_it(known, staged, call):
     return None
-  names = {e.outvars[0]: jx.checkpoint_name_of(e.primitive, e.params)
-           for e in jaxpr.eqns}
+  names = {v: jx.checkpoint_name_of(e.primitive, e.params)
+           for e in jaxpr.eqns for v in e.outvars[:1]}   # effects: none
   known_spec = dataclasses.replace(
       fwd, jaxpr=jx.ClosedJaxpr(known, ()),
       new_res_names=tuple(names.get(v) for v in extra), new_res_eqns=(),
@@ -72,21 +73,30 @@ def split_fwd(policy, call, fwd) -> Split | None:
   return Split(known_spec, staged_spec, saved_outputs)
 
 
+def _reading_forwarded_inputs(staged, num_res, known, jaxpr):
+  """A residual that is an input returned through a nested ``jit`` (a
+  jitted ``fwd`` or helper returning its arguments) is read as that input,
+  as JAX forwards it, instead of being saved."""
+  subst = {}
+  for r in staged.invars[:num_res]:
+    v = jx.forwarded_input(r, known)
+    if v is not None and v is not r:
+      subst[r] = jaxpr.invars[known.invars.index(v)]
+  if not subst:
+    return staged
+
+  def read(vs):
+    return [subst.get(v, v) if type(v) is jx.core.Var else v for v in vs]
+  return staged.replace(
+      invars=read(staged.invars),
+      eqns=[e.replace(invars=read(e.invars)) for e in staged.eqns],
+      outvars=read(staged.outvars))
+
+
 def _an_input(v, jaxpr) -> bool:
   """``v`` is an input passed through ``jit``s unchanged: saving it keeps
   nothing ``fwd`` computed (a ``while_loop`` makes its inputs residuals)."""
-  producers = {o: e for e in jaxpr.eqns for o in e.outvars}
-  inputs = set(jaxpr.invars)
-  while v not in inputs:
-    eqn = producers.get(v)
-    if eqn is None or eqn.primitive.name not in ("jit", "pjit"):
-      return False
-    inner = eqn.params["jaxpr"].jaxpr
-    out = inner.outvars[eqn.outvars.index(v)]
-    if type(out) is not jx.core.Var or out not in inner.invars:
-      return False
-    v = eqn.invars[inner.invars.index(out)]
-  return True
+  return jx.forwarded_input(v, jaxpr) is not None
 
 
 def _without_saved_outputs(staged, n_out, saved):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from smartvjp import _execute as ex
 from smartvjp import _facade as jx
@@ -231,13 +232,18 @@ def _call_remat3(ctx, *in_vals, call):
                  schedule=_policy.schedule_without_policy(call, fwd)))
   # the rem side's region is differentiated later: whether it reads f's
   # output is not known here, so the pair is chosen as if it does
-  back, saved, spaces = p.back, p.saved, ()
+  back, spaces = p.back, ()
   schedule = backward_pair(p.call, p.fwd, in_nz, p.plan.schedule, None)
+  outs, saved = list(p.outs), [_rounded(x) for x in p.saved]
   if p.plan.kind is _plan.Kind.SPLIT:
     back = _rebuilding(p.plan.split)
+    for x, o in zip(saved, p.plan.split.saved_outputs):
+      if o is not None:
+        outs[o] = x
   elif p.kept:   # the rem side hands the kept outputs to bwd
     back = ex.passthrough(p.call, p.fwd, [jx.core.typeof(x) for x in p.outs])
-    saved, schedule = [*p.outs, *saved], p.plan.rem_schedule
+    outs = [_rounded(x) for x in outs]
+    saved, schedule = [*outs, *saved], p.plan.rem_schedule
     spaces = (None,) * p.call.num_outs + (p.plan.spaces or ())
 
   def rem(res, *rem_in):
@@ -245,7 +251,21 @@ def _call_remat3(ctx, *in_vals, call):
            for r, s in zip(res, (*spaces, *[None] * len(res)))]
     return rem_p.bind(*rem_in[:k], *res, *rem_in[k:], call=p.call, fwd=back,
                       schedule=schedule)
-  return list(p.outs), [*saved, *p.fwd_consts], rem
+  return outs, [*saved, *p.fwd_consts], rem
+
+
+def _rounded(x):
+  """A saved value at its dtype's precision, read so by the forward pass
+  too, as JAX's remat3 saves a value: XLA may keep a low-precision value
+  in more bits where it is not stored, and the backward pass would then
+  see another value than the forward output (issue 56)."""
+  t = jx.core.typeof(x)
+  if type(t) is not jx.core.ShapedArray or not jnp.issubdtype(t.dtype,
+                                                             jnp.inexact):
+    return x
+  info = jnp.finfo(t.dtype)
+  return jax.lax.reduce_precision(x, exponent_bits=info.nexp,
+                                  mantissa_bits=info.nmant)
 
 
 def _rebuilding(split):

@@ -510,8 +510,8 @@ def _trace_fwd(call: CallSpec, in_nz: tuple) -> tuple[FwdSpec, list]:
   names = {e.outvars[0]: e.params["name"] for e in jaxpr.eqns
            if e.primitive is jx.ad_checkpoint.name_p}
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-  dyn_src = [in_pos.get(v) if isinstance(v, jx.core.Var) else None
-             for v in res_vars]
+  # a residual that is an input returned through a nested jit is that input
+  dyn_src = [in_pos.get(jx.forwarded_input(v, jaxpr)) for v in res_vars]
   it = iter(dyn_src)
   res_src = tuple(
       static if static is not None else

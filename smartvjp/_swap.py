@@ -62,7 +62,7 @@ import jax.custom_derivatives
 
 from smartvjp import _facade as jx
 from smartvjp._api import smart_custom_vjp
-from smartvjp._primitive import call_p
+from smartvjp._primitive import call_p, jvp_p, lin_p, rem_p, rule_p
 
 __all__ = ["SwapError", "SwapReport", "import_swapped", "swap_custom_vjp",
            "swap_report"]
@@ -115,7 +115,13 @@ class SwapReport(dict):
   ``why``: for each name whose value is ``False``, why it stays
   ``jax.custom_vjp``'s and what to do about it. ``ok``: something was found
   and all of it is smartvjp's (``all(report.values())`` is also true of an
-  empty report). ``str(report)`` is one line per name.
+  empty report). ``str(report)`` tells the three cases apart in its first
+  line: every custom rule found is smartvjp's (also in a differentiated
+  program, where smartvjp's rules are still seen); some ``jax.custom_vjp``
+  calls were not swapped (named, one line each with why); or no custom
+  rules were found at all, with a reminder that a ``jax.custom_vjp`` call
+  in a program already differentiated by ``jax.grad``/``jax.vjp`` is
+  inlined and cannot be seen.
   """
 
   def __init__(self, entries=(), why=None):
@@ -128,12 +134,22 @@ class SwapReport(dict):
 
   def __str__(self):
     if not self:
-      return "no custom_vjp functions found"
-    lines = []
+      return _NOTHING_FOUND
+    jax_names = [name for name, smart in self.items() if not smart]
+    lines = [f"not swapped: {len(jax_names)} jax.custom_vjp call(s) "
+             f"({', '.join(jax_names)})" if jax_names else
+             f"swapped: all {len(self)} custom rule(s) found are smartvjp's"]
     for name, smart in self.items():
       lines.append(f"{'smartvjp' if smart else 'JAX     '}  {name}"
                    + ("" if smart else f": {self.why.get(name, '')}"))
     return "\n".join(lines)
+
+
+_NOTHING_FOUND = (
+    "no custom rules found: nothing here calls a smart_custom_vjp or "
+    "jax.custom_vjp function (in a program already differentiated with "
+    "jax.grad or jax.vjp a jax.custom_vjp call is inlined and cannot be "
+    "seen: pass the function before differentiating it)")
 
 
 # -- a traced program --------------------------------------------------------------
@@ -313,9 +329,13 @@ def _custom_vjp_call_parts(eqn):
           _behind_jax(eqn.params.get("bwd")))
 
 
+# a call, or what differentiating one leaves (each carries its CallSpec)
+_SMART_PRIMITIVES = (call_p, rule_p, jvp_p, lin_p, rem_p)
+
+
 def _walk(jaxpr, found: dict, why: dict, seen: set):
   for eqn in jaxpr.eqns:
-    if eqn.primitive is call_p:
+    if eqn.primitive in _SMART_PRIMITIVES:   # differentiated: jvp, lin, ...
       call = eqn.params["call"]
       found.setdefault(_qualified(call.rules.fun), True)
       if call.jaxpr is not None and id(call.jaxpr) not in seen:
@@ -484,9 +504,11 @@ def swap_report(target: Any, /, *args, **kwargs) -> SwapReport:
   ``swap_custom_vjp``, since it sees the functions the program really calls.
   A ``jax.custom_vjp`` call made only inside another rule's ``fwd`` or
   ``bwd`` is not traced and not reported. Pass the function you
-  differentiate, not its gradient: once differentiated, a
+  differentiate (the loss), not its gradient: once differentiated, a
   ``jax.custom_vjp`` call is inlined into plain equations and can no
-  longer be seen.
+  longer be seen, so a differentiated program that is not swapped reports
+  nothing found. smartvjp's calls are seen in either (a gradient's
+  report is ``ok`` where every call is swapped).
 
   The reasons a call stays ``jax.custom_vjp``'s, each with what to do: a
   ``jax.custom_vjp`` that JAX makes in its private modules

@@ -179,3 +179,60 @@ def test_print_in_f_with_fused_rule_under_checkpoint_runs_twice(with_fwd):
     jax.effects_barrier()
     np.testing.assert_allclose(g, np.cos(X), rtol=1e-6)
   assert seen.count("f") == seen.count("plain") == 2
+
+
+# -- an equation with no outputs under a policy that saves (issue 56) ---------
+
+_SAVING = {
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "everything": jax.checkpoint_policies.everything_saveable,
+    "names": jax.checkpoint_policies.save_only_these_names("y"),
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _matmul_with_callbacks(make, where, seen):
+  def note(name):
+    return lambda: seen.append(name)
+
+  def f(x, w):
+    if where == "f":
+      jax.debug.callback(note("f"))
+    return jnp.tanh(x @ w)
+
+  def fwd(x, w):
+    if where == "fwd":
+      jax.debug.callback(note("fwd"))   # an equation with no outputs
+    y = jax.ad_checkpoint.checkpoint_name(x @ w, "y")
+    return jnp.tanh(y), (x, w, y)
+
+  def bwd(res, g):
+    x, w, y = res
+    if where == "bwd":
+      jax.debug.callback(note("bwd"))
+    g = g * (1 - jnp.tanh(y) ** 2)
+    return g @ w.T, x.T @ g
+
+  F = make(f)
+  F.defvjp(fwd, bwd)
+  return F
+
+
+@pytest.mark.parametrize("policy", sorted(_SAVING))
+@pytest.mark.parametrize("where", ["f", "fwd", "bwd"])
+def test_effect_without_outputs_under_saving_policy(ad_mode, where, policy):
+  """jax.custom_vjp runs these; smartvjp read every equation's first output
+  in the policy's split of fwd (IndexError on a callback)."""
+  x = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3) / 7
+  w = jnp.eye(3, dtype=jnp.float32) + 0.25
+  grads = []
+  for make in (jax.custom_vjp, smart_custom_vjp):
+    seen = []
+    F = _matmul_with_callbacks(make, where, seen)
+    G = jax.checkpoint(F, policy=_SAVING[policy])
+    g = jax.jit(jax.grad(lambda x, w: jnp.sum(G(x, w) ** 2), (0, 1)))(x, w)
+    jax.effects_barrier()
+    grads.append(g)
+    assert where == "f" or seen.count(where) >= 1
+  for a, b in zip(*grads):
+    np.testing.assert_array_equal(a, b)

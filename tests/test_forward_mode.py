@@ -127,3 +127,42 @@ def test_untransposable_rule_error_is_also_jax_custom_vjp_s_type():
   assert any("fwd_bwd rule" in n for n in ours.value.__notes__)
   with pytest.raises(TypeError, match="needs a fwd_bwd rule"):
     jax.jvp(F, (x,), (x,))
+
+
+def _numpy_rules(make, raising):
+  """A bwd (or fwd_bwd) that runs NumPy on the cotangent, as agjax's eager
+  wrapper and cvxpylayers do: it works in reverse mode eagerly and cannot
+  be traced for a transposition."""
+  def numpy_vjp(x, g):
+    if raising and isinstance(g, jax.core.Tracer):
+      raise ValueError("the library refuses a traced cotangent")
+    return jnp.asarray(np.cos(np.asarray(x)) * np.asarray(g))
+
+  F = make(jnp.sin)
+  F.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (numpy_vjp(x, g),))
+  return F
+
+
+@pytest.mark.parametrize("raising", [False, True], ids=["numpy", "raises"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_untraceable_bwd_in_forward_mode_is_our_type_error(jit, raising):
+  """Issue 56: the bwd's own error (TracerArrayConversionError, or the
+  library's) never escapes a transposition smartvjp chose to try: forward
+  mode raises the TypeError type jax.custom_vjp raises, naming jvp=."""
+  ref, F = (_numpy_rules(m, raising) for m in (jax.custom_vjp, smart_custom_vjp))
+  np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(F(x)))(X),
+                             jax.grad(lambda x: jnp.sum(ref(x)))(X), rtol=1e-6)
+  run = lambda G: (jax.jit(lambda x: jax.jvp(G, (x,), (x,)))(X) if jit
+                   else jax.jvp(G, (X,), (X,)))
+  with pytest.raises(Exception) as theirs:
+    run(ref)
+  with pytest.raises(TypeError, match=r"jvp=rule") as ours:
+    run(F)
+  assert type(theirs.value) is TypeError
+  # our error, raised from the rule's (as its __cause__); where the rule
+  # raised its own type, ours is also of that type, as for an opaque bwd
+  assert "forward-mode differentiation" in str(ours.value)
+  assert not isinstance(ours.value, jax.errors.TracerArrayConversionError)
+  assert ("ValueError: the library refuses" if raising
+          else "TracerArrayConversionError") in str(ours.value)
+  assert isinstance(ours.value, ValueError) == raising

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import smartvjp
-from smartvjp import SwapError, import_swapped, swap_custom_vjp, swap_report
+from smartvjp import (
+    SwapError, import_swapped, smart_custom_vjp, swap_custom_vjp, swap_report)
 
 JAX_CUSTOM_VJP = jax.custom_vjp
 
@@ -559,7 +560,44 @@ def test_swap_report_of_a_module_without_custom_vjp(library):
   name = library("import math\nX = 1\n")
   report = swap_report(importlib.import_module(name))
   assert report == {} and not report.ok
-  assert str(report) == "no custom_vjp functions found"
+  assert str(report).startswith("no custom rules found")
+
+
+def _sin_rules(make):
+  if make is None:   # no custom rules
+    return jnp.sin
+  F = make(jnp.sin)
+  F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+  return F
+
+
+@pytest.mark.parametrize("form", ["loss", "grad", "value_and_grad",
+                                  "checkpointed_grad"])
+def test_swap_report_tells_the_three_cases_apart(form):
+  """Issue 56: swapped (also once differentiated: smartvjp's rules are
+  seen in the gradient's program), not swapped (named), no custom rules."""
+  x = jnp.ones(3, jnp.float32)
+
+  def program(F):
+    loss = lambda x: jnp.sum(F(x) ** 2)
+    return {"loss": loss, "grad": jax.grad(loss),
+            "value_and_grad": jax.value_and_grad(loss),
+            "checkpointed_grad": jax.grad(jax.checkpoint(loss))}[form]
+
+  smart = swap_report(program(_sin_rules(smart_custom_vjp)), x)
+  assert smart.ok and list(smart.values()) == [True], smart
+  assert str(smart).splitlines()[0].startswith("swapped: all 1 custom rule")
+  theirs = swap_report(program(_sin_rules(jax.custom_vjp)), x)
+  none = swap_report(program(_sin_rules(None)), x)
+  assert not none and not none.ok
+  assert str(none).startswith("no custom rules found")
+  assert "pass the function before differentiating it" in str(none)
+  if form == "loss":
+    assert not theirs.ok and list(theirs.values()) == [False]
+    first = str(theirs).splitlines()[0]
+    assert first.startswith("not swapped: 1 jax.custom_vjp call") and "sin" in first
+  else:   # a jax.custom_vjp call is inlined once differentiated
+    assert not theirs and str(theirs) == str(none)
 
 
 # what a user differentiates: a package whose public function reaches its

@@ -538,6 +538,111 @@ def apply(G, x, w):
     return dict(args=["f", "f"], exact=True, src=src)
 
 
+# --------------------------------------------------------------------------
+# Issue 56's shapes (``--family residue56``; the classic family's seeds keep
+# their programs): an effect with no outputs in f, fwd or bwd; a named
+# residual computed inside a nested jit, named_call or custom_jvp (a helper,
+# or the whole fwd); low-precision values saved under save-everything
+# policies. Every program of this family is checkpointed once with a policy.
+# --------------------------------------------------------------------------
+
+RULES_56 = {}
+
+_CB_MM = '''
+@DEC
+def F(x, w):
+    %(f)s
+    return jnp.tanh(x @ w)
+def F_fwd(x, w):
+    %(fwd)s
+    y = checkpoint_name(x @ w, "r")
+    return jnp.tanh(y), (x, w, y)
+def F_bwd(res, g):
+    x, w, y = res
+    %(bwd)s
+    d = g * (1.0 - jnp.tanh(y) ** 2)
+    return d @ w.T, x.T @ d
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, w):
+    return G(x, w)
+'''
+for _where in ("f", "fwd", "bwd"):
+    _cb = {k: ("jax.debug.callback(lambda: None)" if k == _where else "pass")
+           for k in ("f", "fwd", "bwd")}
+    RULES_56["effect_no_outputs_in_" + _where] = dict(
+        args=["m", "w"], exact=True, src=_CB_MM % _cb)
+
+_NESTS = {
+    "jit": "def NEST(fn):\n    return jax.jit(fn)\n",
+    "named_call": "def NEST(fn):\n    return jax.named_call(fn, name='helper')\n",
+    "custom_jvp": ("def NEST(fn):\n    g = jax.custom_jvp(fn)\n"
+                   "    g.defjvp(lambda p, t: jax.jvp(fn, p, t))\n    return g\n"),
+}
+_NESTED_F = '''
+@DEC
+def F(x, w):
+    return jnp.tanh(jnp.sin(x @ w) @ w)
+'''
+_NESTED_BWD = '''
+def F_bwd(res, g):
+    x, w, y, z = res
+    gz = g * (1.0 - jnp.tanh(z) ** 2)
+    gu = (gz @ w.T) * jnp.cos(x @ w)
+    return gu @ w.T, y.T @ gz + x.T @ gu
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x, w):
+    return G(x, w)
+'''
+_NESTED_HELPER = '''
+@NEST
+def _named(x, w):
+    return checkpoint_name(jnp.sin(x @ w), "r")
+def F_fwd(x, w):
+    y = _named(x, w)
+    z = checkpoint_name(y @ w, "c")
+    return jnp.tanh(z), (x, w, y, z)
+'''
+_NESTED_WHOLE = '''
+@NEST
+def F_fwd(x, w):
+    y = checkpoint_name(jnp.sin(x @ w), "r")
+    z = checkpoint_name(y @ w, "c")
+    return jnp.tanh(z), (x, w, y, z)
+'''
+for _kind, _nest in _NESTS.items():
+    RULES_56["nested_%s_helper" % _kind] = dict(
+        args=["m", "w"], exact=True,
+        src=_nest + _NESTED_F + _NESTED_HELPER + _NESTED_BWD)
+    RULES_56["nested_%s_fwd" % _kind] = dict(
+        args=["m", "w"], exact=True,
+        src=_nest + _NESTED_F + _NESTED_WHOLE + _NESTED_BWD)
+
+# a product whose fwd saves nothing, then a call whose fwd saves its input
+# (the product): bwd reads the saved value, the forward output is the same
+_LOW = '''
+@DEC
+def D(x):
+    return x * x
+DEFVJP(D, lambda x: (x * x, None), lambda _, g: (g,))
+@DEC
+def F(x):
+    return x
+def F_fwd(x):
+    return x, x
+def F_bwd(x, g):
+    return (g * x,)
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, x):
+    b = (1.0 + 0.01 * x).astype(jnp.%s)
+    return G(D(b)).astype(jnp.float32) + x
+'''
+for _dt in ("bfloat16", "float16"):
+    RULES_56["low_precision_" + _dt] = dict(args=["f"], exact=False,
+                                            src=_LOW % _dt)
+
+FAMILY = "classic"   # or "residue56" (--family)
+
+
 POLICIES = [
     "None",
     "jax.checkpoint_policies.nothing_saveable",
@@ -616,8 +721,12 @@ def gen_program(seed, flags, place="any"):
     import numpy as np
     rng = random.Random(seed)
     nrng = np.random.RandomState(seed)
-    rule = rng.choice(sorted(RULES) + ["extras"] * 4)
-    spec = RULES[rule] if rule != "extras" else extras_rule(rng)
+    if FAMILY == "residue56":
+        rule = rng.choice(sorted(RULES_56))
+        spec = RULES_56[rule]
+    else:
+        rule = rng.choice(sorted(RULES) + ["extras"] * 4)
+        spec = RULES[rule] if rule != "extras" else extras_rule(rng)
     shape = rng.choice([(3,), (2, 3)])
     kinds = spec["args"]
 
@@ -644,6 +753,10 @@ def gen_program(seed, flags, place="any"):
     # ---- inner wrappers -------------------------------------------------
     lines = ["h = lambda *xs: apply(F, *xs)"]
     tags = []
+    if FAMILY == "residue56":   # every policy, and JAX's test's save-all
+        pol = rng.choice(POLICIES + ["lambda *_, **__: True"])
+        tags.append("ckpt[%s]" % pol.split(".")[-1][:30])
+        lines.append("h = jax.checkpoint(h, policy=%s)" % pol)
     for _ in range(rng.choice([0, 1, 1, 2, 2, 3])):
         w = rng.choice(["ckpt", "ckpt", "ckpt", "cond", "scan", "chain",
                         "sg", "jit", "vmap_in", "fori", "switch"])
@@ -816,7 +929,7 @@ def gen_program(seed, flags, place="any"):
     if jit_outer:
         src.append("run = jax.jit(run)")
         tags.append("jit_outer")
-    meta = dict(seed=seed, rule=rule, shape=list(shape), tags=tags, outer=outer,
+    meta = dict(seed=seed, rule=rule, family=FAMILY, shape=list(shape), tags=tags, outer=outer,
                 jit_outer=jit_outer, flags=flags, exact=spec["exact"], place=place)
     return meta, "\n".join(src) + "\n"
 
@@ -987,7 +1100,12 @@ def main():
                    help="drop wrappers of this seed's program while the discrepancy stays")
     p.add_argument("--place", choices=("any", "shard_map"), default="any",
                    help="shard_map: every program inside shard_map(check_vma=True)")
+    p.add_argument("--family", choices=("classic", "residue56"), default="classic",
+                   help="residue56: issue 56's shapes (effects without outputs, "
+                   "named residuals in nested calls, low precision), checkpointed")
     a = p.parse_args()
+    global FAMILY
+    FAMILY = a.family
     if a.minimize is not None:
         import jax
         if a.flags:

@@ -50,7 +50,8 @@ import traceback
 RTOL = 1e-6
 
 LIBRARIES = ("jax_cce", "ejkernel", "qwix", "aqt", "jax_md", "optimistix",
-             "tfp", "qpax", "recurrentgemma", "tensorcircuit")
+             "tfp", "qpax", "recurrentgemma", "tensorcircuit", "jax_fdm",
+             "agjax", "fmmax")
 
 
 # -- the programs, one function per library ---------------------------------------
@@ -368,10 +369,88 @@ def _tensorcircuit():
   ]
 
 
+
+# issue 56's libraries that install quickly (jax-fdm, agjax, fmmax)
+def _jax_fdm():
+  import jax
+  import jax.numpy as jnp
+  from jax_fdm.equilibrium.solvers.fixed_point import (
+      solver_fixedpoint, solver_fixedpoint_implicit)
+  # the implicit fixed-point solver (a jax.custom_vjp over jaxopt's
+  # FixedPointIteration, a while_loop; its bwd the pseudo-adjoint with the
+  # stiffness matrix theta[0]) on x = K^-1 p(theta, x), a contraction
+  def loads(theta, x):
+    return theta[1] + 0.2 * jnp.tanh(x)
+
+  config = {"tmax": 100, "eta": 1e-6, "verbose": False,
+            "implicit_diff": True, "loads_fn": loads}
+
+  def f(theta, x):
+    return jnp.linalg.solve(theta[0], loads(theta, x))
+
+  def solve(k, p):
+    x = solver_fixedpoint_implicit(solver_fixedpoint, config, f, (k, p),
+                                   jnp.zeros_like(p))
+    return jnp.sum(x ** 2)
+
+  def scanned(k, p):
+    def step(c, _):
+      return c + 0.1 * solver_fixedpoint_implicit(
+          solver_fixedpoint, config, f, (k, c), jnp.zeros_like(c)), None
+    return jnp.sum(jax.lax.scan(step, p, None, length=2)[0] ** 2)
+  m = jnp.linspace(-0.3, 0.3, 16).reshape(4, 4)
+  k = 3.0 * jnp.eye(4) + (m + m.T) / 2
+  p = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+  return [
+      ("fixed_point grad", solve, (k, p), ("grad", "jit")),
+      ("fixed_point checkpoint", solve, (k, p),
+       ("checkpoint", "grad", "jit")),
+      ("fixed_point scan", scanned, (k, p), ("grad", "jit")),
+  ]
+
+
+def _agjax():
+  import autograd.numpy as anp
+  import agjax.experimental
+  import jax
+  import jax.numpy as jnp
+  # autograd code behind a host callback (its bwd runs autograd's VJP)
+  fn = agjax.experimental.wrap_for_jax(
+      lambda x, y: anp.sin(x) * anp.cos(y),
+      result_shape_dtypes=jax.ShapeDtypeStruct((4,), jnp.float32))
+
+  def loss(x, y):
+    return jnp.sum(fn(x, y) ** 2)
+  x = jnp.linspace(0.1, 1.0, 4)
+  y = jnp.linspace(-1.0, 0.5, 4)
+  return [
+      ("wrapped grad", loss, (x, y), ("grad", "jit")),
+      ("wrapped checkpoint", loss, (x, y), ("checkpoint", "grad", "jit")),
+  ]
+
+
+def _fmmax():
+  import fmmax.eig
+  import jax.numpy as jnp
+  # fmmax's eig: a jax.custom_vjp giving eigenvector gradients (the
+  # eigendecomposition runs on the host on CPU)
+  m = jnp.array([[2.0, 1.0, 0.3], [0.5, 3.0, 0.2], [0.1, 0.4, 1.0]],
+                jnp.complex64)
+
+  def loss(m):
+    w, v = fmmax.eig.eig(m)
+    return jnp.sum(jnp.abs(w) ** 2) + jnp.sum(jnp.abs(v[:, 0]))
+  return [
+      ("eig grad", loss, (m,), ("grad", "jit")),
+      ("eig checkpoint", loss, (m,), ("checkpoint", "grad", "jit")),
+  ]
+
+
 PROGRAMS = {"jax_cce": _jax_cce, "ejkernel": _ejkernel, "qwix": _qwix,
             "aqt": _aqt, "jax_md": _jax_md, "optimistix": _optimistix,
             "tfp": _tfp, "qpax": _qpax, "recurrentgemma": _recurrentgemma,
-            "tensorcircuit": _tensorcircuit}
+            "tensorcircuit": _tensorcircuit, "jax_fdm": _jax_fdm,
+            "agjax": _agjax, "fmmax": _fmmax}
 
 
 # -- one side -----------------------------------------------------------------------
@@ -477,7 +556,8 @@ def _versions(library):
           "aqt": "aqtp", "jax_md": "jax-md", "optimistix": "optimistix",
           "tfp": "tfp-nightly", "qpax": "qpax",
           "recurrentgemma": "recurrentgemma",
-          "tensorcircuit": "tensorcircuit-ng"}[library]
+          "tensorcircuit": "tensorcircuit-ng", "jax_fdm": "jax-fdm",
+          "agjax": "agjax", "fmmax": "fmmax"}[library]
   for d in (dist, "tensorflow-probability"):
     try:
       return f"{d} {metadata.version(d)}"

@@ -1,4 +1,4 @@
-"""Issue 34's libraries that install cheaply, swapped by their one call.
+"""Issue 34's (and issue 56's) libraries that install cheaply, swapped by their one call.
 
 ``tools/try_libraries.py`` runs each program twice, each side in a fresh
 process: the library as installed (``jax.custom_vjp``), and the same
@@ -59,6 +59,13 @@ CASES = {
             "in the scan body, smartvjp's traced fwd whole")},
     "recurrentgemma": {"RGLRU checkpoint": None},
     "tensorcircuit": {"MPSCircuit svd checkpoint": None},
+    # issue 56's libraries that install quickly: jax-fdm's implicit
+    # fixed-point solver, agjax's autograd wrapper (a host callback) and
+    # fmmax's eig, plain, checkpointed and (jax-fdm) scanned
+    "jax_fdm": {"fixed_point grad": None, "fixed_point checkpoint": None,
+                "fixed_point scan": None},
+    "agjax": {"wrapped grad": None, "wrapped checkpoint": None},
+    "fmmax": {"eig grad": None, "eig checkpoint": None},
 }
 
 
