@@ -307,7 +307,7 @@ def _fwd_dce(used_outputs, eqn):
     # as JAX prunes the inlined fwd of a jax.custom_vjp (a solver's unused
     # state is not computed)
     return _traced_dce(used_outputs, eqn.replace(params=dict(
-        call=call, which="fwd", jaxpr=fwd.jaxpr)))
+        call=call, which="fwd", jaxpr=fwd.jaxpr, part=eqn.params["part"])))
   if any(kept) and not all(kept) and fwd.jaxpr is not None:
     # some residuals read, some not: fwd computes only those read
     offload = eqn.params["offload"]

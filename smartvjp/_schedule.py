@@ -33,6 +33,7 @@ class ScheduledRule:
       or ``None`` where it runs forward mode.
     where: the primitives of the equations it is nested in, outermost
       first (``("remat2",)`` for the rematerialized backward region,
+      ``("RematTraced",)`` under JAX's ``jax_remat3`` flags,
       ``("scan", "remat2")`` for one inside a scanned layer); ``()`` at the
       top level.
     repeats: how many times one run of the program runs it: the product of
@@ -69,11 +70,17 @@ def _which(eqn) -> str | None:
 
 
 def _sub_jaxprs(eqn):
+  """``(label, jaxpr)`` per jaxpr in ``eqn``'s params: a ``Jaxpr``, a
+  ``ClosedJaxpr``, or an object holding one as ``.jaxpr`` (under
+  ``jax_remat3``, the ``RematTraced`` of a ``call_hi_primitive``)."""
   for value in eqn.params.values():
     for sub in value if isinstance(value, (tuple, list)) else (value,):
+      label = eqn.primitive.name
+      if not isinstance(sub, (jx.ClosedJaxpr, jx.core.Jaxpr)):
+        label, sub = type(sub).__name__, getattr(sub, "jaxpr", None)
       sub = sub.jaxpr if isinstance(sub, jx.ClosedJaxpr) else sub
       if isinstance(sub, jx.core.Jaxpr):
-        yield sub
+        yield label, sub
 
 
 def rule_equations(jaxpr, where: tuple[str, ...] = (),
@@ -99,8 +106,8 @@ def rule_equations(jaxpr, where: tuple[str, ...] = (),
     name = eqn.primitive.name
     inner = (None if repeats is None or name == "while" else
              repeats * eqn.params["length"] if name == "scan" else repeats)
-    for sub in _sub_jaxprs(eqn):
-      found.extend(rule_equations(sub, (*where, name), inner))
+    for label, sub in _sub_jaxprs(eqn):
+      found.extend(rule_equations(sub, (*where, label), inner))
   return found
 
 
@@ -122,7 +129,11 @@ def print_schedule(fn: Callable, *args, **kwargs) -> list[ScheduledRule]:
   This is where each rule is placed in the program JAX hands to XLA.
   ``smartvjp.testing.RunCounter`` counts runs of the compiled program
   instead, after XLA has removed what nothing reads; for the same program
-  the two agree (``tests/test_schedule.py`` checks the contract's rows).
+  the two agree (``tests/test_run_counter.py`` checks the contract's
+  rows), with one exception: under JAX's ``jax_remat3`` flags the program
+  can hold a ``fwd`` equation that nothing reads where the policy saves
+  its residuals (``everything_saveable``, ``save_only_these_names``),
+  which is listed here and removed only when the program is compiled.
 
   ```python
   import jax, jax.numpy as jnp
@@ -153,8 +164,7 @@ def print_schedule(fn: Callable, *args, **kwargs) -> list[ScheduledRule]:
   Errors raised while tracing ``fn`` propagate unchanged, as from
   ``jax.make_jaxpr(fn)``.
   """
-  closed = jax.make_jaxpr(fn)(*args, **kwargs)
-  rules = rule_equations(closed)
+  rules = rule_equations(jax.make_jaxpr(fn)(*args, **kwargs))
   for r in rules:
     print(r)
   if not rules:

@@ -31,7 +31,7 @@ def gelu_layer():
   return F
 
 
-def test_a_split_fwd_shows_both_parts_from_the_param(capsys):
+def test_a_split_fwd_shows_both_parts_from_the_param(capsys, ad_mode):
   F = gelu_layer()
   step = jax.grad(lambda x, w: jnp.sum(jax.checkpoint(F, policy=DOTS)(x, w) ** 2),
                   (0, 1))
@@ -39,7 +39,9 @@ def test_a_split_fwd_shows_both_parts_from_the_param(capsys):
   assert [(r.which, r.part) for r in rules] == [
       ("fwd", "saved"), ("fwd", "rest"), ("bwd", None)]
   assert [r.equation.params["part"] for r in rules[:2]] == ["saved", "rest"]
-  assert rules[0].where == () and rules[1].where[-1] == "remat2"
+  assert rules[0].where == ()
+  if ad_mode == "default":   # under remat3, RematTraced (jax 0.12) or inlined
+    assert rules[1].where == ("remat2",)
   assert rules[0].rule == "fwd" and rules[0].function == "<lambda>"
   printed = capsys.readouterr().out.splitlines()
   assert printed == [str(r) for r in rules]

@@ -334,7 +334,7 @@ def test_checkpoint_name_goes_on_the_count_s_output():
 
 
 @pytest.mark.parametrize("row", sorted(ROWS))
-def test_print_schedule_places_what_the_counter_counts(row):
+def test_print_schedule_places_what_the_counter_counts(row, ad_mode):
   """For the same program, the rule equations print_schedule lists (times
   their scan length; a split fwd's two sides one run) are the runs
   RunCounter counts."""
@@ -348,4 +348,10 @@ def test_print_schedule_places_what_the_counter_counts(row):
     for r in smartvjp.print_schedule(fn, X):
       placed[r.which] += 0 if r.part == "rest" else r.repeats
     jax.block_until_ready(fn(X))
+    if ad_mode == "remat3" and ("saveable" in row or "named" in kwargs):
+      # print_schedule's documented exception: under the remat3 flags the
+      # program can hold a fwd that nothing reads (its residuals saved),
+      # which compiling removes; the counter never sees it run
+      assert placed - counter.counts in ({}, {"fwd": 1}), (row, placed)
+      placed -= placed - counter.counts
     assert dict(placed) == dict(counter.counts), (row, program)
