@@ -423,6 +423,12 @@ def train(cfg, kernels, policy, params, tokens, interpret):
   return jax.block_until_ready(losses), params
 
 
+# a JAX that ships the kernels, in a virtualenv of its own (one command)
+GET_A_JAX = ('python3 -m venv /tmp/jax-0.12.0.1 && . /tmp/jax-0.12.0.1/bin/activate '
+             '&& pip install -e ".[examples]" "jax==0.12.0.1" "jaxlib==0.12.0.1" '
+             '&& python examples/pallas_ops_transformer.py')
+
+
 def main(cfg: Config | None = None):
   """Runs the comparison; returns ``{policy: {"launches", "losses",
   "residual_bytes", "params_equal"}}`` with per-schedule entries."""
@@ -430,8 +436,12 @@ def main(cfg: Config | None = None):
   if importlib.util.find_spec(ATTENTION) is None:
     print(f"JAX {jax.__version__} no longer ships the Triton Pallas kernels "
           f"this example swaps ({ATTENTION} and {RMS_NORM}; jax 0.12.1 removed "
-          "them). Run it with jax<=0.12.0.1; for a kernel that every JAX "
-          "ships, see benchmarks/tpu_attention.py (TPU flash attention).")
+          "them). To run it, in the clone, with a JAX that ships them "
+          "(Python 3.11 gets jax 0.10.2, which does):")
+    print(f"\n  {GET_A_JAX}\n")
+    print("What to conclude: nothing was measured on this JAX; run the "
+          "command above. For a kernel that every JAX ships, see "
+          "benchmarks/tpu_attention.py (TPU flash attention).")
     print(f"Finished in {time.perf_counter() - t0:.1f} s.")
     return None
   cfg = cfg or Config()

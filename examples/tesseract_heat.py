@@ -84,6 +84,10 @@ def main():
     print(f"It needs {', '.join(MISSING)} "
           '(pip install -e ".[tesseract]" in the clone, on Python 3.12 '
           'or newer); not run.')
+    print("\nWhat to conclude: nothing was measured here; python "
+          "examples/blackbox_heat.py runs the same heat simulator behind "
+          "apply / vector_jacobian_product callbacks, with the same "
+          "schedule, without the extra.")
     print(f"\nFinished in {time.perf_counter() - start:.1f} s.")
     return None
   import jax

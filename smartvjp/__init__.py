@@ -18,6 +18,8 @@ Public names:
   ``smart_custom_vjp`` in code you do not own (a library's module-level
   ``@jax.custom_vjp``, JAX's shipped Pallas kernels); ``swap_report``,
   ``SwapReport``: whether a program's custom rules are smartvjp's.
+* ``print_schedule``, ``ScheduledRule``: which rule each smartvjp equation
+  of a program runs, and where.
 * ``__version__``: this version of smartvjp, a string (PEP 440).
 """
 
@@ -28,6 +30,7 @@ from smartvjp._check import PrimalMismatchError, check_primals
 from smartvjp._equinox import filter_custom_vjp
 from smartvjp._swap import SwapError, import_swapped, swap_custom_vjp
 from smartvjp._swap import SwapReport, swap_report
+from smartvjp._schedule import ScheduledRule, print_schedule
 
 # The one place the version is written: pyproject.toml reads it from here
 # (setuptools' dynamic version, without importing the package), and
@@ -36,4 +39,5 @@ __version__ = "0.2.0.dev0"
 
 __all__ = ["smart_custom_vjp", "filter_custom_vjp", "check_primals",
            "PrimalMismatchError", "import_swapped", "swap_custom_vjp",
-           "swap_report", "SwapReport", "SwapError", "__version__"]
+           "swap_report", "SwapReport", "SwapError", "print_schedule",
+           "ScheduledRule", "__version__"]

@@ -32,7 +32,11 @@ class Bind:
 # -- what the forward pass runs ---------------------------------------------------
 
 def fwd_params(call, fwd, offload=None) -> dict:
-  return dict(call=call, which="fwd", fwd=fwd, offload=offload)
+  """``part``: the side of a policy's split this ``fwd`` is (``"saved"``,
+  ``"rest"``), else ``None``; a param so that readers of the program
+  (``print_schedule``) need not look inside ``fwd``."""
+  return dict(call=call, which="fwd", fwd=fwd, offload=offload,
+              part=None if fwd is None else fwd.split_part)
 
 
 def primal(emit, call, fwd, f_consts, fwd_consts, primals, by, first=None):

@@ -347,10 +347,12 @@ def _offloaded(call, offload):
   return post
 
 
-def _rule_code(*, call, which, fwd=None, offload=None, jaxpr=None):
+def _rule_code(*, call, which, fwd=None, offload=None, jaxpr=None,
+               part=None):
   """``"f"``: ``f`` on ``[*f_consts, *fwd_consts, *primals]`` (``fwd_consts``
   for its derivative); ``"fwd"``: ``fwd`` on ``[*fwd_consts, *primals]``;
-  otherwise the traced rule ``jaxpr``."""
+  otherwise the traced rule ``jaxpr``. ``part``: only shown."""
+  del part
   if jaxpr is not None:
     return Code(jaxpr, "fun" if which == "f" else which)
   if which == "f":
@@ -362,7 +364,9 @@ def _rule_code(*, call, which, fwd=None, offload=None, jaxpr=None):
   return Code(fwd.jaxpr, "fwd", post=_offloaded(call, offload))
 
 
-def _rule_out_avals(*, call, which, fwd=None, offload=None, jaxpr=None):
+def _rule_out_avals(*, call, which, fwd=None, offload=None, jaxpr=None,
+                    part=None):
+  del part
   if jaxpr is not None:
     return jaxpr.out_avals
   if which == "f":
@@ -409,11 +413,8 @@ def _bind_named(default, *args, **params):
 
 def _rule_shows(call, p):
   which, fwd = p["which"], p.get("fwd")
-  shown = _rule_names(call, *(("fwd",) if which in ("f", "fwd") else (which,)),
-                      fwd=fwd)
-  if which == "fwd" and fwd is not None and fwd.split_part is not None:
-    shown["part"] = fwd.split_part
-  return _PRINTED[which], shown
+  return _PRINTED[which], _rule_names(
+      call, *(("fwd",) if which in ("f", "fwd") else (which,)), fwd=fwd)
 
 
 _PRINTED = {"f": "smartvjp_primal", "fwd": "smartvjp_fwd",

@@ -372,7 +372,7 @@ def _fwd_dce(used_outputs, eqn):
   if left.fwd is _plan.FwdLeft.CODE:
     # a solver's unused state is not computed
     return _traced_dce(used_outputs, eqn.replace(params=dict(
-        call=call, which="fwd", jaxpr=fwd.jaxpr)))
+        call=call, which="fwd", jaxpr=fwd.jaxpr, part=eqn.params["part"])))
   if left.fwd is _plan.FwdLeft.RESIDUALS:
     if offload is not None:
       offload = tuple(o for o, k in zip(offload, kept) if k)

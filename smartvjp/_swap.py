@@ -50,6 +50,7 @@ import functools
 import importlib
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import threading
 import types
@@ -1296,7 +1297,11 @@ def import_swapped(name: str, *, include: Iterable[str] = ()
       ``__init__`` imports none of its submodules, as ``"aqt"``; a library
       whose ``custom_vjp`` another library makes, as optimistix's through
       equinox): the message names the submodules to copy instead, and
-      ``swap_custom_vjp(existing=True)``.
+      ``swap_custom_vjp(existing=True)``; where the module re-exports
+      names from a submodule outside the copy that makes ``custom_vjp``
+      functions (``jaxopt.implicit_diff`` from ``jaxopt._src``), it says so
+      and names both fixes: the parent package, or that submodule in
+      ``include``.
 
   An exception that the module's own code raises while it runs propagates
   unchanged.
@@ -1373,6 +1378,46 @@ def _restore_parent_attributes(created, saved):
         pass
 
 
+def _reexported(created) -> dict[str, list[str]]:
+  """``{module outside the copy: [names the copy re-exports from it]}`` for
+  the modules of the same library that hold ``custom_vjp`` functions or
+  code that makes them (``jaxopt.implicit_diff`` re-exports
+  ``jaxopt._src.implicit_diff``)."""
+  top = {n.split(".")[0] for n in created}
+  found: dict[str, list[str]] = {}
+  for mod in created.values():
+    for attr, value in list(vars(mod).items()):
+      origin = getattr(value, "__module__", None)
+      if (attr.startswith("_") or not isinstance(origin, str)
+          or origin in created or origin.split(".")[0] not in top):
+        continue
+      source = sys.modules.get(origin)
+      if source is not None and any(entries(source, recurse=False)):
+        found.setdefault(origin, []).append(attr)
+  return found
+
+
+def _refuse_reexports(name, created) -> None:
+  """A SwapError naming both ways to swap a module whose ``custom_vjp``
+  code lives in a submodule it re-exports from, outside the copy."""
+  found = _reexported(created)
+  if not found:
+    return
+  origins = sorted(found)
+  common = os.path.commonprefix([name.split("."), *(o.split(".")
+                                                    for o in origins)])
+  parent = ".".join(common) or name.split(".")[0]
+  listed = "; ".join(f"{', '.join(sorted(found[o])[:3])} from {o}"
+                     for o in origins)
+  raise SwapError(
+      f"import_swapped({name!r}): the copy holds no custom_vjp function and "
+      f"no code that makes one, so it would change nothing: {name} "
+      f"re-exports {listed}, which the copy shares unswapped (outside it, "
+      "their jax.custom_vjp stays JAX's). Either copy the package that "
+      f"holds both, import_swapped({parent!r}), or copy what it re-exports "
+      f"with it, import_swapped({name!r}, include={tuple(origins)!r}).")
+
+
 def _check_copy(name, created, include):
   """Raises SwapError if a module of the copy holds jax.custom_vjp functions
   or JAX's decorator itself. A ``jax.custom_vjp`` that a JAX API builds in
@@ -1398,6 +1443,7 @@ def _check_copy(name, created, include):
         f"where smart_custom_vjp was asked for: {'; '.join(problems)}.")
   if not include and not any(smart for mod in created.values()
              for _, smart, _, _ in entries(mod, recurse=False)):
+    _refuse_reexports(name, created)
     subs = sorted(n for n in sys.modules if n.startswith(name + "."))
     raise SwapError(
         f"import_swapped({name!r}): the copy holds no custom_vjp function "

@@ -1,13 +1,17 @@
-"""Counting how often each rule runs, without changing what runs.
+"""Counting how often each rule runs.
 
-:class:`RunCounter` puts a counting step into your rules. The step is opaque
-and is never removed: it passes its arrays through a host callback that
-counts, so the computation feeding it runs whole, as a kernel (Pallas,
-Triton, an FFI call) would, and it has no effect that JAX keeps alive
-(``jax.debug.callback`` and ``jax.debug.print`` have one, and under
-``jax.checkpoint`` JAX then keeps equations it would otherwise remove, so
-they change the counts they report). These are the counts that
-``tests/test_contract.py`` checks and the README's contract table lists.
+:class:`RunCounter` puts a counting step into your rules. The step passes
+its arrays through a host callback that counts; like a kernel (Pallas,
+Triton, an FFI call) it is one opaque step over all it is given, removed
+where nothing reads its outputs and otherwise run whole, and it has no
+effect that JAX keeps alive (``jax.debug.callback`` and ``jax.debug.print``
+have one, and under ``jax.checkpoint`` JAX then keeps equations it would
+otherwise remove, so they change the counts they report). These are the
+counts that the README's contract table lists for a removable kernel.
+
+It does change one thing: a JAX-coded rule with a count in it is a kernel
+to smartvjp (see :class:`RunCounter`). To see where each rule is placed
+without changing anything, read the program: ``smartvjp.print_schedule``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import functools
 
 import jax
 import numpy as np
-from jax.experimental import io_callback
 
 from smartvjp import _facade as jx
 
@@ -58,9 +61,27 @@ class RunCounter:
   assert runs.counts == {"f": 1, "fwd": 1, "bwd": 1}
   ```
 
-  The count never goes away, even where nothing reads its outputs: a
-  program that relies on JAX or XLA removing a kernel whose outputs are
-  unused shows that kernel's run here.
+  **Removed as a kernel is.** Where nothing reads any of the step's
+  outputs, JAX's and XLA's dead-code elimination remove it, and the run is
+  not counted, as a kernel there would not run (e.g. ``jax.custom_vjp``'s
+  ``fwd`` rematerialized under ``save_only_these_names`` when its residual
+  is saved: ``fwd 1, bwd 1``). Where one output is read, it runs whole.
+
+  **What it changes: a JAX-coded rule becomes a kernel.** The step is one
+  opaque operation over all the rule returns, so smartvjp treats a
+  JAX-coded ``fwd`` holding it as a kernel: under a policy that saves part
+  of what ``fwd`` computes (``dots_saveable``), it no longer splits
+  ``fwd`` (``fwd[part=saved]`` forward and ``fwd[part=rest]`` backward)
+  but runs ``f`` forward and ``fwd`` whole backward. The counts are then
+  those of an opaque kernel, which is what the counter is for; for the
+  schedule of the uncounted rules, use ``smartvjp.print_schedule``, which
+  reads the program and changes nothing.
+
+  **``checkpoint_name`` goes after the count**, on the residual the count
+  returns: ``z, y = runs.count("fwd", z, y)``, then
+  ``checkpoint_name(y, "res")``. A name put before the count is on a value
+  the count reads, not on the residual ``fwd`` returns, so
+  ``save_only_these_names`` saves nothing.
 
   Attributes:
     counts: a ``collections.Counter`` ``{name: runs}``; only names that ran
@@ -121,16 +142,21 @@ count_p.def_effectful_abstract_eval(
 
 def _lower(*arrays, name, counter):
   shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-  return io_callback(functools.partial(_run, name, counter), shapes, *arrays,
-                     ordered=False)
+  # a pure host callback: XLA removes it where nothing reads its outputs, as
+  # it removes a kernel's custom call
+  return jax.pure_callback(functools.partial(_run, name, counter), shapes,
+                           *arrays, vmap_method="sequential")
 
 
 # not cached per equation (inline answers None: lower by tracing _lower), as
 # JAX's own host callbacks are not: one cached lowering shared by two
 # equations would send both over one host channel
 jx.register_lowering(count_p, _lower, inline=lambda **_: None)
-# kept even when nothing reads its outputs, as a kernel that writes memory
-jx.register_dce(count_p, lambda used, eqn: ([True] * len(eqn.invars), eqn))
+# removed where none of its outputs is read, kept whole where one is: as JAX
+# treats a kernel (a pallas_call, an FFI call) with no effects
+jx.register_dce(count_p, lambda used, eqn: (
+    ([True] * len(eqn.invars), eqn) if any(used)
+    else ([False] * len(eqn.invars), None)))
 # the identity: tangents pass through, the count stays on the primal values
 jx.ad.primitive_jvps[count_p] = lambda primals, tangents, **params: (
     count_p.bind(*primals, **params), list(tangents))

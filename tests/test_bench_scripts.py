@@ -360,3 +360,26 @@ def test_accel_profile_joins_tpu_event_names_and_keeps_loops_apart():
   assert s["classes"] == {"kernel gelu_matmul_f": 5.0,
                           "fusion with dot (XLA matmul)": 3.0}
   assert bench.event_instruction("fusion.3") == "fusion.3"
+
+
+def test_tpu_figure_title_comes_from_the_json():
+  """Issue 58: the title was written by hand and went stale (it said rows
+  did not compile after they did); now it names the chip, the JAX versions
+  and the commits of the JSON, and a group measured against XLA only where
+  its jax.custom_vjp row did not run."""
+  spec = importlib.util.spec_from_file_location(
+      "smartvjp_tpu_figures", os.path.join(ROOT, "tools", "tpu_figures.py"))
+  figures = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(figures)
+  mlp, lm = figures.load()
+  text = figures.title(mlp, lm)
+  assert mlp["machine"]["device_kind"] in text
+  for commit in {mlp["versions"]["commit"]} | {r["commit"] for r in lm.values()}:
+    assert commit in text
+  assert "did not run" not in text   # every jax.custom_vjp row ran
+  failed = json.loads(json.dumps(mlp))
+  for r in failed["results"]:
+    if (r["workload"], r["hidden"], r["impl"]) == ("gelu_matmul", 4096,
+                                                   "jax.custom_vjp"):
+      r["step"] = dict(status="error")
+  assert "(gelu_matmul 4096: relative to xla" in figures.title(failed, lm)

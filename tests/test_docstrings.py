@@ -394,6 +394,10 @@ CLAIMS = [
       "that makes one",
       "tests/test_swap.py::test_a_copy_that_would_change_nothing_is_a_swap_error",
       raises="SwapError"),
+    C("import_swapped", "it says so and names both fixes: the parent "
+      "package, or that submodule in include",
+      "tests/test_swap.py::test_a_module_that_re_exports_from_outside_the_copy_names_both_fixes",
+      raises="SwapError"),
     C("import_swapped", "fails in its own code when copied alone: copy the "
       "package instead",
       "tests/test_swap.py::test_a_module_that_needs_its_package_mid_init_is_copied_with_it"),
@@ -448,6 +452,30 @@ CLAIMS = [
       "tests/test_run_counter.py::test_values_pass_through_unchanged"),
     C("testing.RunCounter.reset", "Sets every count back to zero",
       "tests/test_run_counter.py::test_tracing_counts_nothing_and_reset"),
+    C("testing.RunCounter", "is saved: fwd 1, bwd 1",
+      "tests/test_run_counter.py::test_counts_what_a_removable_kernel_runs"),
+    C("testing.RunCounter", "Where nothing reads any of the step's outputs, "
+      "JAX's and XLA's dead-code elimination remove it",
+      "tests/test_run_counter.py::test_the_count_is_removed_where_nothing_reads_it"),
+    C("testing.RunCounter", "it no longer splits fwd (fwd[part=saved] forward "
+      "and fwd[part=rest] backward) but runs f forward and fwd whole backward",
+      "tests/test_run_counter.py::test_the_count_makes_a_jax_coded_fwd_a_kernel_as_the_docs_say"),
+    C("testing.RunCounter", "so save_only_these_names saves nothing",
+      "tests/test_run_counter.py::test_checkpoint_name_goes_on_the_count_s_output"),
+    # smartvjp.print_schedule
+    C("print_schedule", "for the same program the two agree",
+      "tests/test_run_counter.py::test_print_schedule_places_what_the_counter_counts"),
+    C("print_schedule", "[part=saved] / [part=rest] for the two sides of a "
+      "fwd that a remat policy split",
+      "tests/test_print_schedule.py::test_a_split_fwd_shows_both_parts_from_the_param"),
+    C("print_schedule", "x4 in a scan of length 4, x? in a while",
+      "tests/test_print_schedule.py::test_repeats_in_scan_and_while_and_nothing_to_show"),
+    C("ScheduledRule", "None inside a while",
+      "tests/test_print_schedule.py::test_repeats_in_scan_and_while_and_nothing_to_show"),
+    C("ScheduledRule", "The equation's part param",
+      "tests/test_print_schedule.py::test_a_split_fwd_shows_both_parts_from_the_param"),
+    C("ScheduledRule", "\"jvp\" / \"lin\" for forward mode's",
+      "tests/test_print_schedule.py::test_forward_mode_shows_the_jvp_equation"),
 ]
 
 
@@ -512,7 +540,7 @@ def test_every_docstring_example_runs():
         warnings.simplefilter("ignore", DeprecationWarning)
         exec(compile(code, f"{name}.__doc__", "exec"), {"__name__": "__doc__"})
       ran += 1
-  assert ran == 6
+  assert ran == 7
 
 
 # -- the checks of claims no other file checks directly ---------------------------------

@@ -230,7 +230,8 @@ LABELS = {
         "rule calls", "arrays moved", "max |ours - reference| / max |reference|",
         CONCLUSION],
     # Without a GPU and jax_triton it prints one line saying what is missing.
-    "examples/triton_gelu_matmul.py": ["Triton matmul+GELU (jax_triton.triton_call)"],
+    "examples/triton_gelu_matmul.py": ["Triton matmul+GELU (jax_triton.triton_call)",
+                                       CONCLUSION],
     "examples/equinox_mlp.py": ["rule calls", "kernel launches",
                                 "max |ours - equinox's|", "mean squared error",
                                 CONCLUSION],
@@ -239,14 +240,16 @@ LABELS = {
                                   "median [min-max]", "same schedule",
                                   CONCLUSION],
     # Without the tesseract extra it prints one line saying what is missing.
-    "examples/tesseract_heat.py": ["Tesseract example"],
+    "examples/tesseract_heat.py": ["Tesseract example", CONCLUSION],
     # jax 0.12.1 removed the kernels it swaps: it says so and stops
     "examples/pallas_ops_transformer.py": [
         "Kernel launches per training step", "residual bytes written",
         "must be equal bit for bit", "losses bitwise equal yes",
         "parameters after the last step bitwise equal yes",
         "trains the\nsame model bit for bit", CONCLUSION]
-    if _versions.SHIPS_TRITON_PALLAS_OPS else ["no longer ships the Triton"],
+    if _versions.SHIPS_TRITON_PALLAS_OPS else [
+        "no longer ships the Triton", '"jax==0.12.0.1" "jaxlib==0.12.0.1"',
+        CONCLUSION],
     "examples/ffi_kernel.py": ["Rules as", "rule calls",
                                "max |ours - 2 sin(x) cos(x)|", CONCLUSION],
 }
@@ -284,14 +287,21 @@ def test_examples_table_lists_every_example():
              if n.endswith(".py")}
   assert listed == present
   assert set(LABELS) == present
+  # the README: each "ends with What to conclude:", where it stops early too
+  assert all(CONCLUSION in labels for labels in LABELS.values())
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_readme_example_command(example_runs, command):
   rc, out, err, seconds = example_runs[command]
   assert rc == 0, f"{command} exited with {rc}:\n{out[-2000:]}\n{err[-3000:]}"
+  tail = out[out.rfind(CONCLUSION):] if CONCLUSION in out else ""
   assert re.search(r"Finished in \d+\.\d s\.", out), out[-2000:]
   for bad in ("WRONG", "TOO LARGE", "Traceback"):
     assert bad not in out, f"{command} printed {bad}:\n{out}"
   for label in LABELS[command.split()[1]]:
     assert label in out, f"{command} does not print {label!r}:\n{out}"
+  # it ends with its conclusion: after it, at most the time it took
+  after = [p for p in tail.split("\n\n")[1:] if p.strip()]
+  assert tail and all(p.strip().startswith("Finished in") for p in after), (
+      f"{command} does not end with its conclusion:\n{out[-1500:]}")

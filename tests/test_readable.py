@@ -115,8 +115,8 @@ def test_a_split_fwd_prints_which_part_it_runs(ad_mode):
   side in the forward pass (what the policy saves), part=rest the side in
   the backward region. Under the remat3 flags the rest, whose primal
   outputs nobody reads, is pruned to fwd's traced code and prints as
-  smartvjp_fwd[f=... fwd=...] without num_res or part (getting-started
-  says so)."""
+  smartvjp_fwd[f=... fwd=... part=rest] without num_res (getting-started
+  says so); part is the equation's param on both paths."""
   # in program order: the forward pass's, then the backward region's (a
   # nested jaxpr, or inlined after it under remat3 on jax 0.10)
   eqns = _fwd_equations(_split_program().jaxpr)
@@ -127,7 +127,7 @@ def test_a_split_fwd_prints_which_part_it_runs(ad_mode):
     assert re.search(r"smartvjp_fwd\[ ?f=my_f fwd=my_fwd num_res=1 part=rest ?\]",
                      backward), backward
   else:
-    assert "smartvjp_fwd[f=my_f fwd=my_fwd]" in backward, backward
+    assert "smartvjp_fwd[f=my_f fwd=my_fwd part=rest]" in backward, backward
 
 
 def test_a_whole_fwd_prints_no_part():

@@ -2,9 +2,12 @@
 the runnable examples in the public docstrings, and ``help()`` pages without
 inherited boilerplate."""
 
+import ast
 import os
 import pydoc
 import re
+import subprocess
+import sys
 import textwrap
 
 import jax
@@ -60,18 +63,16 @@ def test_readme_usage_snippet_runs_and_matches_custom_vjp(capsys):
   ns = {}
   exec(compile(usage_snippet(), "README.md (Usage)", "exec"), ns)
   check_against_custom_vjp_and_plain(ns, lambda x, w: jax.nn.gelu(x @ w))
-  # what it prints is the claim of its closing comments: f forward, f_fwd_bwd
-  # inside the rematerialized region, f_fwd nowhere
+  # what it prints (smartvjp.print_schedule) is its closing comments: f
+  # forward, f_fwd_bwd inside the rematerialized region, f_fwd nowhere
   printed = capsys.readouterr().out.splitlines()
-  assert len(printed) == 2, printed
-  assert "smartvjp_primal[f=f " in printed[0]
-  assert "smartvjp_bwd[f=f fwd_bwd=f_fwd_bwd]" in printed[1]
-  program = ns["program"]
-  region = program[program.index("remat2["):]
-  assert "smartvjp_bwd" in region and "smartvjp_primal" not in region
-  assert "smartvjp_fwd" not in program
-  claimed = usage_snippet().split("# the schedule")[1]
-  assert "forward pass: f" in claimed and "backward: f_fwd_bwd" in claimed
+  claimed = usage_snippet().split("# the schedule")[1].splitlines()[3:]
+  assert len(printed) == len(claimed) == 2, (printed, claimed)
+  for line, comment in zip(printed, claimed):
+    assert comment.startswith("# " + line + "  "), (line, comment)
+  assert printed == ["f (f) of f  in top level",
+                     "fwd_bwd (f_fwd_bwd) of f  in remat2"]
+  assert "forward pass: f" in claimed[0] and "backward: f_fwd_bwd" in claimed[1]
 
 
 def test_smart_custom_vjp_docstring_example():
@@ -165,3 +166,156 @@ def test_readme_is_short_and_its_links_resolve():
   for seed in ("https://github.com/jax-ml/jax/issues/21303",
                "https://github.com/pasteurlabs/tesseract-jax/issues/27"):
     assert seed in targets, seed
+
+
+# -- every command the README prints runs as printed -----------------------------
+
+# Each command the README prints, and the test that runs it (its smoke sizes
+# where it needs hardware or an hour). The two set-up commands run in CI
+# (.ci/run runs the test command) and in each release's fresh-clone trial.
+EXAMPLES = "tests/test_examples.py::test_readme_example_command"
+README_COMMANDS = {
+    'test -d .venv || python3 -m venv .venv && . .venv/bin/activate && pip '
+    'install -e ".[examples]" && python examples/seed_remat.py':
+        "tests/test_examples.py::test_seed_remat_table",
+    'test -d .venv || python3 -m venv .venv && . .venv/bin/activate && pip '
+    'install -e ".[test]" && python -m pytest -n auto':
+        "tests/test_readme_and_help.py::test_setup_commands_reuse_one_venv",
+    "python benchmarks/counts.py":
+        "tests/test_examples.py::test_counts_benchmark_smartvjp_column",
+    "python benchmarks/cost.py":
+        "tests/test_cost.py::test_the_printed_goals_are_met_and_the_kernel_flops_say_na",
+    "python tools/tpu_session.py":
+        "tests/test_readme_and_help.py::test_tpu_session_runs_as_printed",
+    # the wheel, built and installed from outside the clone by
+    # tools/release_check.sh, which CI runs
+    "pip install .":
+        "tests/test_release.py::test_release_check_script_is_executable",
+    "pip install /path/to/smartvjp":
+        "tests/test_release.py::test_release_check_script_is_executable",
+    'pip install -e ".[docs]" && mkdocs serve':
+        "tests/test_docs.py::test_mkdocs_build_strict",
+}
+
+
+def readme_commands() -> list[str]:
+  """The commands the README prints: its bash blocks and the code spans
+  that start with ``python `` or ``pip ``."""
+  text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  found = [b.strip() for b in re.findall(r"```bash\n(.*?)```", text, re.S)]
+  prose = re.sub(r"```.*?```", "", text, flags=re.S)
+  found += [c for c in re.findall(r"`([^`\n]+)`", prose)
+            if c.startswith(("python ", "pip "))]
+  return list(dict.fromkeys(found))
+
+
+def _required_options(script: str) -> list[str]:
+  """The ``add_argument(..., required=True)`` options and positional
+  arguments without a default of a script: a command that names none of
+  them exits with a usage error."""
+  tree = ast.parse(open(os.path.join(ROOT, script), encoding="utf-8").read())
+  required = []
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "add_argument" and node.args
+        and isinstance(node.args[0], ast.Constant)):
+      kw = {k.arg: k.value for k in node.keywords}
+      flag = node.args[0].value
+      nargs = getattr(kw.get("nargs"), "value", None)
+      if (getattr(kw.get("required"), "value", False)
+          or (not flag.startswith("-") and nargs not in ("?", "*")
+              and "default" not in kw)):
+        required.append(flag)
+  return required
+
+
+def test_every_command_the_readme_prints_runs_as_printed():
+  import test_examples
+  commands = readme_commands()
+  mapped = dict(README_COMMANDS, **{c: EXAMPLES for c in test_examples.COMMANDS})
+  assert sorted(commands) == sorted(mapped), (
+      "each command the README prints needs a test that runs it: "
+      f"{sorted(set(commands) ^ set(mapped))}")
+  for command, test in mapped.items():
+    file, _, name = test.partition("::")
+    source = open(os.path.join(ROOT, file), encoding="utf-8").read()
+    assert re.search(rf"^def {name}\(", source, re.M), test
+    for part in command.split("&&"):
+      words = part.split()
+      if words[:1] == ["python"] and words[1].endswith(".py"):
+        script = words[1]
+        assert os.path.isfile(os.path.join(ROOT, script)), script
+        assert not _required_options(script), (
+            f"{command}: {script} requires {_required_options(script)}")
+        stem = os.path.splitext(os.path.basename(script))[0]
+        assert stem in source or test == EXAMPLES, (test, script)
+
+
+def test_required_options_are_found():
+  # tools/tpu_session.py required --out until issue 58
+  tree = 'p.add_argument("--out", required=True)\np.add_argument("n")\n'
+  path = os.path.join(ROOT, "tests", "_required_probe.py")
+  try:
+    open(path, "w").write(tree)
+    assert _required_options("tests/_required_probe.py") == ["--out", "n"]
+  finally:
+    os.remove(path)
+
+
+def test_tpu_session_runs_as_printed():
+  """``python tools/tpu_session.py``, as the README prints it: off a TPU it
+  says it measured nothing and exits 0 (on a TPU it measures: by hand)."""
+  if jax.default_backend() == "tpu":
+    pytest.skip("on a TPU it runs the measurements (minutes): by hand")
+  done = subprocess.run([sys.executable, "tools/tpu_session.py"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "no TPU here" in done.stdout and "nothing ran" in done.stdout
+
+
+# -- what is supported, what pip installs, what CI tests ------------------------
+
+def ci_legs():
+  """``(whole-suite legs [(python, "0.Y.x")], probe releases)`` of .ci/run."""
+  text = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+  suites = re.findall(r'^(?:\w+=\w+ )?suite \S+ (3\.\d+) "jax>=(0\.\d+),', text,
+                      re.M)
+  probes = re.findall(r"^short \S+ 3\.\d+ (0\.\d+\.\d+)$", text, re.M)
+  return [(py, f"{jax_}.x") for py, jax_ in suites], probes
+
+
+def test_supported_line_says_what_ci_tests_and_what_pip_installs():
+  """Issue 58: the README said "3.12 with 0.11.x" where pip gives a 3.12
+  user jax 0.12. The line names exactly the legs of .ci/run, and what pip
+  installs per Python: jax from 0.11 needs Python 3.12 (its metadata), so
+  3.11 gets 0.10.2 and 3.12/3.13 the newest 0.12.x pyproject allows."""
+  import importlib.metadata
+  import tomllib
+  line = next(l for l in open(os.path.join(ROOT, "README.md"),
+                              encoding="utf-8").read().splitlines()
+              if l.startswith("**Supported**"))
+  suites, probes = ci_legs()
+  assert [py for py, _ in suites] == ["3.11", "3.12", "3.13"]
+  assert ("CI (`.ci/run`) runs the whole suite on " + ", ".join(
+      f"{py} with {v}" for py, v in suites)) in line
+  assert probes and "version probes" in line
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+    deps = tomllib.load(fh)["project"]["dependencies"]
+  upper = re.search(r"jax>=0\.(\d+)[.\d]*,<0\.(\d+)", " ".join(deps))
+  lo, hi = int(upper.group(1)), int(upper.group(2))
+  assert f"jax/jaxlib 0.{lo}.x to 0.{hi - 1}.x" in line
+  assert f"3.11 gets jax 0.{lo}.2" in line
+  assert f"3.12 and 3.13 the newest 0.{hi - 1}.x" in line
+  # pip's choice, from the installed JAX's own metadata
+  installed = jax.__version__.split(".")
+  requires = importlib.metadata.metadata("jax")["Requires-Python"]
+  if int(installed[1]) >= 11:
+    assert requires.replace(" ", "") == ">=3.12", requires
+  elif sys.version_info[:2] == (3, 11):
+    assert installed[:2] == ["0", str(lo)]
+  # the getting-started page names the same legs and probes
+  guide = open(os.path.join(ROOT, "docs", "getting-started.md"),
+               encoding="utf-8").read()
+  for release in probes:
+    assert release in guide, release
+

@@ -830,6 +830,48 @@ def test_a_copy_that_would_change_nothing_is_a_swap_error(library):
   assert swap_report(copy).ok
 
 
+def test_a_module_that_re_exports_from_outside_the_copy_names_both_fixes(
+    library):
+  """Issue 58: ``import_swapped("jaxopt.implicit_diff")``, a module that
+  re-exports ``custom_root`` from ``jaxopt._src.implicit_diff``: the error
+  says so and names both ways that work, each of which then gives the
+  swapped rules (bitwise equal gradients)."""
+  name = f"swaplib_{uuid.uuid4().hex[:10]}"
+  library({
+      "__init__.py": f"from {name} import implicit_diff\n",
+      "_src/__init__.py": "",
+      "_src/implicit_diff.py": """
+          import jax
+          import jax.numpy as jnp
+
+          def custom_root(scale):
+            @jax.custom_vjp
+            def solve(x):
+              return jnp.sin(x) * scale
+            solve.defvjp(lambda x: (jnp.sin(x) * scale, jnp.cos(x)),
+                         lambda c, g: (c * g * scale,))
+            return solve
+          """,
+      "implicit_diff.py": f"from {name}._src.implicit_diff import custom_root\n",
+  }, name)
+  importlib.import_module(f"{name}.implicit_diff")
+  with pytest.raises(SwapError, match="re-exports custom_root from") as e:
+    import_swapped(f"{name}.implicit_diff")
+  message = str(e.value)
+  assert f"{name}._src.implicit_diff" in message
+  assert f"import_swapped({name!r})" in message
+  assert (f"import_swapped('{name}.implicit_diff', "
+          f"include=('{name}._src.implicit_diff',))") in message
+  shared = importlib.import_module(f"{name}.implicit_diff").custom_root(2.0)
+  want = checkpointed_grad(shared)(X)
+  for copy in (import_swapped(name).implicit_diff,
+               import_swapped(f"{name}.implicit_diff",
+                              include=(f"{name}._src.implicit_diff",))):
+    solve = copy.custom_root(2.0)
+    assert swap_report(solve, X).ok
+    assert_bitwise(checkpointed_grad(solve)(X), want)
+
+
 def test_existing_names_what_it_leaves_and_a_cached_trace(library):
   name = library(LIBRARY)
   lib = importlib.import_module(name)

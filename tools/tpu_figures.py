@@ -31,7 +31,7 @@ def load():
       doc = json.load(fh)
     for policy, res in doc["policies"].items():
       lm[policy] = dict(res, commit=doc["versions"]["commit"],
-                        peaks=doc.get("peaks"))
+                        jax=doc["versions"]["jax"], peaks=doc.get("peaks"))
   return mlp, lm
 
 
@@ -87,6 +87,25 @@ def lm_table(lm):
   return "\n".join(out)
 
 
+def title(mlp, lm) -> str:
+  """The figure's title, from the JSON: the chip, the JAX versions and the
+  commits measured, and which groups are relative to XLA only (those whose
+  ``jax.custom_vjp`` row did not run)."""
+  versions = sorted({mlp["versions"]["jax"]} | {
+      r.get("jax") for r in lm.values() if r.get("jax")})
+  commits = sorted({mlp["versions"].get("commit") or "unknown"} | {
+      r["commit"] or "unknown" for r in lm.values()})
+  fallback = [f"{w} {h}" for (w, h), by in mlp_rows(mlp).items()
+              if _ms(by.get("jax.custom_vjp", {})) is None]
+  text = (f"{mlp['machine']['device_kind']}, jax {', '.join(versions)}, "
+          f"smartvjp at {', '.join(commits)}: step time relative to "
+          "jax.custom_vjp's, lower is faster")
+  if fallback:
+    text += (f" ({', '.join(fallback)}: relative to xla; its kernel rows "
+             "did not run)")
+  return text
+
+
 def plot(mlp, lm, path):
   import matplotlib
   matplotlib.use("Agg")
@@ -122,10 +141,7 @@ def plot(mlp, lm, path):
   fig.legend([seen[c] for c in COLUMNS if c in seen],
              [c for c in COLUMNS if c in seen], loc="lower center", ncol=5,
              fontsize=8)
-  kind = mlp["machine"]["device_kind"]
-  fig.suptitle(f"{kind}, jax {mlp['versions']['jax']}: step time, lower is "
-               "faster (gelu_matmul 4096: relative to xla; its unfused kernel "
-               "rows did not compile)", fontsize=9)
+  fig.suptitle(title(mlp, lm), fontsize=9)
   fig.tight_layout(rect=(0, 0.08, 1, 0.95))
   fig.savefig(path, dpi=110)
 

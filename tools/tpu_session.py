@@ -28,6 +28,11 @@ Parts (``--parts``; by default the first four, in this order):
 
 Run (through the device tool, from the repository root):
     SMARTVJP_COMMIT=<commit> python3 tools/tpu_session.py --out "$OUT"
+
+Without ``--out`` the JSON and log go to a new folder under the system's
+temporary folder, named when the run starts. Off a TPU it measures nothing:
+it says so, names the parts' CPU checks (``tests/test_bench_scripts.py``)
+and exits with status 0.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +59,9 @@ DEFAULT_PARTS = ("tiles", "mlp", "lm", "attention")
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", required=True, help="folder for the JSON and log")
+  p.add_argument("--out", default=None,
+                 help="folder for the JSON and log (default: a new one under "
+                 "the system's temporary folder)")
   p.add_argument("--parts", nargs="+", default=list(DEFAULT_PARTS),
                  choices=PARTS)
   p.add_argument("--timeout", type=float, default=540,
@@ -61,6 +69,16 @@ def main(argv=None):
   p.add_argument("--extra", action="append", default=[],
                  help="PART=ARGS: more arguments for a part's script")
   args = p.parse_args(argv)
+  backend = _backend()
+  if backend != "tpu":
+    print(f"tools/tpu_session.py: no TPU here (JAX's backend is {backend}); "
+          f"the parts ({', '.join(args.parts)}) measure on a TPU, so nothing "
+          "ran. Their CPU checks (smoke modes, TPU lowering off-device): "
+          "python -m pytest tests/test_bench_scripts.py")
+    return 0
+  if args.out is None:
+    args.out = tempfile.mkdtemp(prefix="tpu_session_")
+  print(f"== JSON and log: {args.out}", flush=True)
   os.makedirs(args.out, exist_ok=True)
   extra = {}
   for item in args.extra:
@@ -94,6 +112,16 @@ def main(argv=None):
           flush=True)
     status = status or (rc != 0)
   return status
+
+
+def _backend() -> str:
+  """JAX's default backend, asked in a process of its own (this one must
+  not hold the chip, which each part's process needs)."""
+  done = subprocess.run(
+      [sys.executable, "-c", "import jax; print(jax.default_backend())"],
+      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  lines = done.stdout.split()
+  return lines[-1] if done.returncode == 0 and lines else "unknown"
 
 
 if __name__ == "__main__":
