@@ -145,8 +145,12 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
         if kind == "inline":
           for j, (sub, label) in enumerate(subs):
             # each occurrence of a body apart (a jitted function called twice)
+            # (under jax_remat3 a rematted region is an equation whose
+            # name stack says so, around a body whose names do not)
+            mark = "rematted_computation" if "rematted_computation" in name \
+                else ""
             visit(sub, path + ([label] if label else []),
-                  f"{prefix}{id(jaxpr)}.{i}.{j}|")
+                  f"{prefix}{id(jaxpr)}.{i}.{j}{mark}|")
         elif kind == "loop":
           for sub, (label, n) in subs:
             if n is None:

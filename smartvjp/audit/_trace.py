@@ -143,6 +143,10 @@ class Recorder:
     self.sites = sites          # id(original) -> Site, shared by configs
     self.calls: dict = {}       # site index -> calls made in this trace
     self.twins: set = set()
+    # functions of twins and of sites left as they are: jax.custom_vjp's
+    # __call__ under jax_custom_vjp3 (0.12) makes a custom_vjp3 of its fun
+    # and calls that, which is the same call, not a new site
+    self.funs: set = set()
 
   def site_of(self, obj, kind) -> Site:
     site = self.sites.get(id(obj))
@@ -197,10 +201,12 @@ class Recorder:
                   fwd_bwd=_scoped(site.fwd_bwd, name("fwd_bwd"))
                   if fused else None)
     self.twins.add(id(twin))
+    self.funs.add(id(fun))
     return twin
 
   def call(self, original_call, obj, kind, args, kwargs):
-    if id(obj) in self.twins:
+    if id(obj) in self.twins or (
+        _VJP3 is not None and isinstance(obj, _VJP3) and id(obj.f) in self.funs):
       return original_call(obj, *args, **kwargs)
     site = self.site_of(obj, kind)
     calls = self.calls.setdefault(site.index, [])
@@ -213,6 +219,7 @@ class Recorder:
                 if i in site.nondiff_argnums}))
     twin = self.twin(site, index)
     if twin is None:
+      self.funs.add(id(site.fun))
       return original_call(obj, *args, **kwargs)
     if twin == "unavailable":
       site.unavailable = getattr(site, "unavailable", set()) | {self.config}
