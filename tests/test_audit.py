@@ -316,6 +316,14 @@ def test_assert_no_duplicate_fwd():
   S.defvjp(F.fwd, F.bwd)
   a = smartvjp.audit.assert_no_duplicate_fwd(jax.grad(_loss(S, True)), X)
   assert compiled(a, "as_is") == {"f": 1, "fwd": 1, "bwd": 1}
+  with pytest.raises(smartvjp.audit.AuditError, match="no jax.custom_vjp"):
+    smartvjp.audit.assert_no_duplicate_fwd(jnp.sin, X)
+
+
+def test_unknown_configuration_is_a_clear_error():
+  with pytest.raises(ValueError, match="configs must be some of"):
+    smartvjp.audit(jax.grad(_loss(_opaque_jax_site(), True)), X,
+                   configs=("as_written", "defremat"))
 
 
 def test_json_has_the_documented_schema(tmp_path):

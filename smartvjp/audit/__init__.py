@@ -230,11 +230,18 @@ def capture(*, measure: bool = False, show: bool = True) -> Iterator[Capture]:
   """A context manager around a training loop.
 
   ```python
-  with smartvjp.audit.capture() as cap:
+  import jax, jax.numpy as jnp
+  import smartvjp
+
+  F = jax.custom_vjp(lambda x: jnp.sin(x))
+  F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+  step = jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x))))
+
+  with smartvjp.audit.capture(show=False) as cap:
     step = cap.watch(step)        # audited at its first call
-    for batch in batches:
-      state = step(state, batch)
-  cap.audit.sites                 # the report
+    for _ in range(3):
+      step(jnp.ones(3))
+  assert cap.audit.sites[0]["runs"]["as_written"]["jaxpr"]["fwd"] == 2
   ```
 
   Args:
