@@ -101,8 +101,8 @@ def _ratio(r) -> str:
 # -- the HTML page -----------------------------------------------------------------
 
 _CSS = """
-body{font-family:system-ui,sans-serif;margin:1.5em;max-width:72em;color:#222}
-table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;
+body{font-family:system-ui,sans-serif;margin:1.5em;max-width:80em;color:#222}
+table{border-collapse:collapse;font-size:85%;width:100%}td,th{border:1px solid #ccc;
 padding:.25em .5em;vertical-align:top}th{background:#f3f3f3}
 code{font-size:90%}.warn{color:#a40}details{margin:.3em 0}
 .plots img{max-width:48%;margin-right:1%}
@@ -134,8 +134,8 @@ def plots(data: dict) -> list[tuple[str, str]]:
     ax.bar(xs, [s["residual_bytes"].get(c, {}).get("dropped", 0) for s in sites],
            width, fill=False, hatch="//", edgecolor="k")
   ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sites))])
-  ax.set_xticklabels([s["name"].rsplit(".", 1)[-1][:18] for s in sites],
-                     rotation=20, fontsize=8)
+  ax.set_xticklabels([f"[{s['index']}] {s['name'][-24:]}" for s in sites],
+                     rotation=15, fontsize=7)
   ax.set_ylabel("residual bytes per step")
   ax.set_title("Residual bytes per site (hatched: written, then dropped)")
   ax.legend(fontsize=7)
@@ -143,14 +143,20 @@ def plots(data: dict) -> list[tuple[str, str]]:
   plt.close(fig)
   fig, ax = plt.subplots(figsize=(6.4, 3.2))
   measured = data.get("measured") or {}
-  for c in configs:
+  timed = measured.get("seconds", {})
+  # measured: the timed configurations by median step time; else every
+  # configuration by XLA's bytes accessed
+  for c in (list(timed) if timed else configs):
     st = data["step"][c]
-    x = (measured.get("seconds", {}).get(c, {}).get("median")
-         if measured else None)
-    x = x * 1e3 if x is not None else st["cost"].get("bytes_accessed", 0)
+    x = timed[c]["median"] * 1e3 if timed else st["cost"].get(
+        "bytes_accessed", 0)
     ax.scatter([x], [st["memory"].get("peak", 0)], s=60,
                label=_SHORT.get(c, c))
-  ax.set_xlabel("step time, median (ms)" if measured
+    if timed:
+      ax.errorbar([x], [st["memory"].get("peak", 0)], fmt="none",
+                  xerr=[[x - timed[c]["min"] * 1e3],
+                        [timed[c]["max"] * 1e3 - x]], ecolor="gray")
+  ax.set_xlabel("step time, median and min-max (ms)" if timed
                 else "bytes accessed (XLA cost model)")
   ax.set_ylabel("peak memory (bytes)")
   ax.set_title("Step memory against step cost, per configuration")
