@@ -386,3 +386,30 @@ def test_cli_on_a_script(tmp_path):
                  check=True, env=env, cwd=tmp_path, timeout=300)
   data = json.loads(out.read_text())
   assert data["sites"][0]["runs"]["as_written"]["jaxpr"]["fwd"] == 2
+
+
+def test_a_library_site_is_found_in_the_library_s_own_file():
+  """equinox makes its jax.custom_vjp inside its own module when a
+  filter_custom_vjp function is called: the audit finds it there, with no
+  change to equinox."""
+  eqx = pytest.importorskip("equinox")
+
+  @eqx.filter_custom_vjp
+  def f(x):
+    return jnp.sin(x)
+
+  @f.def_fwd
+  def f_fwd(perturbed, x):
+    return jnp.sin(x), jnp.cos(x)
+
+  @f.def_bwd
+  def f_bwd(res, g, perturbed, x):
+    return g * res
+
+  a = smartvjp.audit(jax.grad(lambda x: jnp.sum(jax.checkpoint(f)(x))), X)
+  (s,) = a.sites
+  assert s["kind"] == "jax.custom_vjp"
+  assert os.sep + "equinox" + os.sep in s["defined_at"]
+  assert all(os.sep + "equinox" + os.sep in c for c in s["called_at"])
+  assert s["symbolic_zeros"]   # equinox's rules take symbolic zeros
+  assert s["runs"]["smartvjp"]["jaxpr"]["f"] == 1
