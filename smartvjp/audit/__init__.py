@@ -128,7 +128,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   Args:
     fn: the step (any function ``jax.jit`` can trace, or a ``jax.jit``
       function; not one with donated arguments).
-    *args, **kwargs: its arguments: arrays or ``jax.ShapeDtypeStruct``
+    *args: its positional arguments: arrays or ``jax.ShapeDtypeStruct``
       (pytrees of them), so a step too large for this machine can still be
       audited (nothing runs unless ``measure=True``).
     measure: also run the compiled step as written and swapped, interleaved
@@ -138,6 +138,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
     configs: the configurations to trace and compile, a subset of
       ``CONFIGS`` starting with ``"as_written"`` (fewer compiles: a cheaper
       audit).
+    **kwargs: its keyword arguments, as ``*args``.
 
   Returns:
     An ``Audit``; ``print(it)`` shows the table.
@@ -175,9 +176,11 @@ def assert_no_duplicate_fwd(fn: Callable, *args: Any,
   made with), compiled only.
 
   Args:
-    fn, *args, **kwargs: as for ``audit``.
+    fn: the step, as for ``audit``.
+    *args: its positional arguments, as for ``audit``.
     include_jax_coded: also check sites whose rules are plain JAX (XLA may
       already remove the dead work there; off by default).
+    **kwargs: its keyword arguments, as for ``audit``.
 
   Returns:
     The ``Audit`` of the program as written (configuration ``as_is``).
