@@ -328,7 +328,6 @@ def saveable(policy, eqn) -> bool | str:
 
 # -- the report ------------------------------------------------------------------------
 
-SMART_CONFIGS = ("smartvjp", "smartvjp_fused")
 _LIBRARY_DIRS = ("site-packages", "dist-packages")
 
 

@@ -253,7 +253,3 @@ def recording(config: str, sites: dict):
       for cls, call in saved:
         cls.__call__ = call
       jax.clear_caches()
-
-
-def active() -> bool:
-  return bool(_ACTIVE)
