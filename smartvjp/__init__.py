@@ -31,6 +31,7 @@ from smartvjp._equinox import filter_custom_vjp
 from smartvjp._swap import SwapError, import_swapped, swap_custom_vjp
 from smartvjp._swap import SwapReport, swap_report
 from smartvjp._schedule import ScheduledRule, print_schedule
+from smartvjp import audit
 
 # The one place the version is written: pyproject.toml reads it from here
 # (setuptools' dynamic version, without importing the package), and
@@ -40,4 +41,4 @@ __version__ = "0.2.0.dev0"
 __all__ = ["smart_custom_vjp", "filter_custom_vjp", "check_primals",
            "PrimalMismatchError", "import_swapped", "swap_custom_vjp",
            "swap_report", "SwapReport", "SwapError", "print_schedule",
-           "ScheduledRule", "__version__"]
+           "ScheduledRule", "audit", "__version__"]

@@ -188,6 +188,18 @@ def quiet_callback_failures(exc_type: type) -> None:
   logging.getLogger("jax._src.debugging").addFilter(keep)
 
 
+def custom_vjp3_class() -> type | None:
+  """The class of ``jax.custom_vjp`` objects made while ``jax_custom_vjp3``
+  is on, where it is another class (jax 0.10, 0.11: ``hijax.custom_vjp3``),
+  else ``None``; read by the audit, which intercepts their calls too."""
+  try:
+    module = importlib.import_module("jax._src.hijax")
+  except ImportError:
+    return None
+  cls = getattr(module, "custom_vjp3", None)
+  return cls if isinstance(cls, type) else None
+
+
 def is_jax_private_module(name: str) -> bool:
   """``name`` is one of JAX's private modules."""
   return name == "jax._src" or name.startswith("jax._src.")

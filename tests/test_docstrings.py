@@ -128,7 +128,31 @@ class Claim:
 C = Claim
 SCV = "smart_custom_vjp"
 FCV = "filter_custom_vjp"
+AU = "tests/test_audit.py::"
 CLAIMS = [
+    # smartvjp.audit
+    C("audit", "as_written: each site as jax.custom_vjp with its rules",
+      AU + "test_contract_row"),
+    C("audit", "optimize_remat: each as jax.custom_vjp with optimize_remat=True",
+      AU + "test_contract_row"),
+    C("audit", "smartvjp: each as smart_custom_vjp with fwd and bwd",
+      AU + "test_contract_row"),
+    C("audit", "smartvjp_fused: each as smart_custom_vjp with its fwd_bwd",
+      AU + "test_contract_row_fwd_bwd"),
+    C("audit.audit", "fn does not trace or compile under any configuration",
+      AU + "test_untraceable_function_is_a_clear_error", raises="AuditError"),
+    C("audit.audit", "makes no jax.custom_vjp or smart_custom_vjp call",
+      AU + "test_no_custom_vjp_is_a_clear_error", raises="AuditError"),
+    C("audit.audit", "donates arguments",
+      AU + "test_donated_arguments_are_a_clear_error", raises="AuditError"),
+    C("audit.audit", "has a site under shard_map",
+      AU + "test_site_under_shard_map_is_a_clear_error", raises="AuditError"),
+    C("audit.audit", "configs names an unknown configuration",
+      AU + "test_unknown_configuration_is_a_clear_error", raises="ValueError"),
+    C("audit.assert_no_duplicate_fwd", "naming each offending site",
+      AU + "test_assert_no_duplicate_fwd", raises="AssertionError"),
+    C("audit.assert_no_duplicate_fwd", "as audit",
+      AU + "test_assert_no_duplicate_fwd", raises="AuditError"),
     # smart_custom_vjp: what runs where
     C(SCV, "Evaluation, under jit or not: f only; fwd and bwd are not traced",
       "test_evaluation_runs_f_only"),
@@ -540,7 +564,7 @@ def test_every_docstring_example_runs():
         warnings.simplefilter("ignore", DeprecationWarning)
         exec(compile(code, f"{name}.__doc__", "exec"), {"__name__": "__doc__"})
       ran += 1
-  assert ran == 7
+  assert ran == 8
 
 
 # -- the checks of claims no other file checks directly ---------------------------------

@@ -31,3 +31,18 @@ SHIPS_TRITON_PALLAS_OPS
 # _api.smart_custom_vjp._remat: read back through self.__dict__ by defvjp
 # (a defremat made first); the facade's old namespace _remat hid it.
 _remat
+
+# audit.Audit._builds: the compiled executables the audit counted, which
+# tests/test_audit.py runs to check the counts against what runs.
+_builds
+
+# audit.Capture.watch: public, called by the user's training loop.
+watch
+
+# audit/__init__.py: the module's class set to one that can be called
+# (smartvjp.audit(fn, ...)).
+__class__
+
+# _schedule.ScheduledRule.equation: public, the rule's JaxprEqn for readers
+# of print_schedule's return value.
+equation

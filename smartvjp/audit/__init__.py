@@ -1,0 +1,270 @@
+"""``smartvjp.audit``: what the swap would change in your step, per custom_vjp site.
+
+``smartvjp.audit(step, *args, **kwargs)`` traces and compiles ``step`` (it
+runs nothing unless ``measure=True``) under four configurations of every
+``jax.custom_vjp`` and ``smart_custom_vjp`` call it makes, in your code or a
+library's, without changing that code:
+
+* ``as_written``: each site as ``jax.custom_vjp`` with its rules;
+* ``optimize_remat``: each as ``jax.custom_vjp`` with ``optimize_remat=True``;
+* ``smartvjp``: each as ``smart_custom_vjp`` with ``fwd`` and ``bwd``;
+* ``smartvjp_fused``: each as ``smart_custom_vjp`` with its ``fwd_bwd``
+  where it has one (traced only when some site has one).
+
+Per site it reports how often ``f``, ``fwd``, ``bwd`` and ``fwd_bwd`` run
+per step under each, counted in the jaxpr and in the compiled program (by
+the named scope the audit puts each rule under: a name in the metadata,
+which changes nothing XLA keeps or removes); the residuals (shape, dtype,
+bytes, name, and their fate: saved, written then dropped, recomputed); the
+difference between the compiled steps (``memory_analysis``,
+``cost_analysis``, kernel launches); a suggestion and hazards. Also a
+context manager (``capture``), a CI assertion (``assert_no_duplicate_fwd``)
+and a command line (``python -m smartvjp.audit script.py:function``).
+The JSON schema is documented in ``docs/audit.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import types
+from typing import Any, Callable, Iterator
+
+from smartvjp.audit import _analysis as _audit
+from smartvjp.audit import _report as _audit_report
+from smartvjp.audit import _trace as _audit_trace
+from smartvjp.audit._analysis import AuditError, SCHEMA
+
+__all__ = ["audit", "Audit", "AuditError", "assert_no_duplicate_fwd",
+           "capture", "Capture", "SCHEMA"]
+
+CONFIGS = _audit_trace.CONFIGS
+
+
+class Audit:
+  """The result of ``smartvjp.audit``: a report per custom_vjp site.
+
+  Attributes:
+    data: the whole report as plain data (``dict``/``list``/``str``/
+      numbers), the JSON form; its keys are documented in ``docs/audit.md``
+      (``schema`` names the version).
+    sites: ``data["sites"]``, one ``dict`` per site, sorted by predicted
+      saving (kernel launches saved, then residual bytes no longer dropped).
+    summary: ``data["summary"]``: totals per configuration.
+    predicted: ``data["predicted"]``: the compiled step as written against
+      the swapped one (differences of ``memory_analysis`` and
+      ``cost_analysis``, kernel launches saved).
+    measured: ``data.get("measured")``: the timed A/B with ``measure=True``,
+      else ``None``.
+  """
+
+  def __init__(self, data: dict, builds: dict | None = None):
+    self.data = data
+    self._builds = builds or {}
+
+  sites = property(lambda self: self.data["sites"])
+  summary = property(lambda self: self.data["summary"])
+  predicted = property(lambda self: self.data["predicted"])
+  measured = property(lambda self: self.data.get("measured"))
+
+  def runs(self, config: str = "as_written", where: str = "compiled"
+           ) -> dict[str, dict[str, int]]:
+    """``{site name: {"f": n, "fwd": n, "bwd": n, "fwd_bwd": n}}``: runs per
+    step under ``config``, counted ``where`` (``"compiled"`` or
+    ``"jaxpr"``). Two sites with one name are keyed ``name#index``.
+
+    Raises:
+      KeyError: ``config`` was not traced (it failed: see
+        ``data["errors"]``), or ``where`` is neither count.
+    """
+    out = {}
+    for s in self.sites:
+      runs = s["runs"].get(config)
+      if runs is None:
+        raise KeyError(f"configuration {config!r} has no counts: "
+                       f"{self.data['errors'].get(config, 'not traced')}")
+      key = s["name"] if s["name"] not in out else f"{s['name']}#{s['index']}"
+      out[key] = dict(runs[where])
+    return out
+
+  def table(self) -> str:
+    """The terminal table: one row per site, then the step's totals."""
+    return _audit_report.table(self.data)
+
+  def to_json(self, path: str | None = None) -> str:
+    """The report as JSON text (written to ``path`` too, where given)."""
+    text = json.dumps(self.data, indent=1, default=str)
+    if path is not None:
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
+
+  def to_html(self, path: str | None = None) -> str:
+    """One self-contained HTML page (site table, details, plots drawn by
+    matplotlib and embedded as SVG); written to ``path`` too, where given.
+
+    Raises:
+      ImportError: matplotlib is not installed (``pip install matplotlib``).
+    """
+    text = _audit_report.html(self.data)
+    if path is not None:
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
+
+  def __str__(self):
+    return self.table()
+
+  def __repr__(self):
+    return (f"<smartvjp Audit of {self.data['function']}: "
+            f"{len(self.sites)} site(s)>")
+
+
+def audit(fn: Callable, *args: Any, measure: bool = False,
+          configs: tuple[str, ...] = CONFIGS, **kwargs: Any) -> Audit:
+  """Audits every custom_vjp site of ``fn(*args, **kwargs)``.
+
+  Args:
+    fn: the step (any function ``jax.jit`` can trace, or a ``jax.jit``
+      function; not one with donated arguments).
+    *args: its positional arguments: arrays or ``jax.ShapeDtypeStruct``
+      (pytrees of them), so a step too large for this machine can still be
+      audited (nothing runs unless ``measure=True``).
+    measure: also run the compiled step as written and swapped, interleaved
+      (``_analysis.measure``: 20 pairs after a warm-up), and report median,
+      min-max and the paired ratio beside the prediction. Needs concrete
+      arrays or fills ``ShapeDtypeStruct`` arguments with random values.
+    configs: the configurations to trace and compile, a subset of
+      ``CONFIGS`` starting with ``"as_written"`` (fewer compiles: a cheaper
+      audit).
+    **kwargs: its keyword arguments, as ``*args``.
+
+  Returns:
+    An ``Audit``; ``print(it)`` shows the table.
+
+  Raises:
+    AuditError: ``fn`` does not trace or compile under any configuration
+      (the first error is quoted), makes no ``jax.custom_vjp`` or
+      ``smart_custom_vjp`` call, donates arguments, or has a site under
+      ``shard_map``.
+    ValueError: ``configs`` names an unknown configuration.
+
+  The audit clears JAX's caches (``jax.clear_caches()``) before and after
+  each configuration, so that nothing traced with one is reused by another
+  or by your program afterwards: functions jitted before it compile again.
+  """
+  unknown = set(configs) - set(CONFIGS)
+  if unknown or not configs:
+    raise ValueError(f"smartvjp.audit: configs must be some of {CONFIGS}, "
+                     f"got {configs!r}")
+  data, builds = _audit.analyse(fn, args, kwargs, tuple(configs))
+  if measure:
+    data["measured"] = _audit.measure(builds, data, args, kwargs)
+  return Audit(data, builds)
+
+
+def assert_no_duplicate_fwd(fn: Callable, *args: Any,
+                            include_jax_coded: bool = False,
+                            **kwargs: Any) -> Audit:
+  """Fails when a compiled ``fn`` runs an opaque ``fwd`` more often than
+  its ``bwd`` (the forward pass's ``fwd`` dropped and run again under
+  remat, jax-ml/jax#21303): for users' CI, in place of counting custom
+  calls in HLO text.
+
+  The program is audited as written (each site with the decorator it was
+  made with), compiled only.
+
+  Args:
+    fn: the step, as for ``audit``.
+    *args: its positional arguments, as for ``audit``.
+    include_jax_coded: also check sites whose rules are plain JAX (XLA may
+      already remove the dead work there; off by default).
+    **kwargs: its keyword arguments, as for ``audit``.
+
+  Returns:
+    The ``Audit`` of the program as written (configuration ``as_is``).
+
+  Raises:
+    AssertionError: naming each offending site, its call site and counts.
+    AuditError: as ``audit``.
+  """
+  data, builds = _audit.analyse(fn, args, kwargs, configs=("as_is",))
+  bad = []
+  for s in data["sites"]:
+    runs = s["runs"]["as_is"]["compiled"]
+    if (s["opaque"] or include_jax_coded) and runs["fwd"] > runs["bwd"]:
+      bad.append(f"{s['name']} (called at {', '.join(s['called_at'])}): "
+                 f"fwd runs {runs['fwd']}x, bwd {runs['bwd']}x per step "
+                 f"({s['path']})")
+  if bad:
+    raise AssertionError(
+        "fwd runs more often than bwd (its forward-pass run is dropped and "
+        "recomputed) at:\n  " + "\n  ".join(bad)
+        + "\nswap the site to smartvjp.smart_custom_vjp (see "
+        "smartvjp.audit for what it changes)")
+  return Audit(data, builds)
+
+
+class Capture:
+  """What ``capture()`` yields: ``watch`` a step; its first call is audited
+  on the arguments it is given (then the step runs as usual).
+
+  Attributes:
+    audit: the ``Audit`` of the first watched call, or ``None`` before.
+  """
+
+  def __init__(self, measure: bool):
+    self.audit: Audit | None = None
+    self._measure = measure
+
+  def watch(self, step: Callable) -> Callable:
+    """``step`` unchanged, except that its first call is audited first."""
+    def watched(*args, **kwargs):
+      if self.audit is None:
+        self.audit = audit(step, *args, measure=self._measure, **kwargs)
+      return step(*args, **kwargs)
+    watched.__wrapped__ = step
+    return watched
+
+
+@contextlib.contextmanager
+def capture(*, measure: bool = False, show: bool = True) -> Iterator[Capture]:
+  """A context manager around a training loop.
+
+  ```python
+  import jax, jax.numpy as jnp
+  import smartvjp
+
+  F = jax.custom_vjp(lambda x: jnp.sin(x))
+  F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+  step = jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x))))
+
+  with smartvjp.audit.capture(show=False) as cap:
+    step = cap.watch(step)        # audited at its first call
+    for _ in range(3):
+      step(jnp.ones(3))
+  assert cap.audit.sites[0]["runs"]["as_written"]["jaxpr"]["fwd"] == 2
+  ```
+
+  Args:
+    measure: as for ``audit``.
+    show: print the table when the block ends (if a step was audited).
+
+  Yields:
+    A ``Capture``.
+  """
+  cap = Capture(measure)
+  yield cap
+  if show and cap.audit is not None:
+    print(cap.audit.table())
+
+
+class _CallableModule(types.ModuleType):
+  """``smartvjp.audit`` is this module and, called, ``audit``."""
+
+  def __call__(self, fn, *args, **kwargs):
+    return audit(fn, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,658 @@
+"""The audit's analysis: trace and compile a step under each configuration,
+count each site's rule runs, and describe its residuals, hazards and the
+predicted effect of the swap (``smartvjp.audit`` is the public face)."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import math
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from smartvjp.audit import _count as C
+from smartvjp.audit import _trace as T
+from smartvjp import _facade as jx
+from smartvjp import _primitive as P
+
+SCHEMA = "smartvjp.audit/1"
+
+
+class AuditError(ValueError):
+  """The audit cannot describe this program; the message says why and what
+  to do."""
+
+
+# -- what an equation runs of other jaxprs ------------------------------------------
+
+_SMART_CODE = {P.call_p: P._call_code, P.rule_p: P._rule_code,
+               P.rem_p: P._rem_code}
+
+
+def _policy_name(policy) -> str:
+  if policy is None:
+    return "nothing_saveable"
+  name = getattr(policy, "__name__", None)
+  if name:
+    return name
+  names = getattr(policy, "names", None) or getattr(
+      policy, "names_which_can_be_saved", None)
+  return f"{type(policy).__name__}({', '.join(map(str, names or ()))})"
+
+
+def _closed(v):
+  if isinstance(v, jx.ClosedJaxpr):
+    return v.jaxpr
+  if isinstance(v, jx.core.Jaxpr):
+    return v
+  return None
+
+
+def sub_jaxprs(eqn):
+  """``(kind, [(jaxpr, label)])`` for ``_count.count_jaxpr``; a label
+  is ``(text, policy)`` (``policy``: a checkpoint's, else ``None``), or
+  for loops ``((text, None), trips)``."""
+  name = eqn.primitive.name
+  code = _SMART_CODE.get(eqn.primitive)
+  if code is not None:
+    return "inline", [(P.live_code(code(**eqn.params)).jaxpr, None)]
+  if name == "scan":
+    n = eqn.params["length"]
+    return "loop", [(eqn.params["jaxpr"].jaxpr, ((f"scan(×{n})", None), n))]
+  if name == "while":
+    return "loop", [(eqn.params["body_jaxpr"].jaxpr, (("while", None), None))]
+  if name == "cond":
+    return "branches", [(b.jaxpr, ("cond", None))
+                        for b in eqn.params["branches"]]
+  if name in ("shard_map", "xla_pmap"):
+    label = (name, None)
+  elif name in ("remat2", "checkpoint", "remat"):
+    policy = eqn.params.get("policy")
+    label = (f"checkpoint({_policy_name(policy)})", ("policy", policy))
+  elif name in ("pjit", "jit", "closed_call", "core_call"):
+    label = (f"jit({eqn.params.get('name', '')})", None)
+  else:
+    label = None
+  subs = [(j, label) for j in map(_closed, eqn.params.values()) if j is not None]
+  subs += [(j, label) for v in eqn.params.values() if isinstance(v, (tuple, list))
+           for j in map(_closed, v) if j is not None]
+  hi = eqn.params.get("_prim")
+  if hi is not None:
+    subs += [(j, label) for j in map(_closed, (
+        getattr(hi, "jaxpr", None),
+        getattr(getattr(hi, "traced", None), "jaxpr", None))) if j is not None]
+  return ("inline" if subs else None), subs
+
+
+def _name_stack(eqn) -> str:
+  return str(eqn.source_info.name_stack)
+
+
+# -- one configuration: trace, lower, compile, count ---------------------------------
+
+@dataclasses.dataclass
+class Build:
+  config: str
+  error: str | None = None
+  closed: Any = None
+  hlo: str | None = None
+  compiled: Any = None
+  memory: dict = dataclasses.field(default_factory=dict)
+  cost: dict = dataclasses.field(default_factory=dict)
+  seconds: dict = dataclasses.field(default_factory=dict)
+  lowered: Any = None
+  jaxpr_count: Any = None
+  hlo_count: Any = None
+  calls: dict = dataclasses.field(default_factory=dict)
+
+
+def _jitted(fn):
+  return fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
+
+
+def _memory(compiled) -> dict:
+  try:
+    m = compiled.memory_analysis()
+  except Exception:   # noqa: BLE001  (best effort per backend)
+    return {}
+  if m is None:
+    return {}
+  fields = ("temp_size_in_bytes", "argument_size_in_bytes",
+            "output_size_in_bytes", "alias_size_in_bytes",
+            "generated_code_size_in_bytes")
+  out = {f.removesuffix("_size_in_bytes"): int(getattr(m, f, 0) or 0)
+         for f in fields}
+  out["peak"] = out["temp"] + out["argument"] + out["output"] - out["alias"]
+  return out
+
+
+def _cost(compiled) -> dict:
+  try:
+    c = compiled.cost_analysis()
+  except Exception:   # noqa: BLE001
+    return {}
+  c = c[0] if isinstance(c, (list, tuple)) and c else c
+  return {"flops": float(c.get("flops", 0.0)),
+          "bytes_accessed": float(c.get("bytes accessed", 0.0))} if c else {}
+
+
+def build(config: str, fn, args, kwargs, sites: dict) -> Build:
+  """Traces and lowers ``fn`` under ``config`` (``compile`` compiles)."""
+  b = Build(config)
+  t0 = time.perf_counter()
+  with T.recording(config, sites) as rec:
+    traced = _jitted(fn).trace(*args, **kwargs)
+    b.seconds["trace"] = time.perf_counter() - t0
+    b.closed = traced.jaxpr
+    t1 = time.perf_counter()
+    b.lowered = traced.lower()
+    donated = [a for a in jax.tree.leaves(
+        b.lowered.args_info, is_leaf=lambda x: hasattr(x, "donated"))
+               if getattr(a, "donated", False)]
+    if donated:
+      raise AuditError(
+          f"smartvjp.audit: {len(donated)} argument(s) of the step are "
+          "donated (donate_argnums/donate_argnames): the audit compiles the "
+          "step several times and, with measure=True, runs each version on "
+          "the same arguments. Audit the function without donation (the "
+          "undecorated function, or jax.jit(fn) without donate_argnums)")
+    b.seconds["lower"] = time.perf_counter() - t1
+  b.calls = rec.calls
+  return b
+
+
+def compile_build(b: Build) -> Build:
+  t = time.perf_counter()
+  b.compiled = b.lowered.compile()
+  b.seconds["compile"] = time.perf_counter() - t
+  b.hlo = b.compiled.as_text()
+  b.memory, b.cost = _memory(b.compiled), _cost(b.compiled)
+  return b
+
+
+def _try_compile(b: Build) -> str | None:
+  try:
+    compile_build(b)
+  except Exception as e:   # noqa: BLE001  (reported per configuration)
+    return f"{type(e).__name__}: {str(e).strip()[:500]}"
+  return None
+
+
+def count(b: Build, per_run: Callable) -> None:
+  b.jaxpr_count = C.count_jaxpr(b.closed.jaxpr, sub_jaxprs, _name_stack, per_run)
+  if b.hlo is not None:
+    b.hlo_count = C.count_hlo(b.hlo, per_run)
+
+
+# -- each site's own rules, traced alone ---------------------------------------------
+
+@dataclasses.dataclass
+class Rules:
+  jaxprs: dict                 # role -> ClosedJaxpr (where it traced)
+  residuals: list              # [{path, shape, dtype, bytes, name, source}]
+  res_eqns: list               # producing equation of each residual or None
+  num_out: int
+  errors: dict
+
+
+def _full(site, call, dyn):
+  args, it = [], iter(dyn)
+  n = len(call.static) + len(dyn)
+  for i in range(n):
+    args.append(call.static[i] if i in call.static else next(it))
+  return args
+
+
+def _sds(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def trace_rules(site, call) -> Rules:
+  jaxprs, errors, residuals, res_eqns, num_out = {}, {}, [], [], 0
+  wrap = ((lambda x: jx.cd.CustomVJPPrimal(x, True)) if site.symbolic_zeros
+          else (lambda x: x))
+
+  def make(role, fn, *dyn_trees, post=None):
+    try:
+      closed, shape = jax.make_jaxpr(fn, return_shape=True)(*dyn_trees)
+      jaxprs[role] = closed
+      return shape
+    except Exception as e:   # noqa: BLE001  (reported, not raised)
+      errors[role] = f"{type(e).__name__}: {e}"[:300]
+      return None
+
+  dyn = call.args
+  make("f", lambda *d: site.fun(*_full(site, call, d)), *dyn)
+  out_shape = None
+  if site.fwd is not None:
+    shape = make("fwd", lambda *d: site.fwd(*_full(site, call, [
+        jax.tree.map(wrap, x) for x in d])), *dyn)
+    if shape is not None:
+      out_shape, res_shape = shape
+      num_out = len(jax.tree.leaves(out_shape))
+      closed = jaxprs["fwd"]
+      producers = {id(v): e for e in closed.jaxpr.eqns for v in e.outvars}
+      invars = {id(v) for v in closed.jaxpr.invars}
+      leaves = jax.tree_util.tree_leaves_with_path(res_shape)
+      outvars = closed.jaxpr.outvars[num_out:]
+      for (path, leaf), var in zip(leaves, outvars):
+        eqn = producers.get(id(var))
+        source = ("input" if id(var) in invars else
+                  "computed" if eqn is not None else "constant")
+        residuals.append(dict(
+            path=jax.tree_util.keystr(path) or "res", shape=list(leaf.shape),
+            dtype=str(leaf.dtype),
+            bytes=int(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize),
+            name=eqn.params.get("name") if eqn is not None
+            and eqn.primitive.name == "name" else None, source=source))
+        res_eqns.append(eqn)
+      if site.bwd is not None:
+        ct = _sds(out_shape)
+        statics = [call.static[i] for i in sorted(call.static)]
+        make("bwd", lambda r, g: site.bwd(*statics, r, g),
+             _sds(res_shape), ct)
+  if site.fwd_bwd is not None:
+    if out_shape is None and "f" in jaxprs:
+      out_shape = jax.eval_shape(lambda *d: site.fun(*_full(site, call, d)),
+                                 *dyn)
+    if out_shape is not None:
+      make("fwd_bwd", lambda g, *d: site.fwd_bwd(*_full(site, call, d), g),
+           _sds(out_shape), *dyn)
+  return Rules(jaxprs, residuals, res_eqns, num_out, errors)
+
+
+def _primitives(jaxpr, seen=None):
+  seen = set() if seen is None else seen
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for j in (v if isinstance(v, (tuple, list)) else (v,)):
+        j = _closed(j)
+        if j is not None and id(j) not in seen:
+          seen.add(id(j))
+          yield from _primitives(j, seen)
+
+
+def opaque_count(closed) -> int:
+  if closed is None:
+    return 0
+  return sum(e.primitive.name in C.OPAQUE_PRIMITIVES
+             for e in closed.jaxpr.eqns)
+
+
+def hazards(site, rules: Rules, remat3: bool) -> list[str]:
+  out = []
+  if site.symbolic_zeros and remat3:
+    out.append("symbolic_zeros=True under jax_remat3: JAX re-traces fwd for "
+               "checkpoint_name and does not support symbolic zeros there "
+               "(jax-ml/jax#40309)")
+  fwd = rules.jaxprs.get("fwd")
+  if fwd is not None:
+    if any(np.ndim(c) > 0 for c in fwd.consts):
+      out.append("fwd closes over array constants (they become inputs of "
+                 "the staged rule; large ones are copied into the program)")
+    if fwd.effects:
+      out.append(f"fwd has effects ({', '.join(sorted(map(str, fwd.effects)))}"
+                 "): a rule with effects is kept where it is, not moved")
+    names = {e.primitive.name for e in _primitives(fwd.jaxpr)}
+    if names & {"cond", "while"}:
+      out.append("fwd has control flow (cond/while): optimize_remat=True "
+                 "needs fwd traceable as one jaxpr (jax-ml/jax#22735)")
+  for role, closed in rules.jaxprs.items():
+    names = {e.primitive.name for e in _primitives(closed.jaxpr)}
+    if names & C.COLLECTIVES:
+      out.append(f"{role} has collectives ({', '.join(sorted(names & C.COLLECTIVES))}): "
+                 "moving it moves communication (jax-ml/jax#28923)")
+  return out
+
+
+def saveable(policy, eqn) -> bool | str:
+  """What ``policy`` answers for the equation producing a residual."""
+  if policy is None or eqn is None:
+    return False
+  try:
+    ans = policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+  except Exception:   # noqa: BLE001  (a policy that cannot answer: recompute)
+    return False
+  kind = type(ans).__name__
+  if kind == "Offloadable":
+    return "offloaded"
+  if kind in ("Recompute", "RecomputeType"):
+    return False
+  return bool(ans)
+
+
+# -- the report ------------------------------------------------------------------------
+
+_LIBRARY_DIRS = ("site-packages", "dist-packages")
+
+
+def _fn_name(fn) -> str:
+  return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) \
+      or repr(fn)
+
+
+def _remat3() -> dict:
+  out = {}
+  for flag in ("jax_remat3", "jax_custom_vjp3"):
+    try:
+      out[flag] = bool(getattr(jax.config, flag))
+    except AttributeError:
+      out[flag] = None
+  return out
+
+
+def _site_runs(b: Build, index: int) -> dict | None:
+  if b is None or b.error is not None:
+    return None
+  jaxpr = C.per_site(b.jaxpr_count.runs).get(index, dict.fromkeys(C.ROLES, 0))
+  out = {"jaxpr": jaxpr}
+  if b.hlo_count is not None:
+    out["compiled"] = C.per_site(b.hlo_count.runs).get(
+        index, dict.fromkeys(C.ROLES, 0))
+    out["kernel_launches"] = sum(
+        n for (s, _, _), n in b.hlo_count.kernels.items() if s == index)
+  return out
+
+
+def _fate(leaf, eqn, policy, remat, runs, opaque, fused) -> str:
+  if leaf["source"] != "computed":
+    return leaf["source"]
+  if not remat:
+    return "saved"
+  s = saveable(policy, eqn)
+  if s:
+    return "offloaded" if s == "offloaded" else "saved"
+  if fused or runs is None:
+    return "recomputed"
+  c = runs.get("compiled", runs["jaxpr"])
+  return "dropped" if opaque and c["fwd"] > c["bwd"] else "recomputed"
+
+
+def _suggestion(site, info, step_delta) -> str:
+  if site.refused is not None:
+    return f"none: left as JAX's ({site.refused})"
+  best = info["best_config"]
+  aw = info["runs"].get("as_written")
+  sv = info["runs"].get(best)
+  library = any(d in info["defined_at"] for d in _LIBRARY_DIRS)
+  how = ("wrap the step's first trace in `with smartvjp.swap_custom_vjp("
+         "existing=True):` (or load the library with smartvjp.import_swapped)"
+         if library else
+         f"decorate {info['name']} with smartvjp.smart_custom_vjp (one import)")
+  if site.kind == "smart_custom_vjp":
+    if (info["opaque"] and site.fwd_bwd is None and info["remat"]
+        and info["residual_bytes"].get("smartvjp", {}).get("recomputed")):
+      return ("already smart_custom_vjp; add a fused fwd_bwd rule: the "
+              "backward region runs fwd then bwd on residuals it recomputes")
+    return "no action: already smart_custom_vjp"
+  if aw is None or sv is None:
+    return "no suggestion: a configuration did not trace (see errors)"
+  if not info["remat"]:
+    return ("no action: no jax.checkpoint around this site, so every "
+            "configuration runs fwd once and bwd once")
+  launches = info["predicted"]["launches_saved"]
+  if info["opaque"]:
+    a_fwd = aw.get("compiled", aw["jaxpr"])["fwd"]
+    s_fwd = sv.get("compiled", sv["jaxpr"])["fwd"]
+    if launches > 0 or s_fwd < a_fwd:
+      dropped = info["predicted"]["dropped_bytes_saved"]
+      extra = (" and use its fwd_bwd" if site.fwd_bwd is not None else "")
+      return (f"swap: {how}{extra} (fwd runs {a_fwd} -> {s_fwd} per step, "
+              f"{launches} kernel launches fewer, {dropped} bytes of "
+              "dropped residual writes avoided)")
+    named = [r["name"] for r in info["residuals"] if r["name"]
+             and r["fate"]["as_written"] != "saved"]
+    if named:
+      return (f"name-based policy: save residual {named[0]!r} with "
+              f"jax.checkpoint_policies.save_only_these_names({named[0]!r})")
+    return "no action: the swap launches no fewer kernels here"
+  if step_delta and (step_delta.get("flops", 0) < 0
+                     or step_delta.get("bytes_accessed", 0) < 0):
+    return f"swap: {how} (the compiled step does less work; see predicted)"
+  return ("no action: XLA already removes the duplicate (JAX-coded rules: "
+          "the compiled steps do the same work)")
+
+
+def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
+  """Trace and compile ``fn(*args, **kwargs)`` under ``configs``:
+  ``(the report as plain data (schema: docs/audit.md), {config: Build})``."""
+  sites: dict = {}
+  builds: dict = {}
+  errors: dict = {}
+  t0 = time.perf_counter()
+  for config in configs:
+    if config == "smartvjp_fused" and "smartvjp" in builds and sites and not any(
+        s.fwd_bwd is not None for s in sites.values()):
+      builds[config] = builds["smartvjp"]
+      continue
+    try:
+      builds[config] = build(config, fn, args, kwargs, sites)
+    except AuditError:
+      raise
+    except Exception as e:   # noqa: BLE001  (reported per configuration)
+      errors[config] = f"{type(e).__name__}: {str(e).strip()[:500]}"
+  # XLA compiles without the GIL: the configurations at once
+  unique = list({id(b): b for b in builds.values()}.values())
+  with concurrent.futures.ThreadPoolExecutor(len(unique) or 1) as pool:
+    for b, result in zip(unique, pool.map(_try_compile, unique)):
+      if result is not None:
+        errors[b.config] = result
+        builds = {c: x for c, x in builds.items() if x is not b}
+  name = _fn_name(fn)
+  if not builds:
+    first = next(iter(errors.values()), "")
+    raise AuditError(
+        f"smartvjp.audit: {name} does not trace and compile under any "
+        f"configuration; under {next(iter(errors))}: {first}")
+  if not sites:
+    raise AuditError(
+        f"smartvjp.audit: {name} makes no jax.custom_vjp or "
+        "smart_custom_vjp call: nothing to audit (a custom_vjp call that "
+        "JAX traced before this process imported smartvjp is found too; "
+        "check that the step differentiates the code you meant)")
+  by_index = {s.index: s for s in sites.values()}
+  first_build = next(iter(builds.values()))
+  rules = {}
+  for idx, site in by_index.items():
+    calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
+    rules[idx] = trace_rules(site, calls[0]) if calls else None
+  per_run = lambda key: opaque_count((rules.get(key[0]).jaxprs if rules.get(
+      key[0]) else {}).get(key[2])) or 1
+  for b in {id(b): b for b in builds.values()}.values():
+    count(b, per_run)
+  remat3 = _remat3()
+  ref = builds.get("as_written", first_build)
+  best_step = ("smartvjp_fused" if "smartvjp_fused" in builds and any(
+      s.fwd_bwd is not None for s in by_index.values()) else "smartvjp")
+  step_delta = {}
+  if best_step in builds and "as_written" in builds:
+    a, s = builds["as_written"], builds[best_step]
+    step_delta = {k: s.cost.get(k, 0) - a.cost.get(k, 0) for k in a.cost}
+  out_sites = []
+  for idx, site in sorted(by_index.items()):
+    calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
+    paths = [p for key, ps in ref.jaxpr_count.paths.items() if key[0] == idx
+             for p in ps]
+    path = max(paths, key=len) if paths else ()
+    if any(lbl[0] in ("shard_map", "xla_pmap") for p in paths for lbl in p):
+      raise AuditError(
+          f"smartvjp.audit: the custom_vjp site {site.name} (called at "
+          f"{calls[0].called_at if calls else '?'}) is inside shard_map or "
+          "pmap; the audit does not count rules under shard_map yet. Audit "
+          "the per-shard function (the body given to shard_map) instead")
+    policy_lbl = [lbl[1][1] for lbl in path if lbl[1] and lbl[1][0] == "policy"]
+    remat = bool(policy_lbl) or any(
+        lbl[1] and lbl[1][0] == "policy" for p in paths for lbl in p)
+    # under jax_remat3 checkpoint leaves no equation, only its name stack
+    remat3_only = not remat and any(
+        key[0] == idx for key in ref.jaxpr_count.rematted)
+    remat = remat or remat3_only
+    policy = policy_lbl[-1] if policy_lbl else None
+    mult = sum(ref.jaxpr_count.multiplicity.get((idx, c), 0)
+               for c in range(len(calls))) or len(calls)
+    r = rules[idx]
+    runs = {c: _site_runs(b, idx) for c, b in builds.items()}
+    kernels = max((v.get("kernel_launches", 0) for v in runs.values() if v),
+                  default=0)
+    opaque = bool(kernels) or any(opaque_count(j) for j in (
+        r.jaxprs.values() if r else ()))
+    best = ("smartvjp_fused" if site.fwd_bwd is not None
+            and "smartvjp_fused" in builds else "smartvjp")
+    residuals = []
+    for leaf, eqn in zip(r.residuals if r else (), r.res_eqns if r else ()):
+      leaf = dict(leaf)
+      leaf["fate"] = {c: _fate(leaf, eqn, policy, remat, runs.get(c), opaque,
+                               c == "smartvjp_fused" and site.fwd_bwd is not None)
+                      for c in builds}
+      residuals.append(leaf)
+    totals = {}
+    for c in builds:
+      t = dict.fromkeys(("written", "saved", "dropped", "recomputed"), 0)
+      for leaf in residuals:
+        fate, n = leaf["fate"][c], leaf["bytes"] * mult
+        if fate in ("saved", "offloaded", "dropped"):
+          t["written"] += n
+        if fate in ("saved", "offloaded"):
+          t["saved"] += n
+        elif fate in ("dropped", "recomputed"):
+          t[fate] += n
+      totals[c] = t
+    aw, sv = runs.get("as_written"), runs.get(best)
+    launches_saved = ((aw or {}).get("kernel_launches", 0)
+                      - (sv or {}).get("kernel_launches", 0)) if aw and sv else 0
+    info = dict(
+        index=idx, name=site.name, kind=site.kind,
+        rules={role: T._swap._qualified(getattr(site, role if role != "f"
+                                                else "fun"))
+               for role in C.ROLES if getattr(site, role if role != "f"
+                                              else "fun") is not None},
+        defined_at=site.defined_at,
+        called_at=[c.called_at for c in calls],
+        path=" › ".join(["jit"] + [lbl[0] for lbl in path]
+                        + (["checkpoint(?)"] if remat3_only else [])),
+        multiplicity=mult,
+        policy=("unknown (jax_remat3 leaves no checkpoint equation)"
+                if remat3_only else _policy_name(policy) if remat else None),
+        remat=remat, flags=remat3,
+        conditional=any(lbl[0] == "cond" for p in paths for lbl in p), symbolic_zeros=site.symbolic_zeros,
+        opaque=opaque, best_config=best, runs=runs, residuals=residuals,
+        residual_bytes=totals,
+        predicted=dict(launches_saved=launches_saved,
+                       dropped_bytes_saved=totals.get("as_written", {}).get(
+                           "dropped", 0) - totals.get(best, {}).get(
+                               "dropped", 0)),
+        unavailable=sorted(getattr(site, "unavailable", ())),
+        rule_errors=r.errors if r else {},
+        refused=site.refused,
+        hazards=hazards(site, r, bool(remat3.get("jax_remat3")))
+        if r else [])
+    info["suggestion"] = _suggestion(site, info, step_delta)
+    out_sites.append(info)
+  out_sites.sort(key=lambda s: (-s["predicted"]["launches_saved"],
+                                -s["predicted"]["dropped_bytes_saved"],
+                                s["index"]))
+  step = {}
+  for c, b in builds.items():
+    launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else None
+    step[c] = dict(memory=b.memory, cost=b.cost, kernel_launches=launches,
+                   seconds=b.seconds,
+                   notes=(b.jaxpr_count.notes + (b.hlo_count.notes
+                                                 if b.hlo_count else [])))
+  predicted = {}
+  if "as_written" in builds and best_step in builds:
+    a, s = step["as_written"], step[best_step]
+    predicted = dict(
+        baseline="as_written", candidate=best_step,
+        memory={k: s["memory"].get(k, 0) - v for k, v in a["memory"].items()},
+        cost={k: s["cost"].get(k, 0) - v for k, v in a["cost"].items()},
+        launches_saved=(a["kernel_launches"] or 0) - (s["kernel_launches"] or 0),
+        bytes_accessed_ratio=(s["cost"].get("bytes_accessed", 0)
+                              / a["cost"]["bytes_accessed"])
+        if a["cost"].get("bytes_accessed") else None,
+        flops_ratio=(s["cost"].get("flops", 0) / a["cost"]["flops"])
+        if a["cost"].get("flops") else None)
+  cvjp_saved = sum(s["residual_bytes"].get("as_written", {}).get("saved", 0)
+                   for s in out_sites)
+  temp = step.get("as_written", {}).get("memory", {}).get("temp")
+  seconds = time.perf_counter() - t0
+  one = ref.seconds
+  data = dict(
+      schema=SCHEMA, function=name, jax_version=jax.__version__,
+      backend=jax.default_backend(), flags=remat3,
+      configs=list(builds), errors=errors, sites=out_sites, step=step,
+      predicted=predicted,
+      summary=dict(
+          sites=len(out_sites),
+          kernel_launches={c: v["kernel_launches"] for c, v in step.items()},
+          residual_bytes={c: {k: sum(s["residual_bytes"].get(c, {}).get(k, 0)
+                                     for s in out_sites)
+                              for k in ("written", "saved", "dropped",
+                                        "recomputed")} for c in builds},
+          peak_bytes={c: v["memory"].get("peak") for c, v in step.items()},
+          custom_vjp_saved_share_of_temp=(cvjp_saved / temp) if temp else None),
+      audit_seconds=seconds,
+      audit_cost_in_compiles=seconds / max(sum(one.values()), 1e-9))
+  return data, builds
+
+
+# -- measure=True: the two compiled steps, interleaved ---------------------------------
+
+def _concrete(tree, seed=0):
+  rng = np.random.default_rng(seed)
+
+  def leaf(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      dtype = np.dtype(x.dtype) if x.dtype != jax.numpy.bfloat16 else None
+      if dtype is not None and np.issubdtype(dtype, np.integer):
+        return jax.numpy.zeros(x.shape, x.dtype)
+      return jax.numpy.asarray(rng.standard_normal(x.shape) * 0.1, x.dtype)
+    return x
+  return jax.tree.map(leaf, tree)
+
+
+def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
+  """Times the compiled step as written (A) and swapped (B) in turn, each
+  pair in alternating order, after one warm-up run of each: median and
+  min-max seconds of each, and the median of the paired ratios B/A."""
+  cand = data["predicted"].get("candidate")
+  if "as_written" not in builds or cand not in builds:
+    raise AuditError("measure=True needs the step to compile as written and "
+                     "swapped; see the report's errors")
+  a, b = builds["as_written"].compiled, builds[cand].compiled
+  args, kwargs = _concrete(args), _concrete(kwargs, 1)
+  run = lambda c: jax.block_until_ready(c(*args, **kwargs))
+  run(a), run(b)
+  times = {"as_written": [], cand: []}
+  for i in range(pairs):
+    order = (("as_written", a), (cand, b)) if i % 2 == 0 else (
+        (cand, b), ("as_written", a))
+    for name, c in order:
+      t = time.perf_counter()
+      run(c)
+      times[name].append(time.perf_counter() - t)
+  ratios = [tb / ta for ta, tb in zip(times["as_written"], times[cand])]
+  stats = {k: dict(median=float(np.median(v)), min=float(np.min(v)),
+                   max=float(np.max(v))) for k, v in times.items()}
+  ratio = float(np.median(ratios))
+  lo, hi = float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))
+  pred = data["predicted"].get("bytes_accessed_ratio")
+  disagree = None
+  if pred is not None:
+    # a prediction of no change is checked against the paired spread
+    if abs(pred - 1) < 1e-3:
+      disagree = not lo <= 1.0 <= hi and abs(ratio - 1) > 0.02
+    else:
+      disagree = (pred < 1) != (ratio < 1) and not lo <= 1.0 <= hi
+  return dict(
+      pairs=pairs, candidate=cand, seconds=stats, paired_ratio=ratio,
+      paired_ratio_iqr=[lo, hi], predicted_ratio=pred,
+      disagrees=disagree,
+      summary=(f"{cand} / jax.custom_vjp = {ratio:.3f} (paired, median of "
+               f"{pairs}; IQR {lo:.3f}-{hi:.3f}); predicted (bytes accessed) "
+               + ("—" if pred is None else f"{pred:.3f}")
+               + ("; DISAGREES" if disagree else "")))

@@ -1,0 +1,285 @@
+"""The audit's counts: how often each tagged rule runs per step, read from a
+jaxpr and from a compiled program's HLO text (nothing is run or changed).
+
+A rule traced by the audit runs under a named scope ``svjpaudit_<site>_
+<call>_<role>`` (``tag``), which JAX keeps in each equation's name stack and
+XLA in each instruction's ``op_name``. One *run* of a rule is one place its
+tagged work appears: per jaxpr (or HLO computation, fusions and calls
+inlined), the distinct name-stack contexts that end in the tag; for a rule
+whose work is opaque to XLA (a custom call: Pallas, FFI, a host callback),
+the custom calls it launches. Loop bodies multiply by their trip count
+(``scan``'s ``length``; XLA's ``known_trip_count``), and a conditional
+counts its costliest branch (exactly one branch runs).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Callable, Iterable
+
+ROLES = ("f", "fwd", "bwd", "fwd_bwd")
+TAG = re.compile(r"svjpaudit_(\d+)_(\d+)_(fwd_bwd|fwd|bwd|f)(?![\w])")
+
+# primitives whose work XLA cannot split or remove in part
+OPAQUE_PRIMITIVES = frozenset({
+    "pallas_call", "custom_call", "ffi_call", "pure_callback", "io_callback",
+    "callback", "triton_kernel_call", "tpu_custom_call", "mosaic_gpu_call",
+    "test_opaque_kernel", "smartvjp_count"})
+# custom calls XLA itself uses for placement and layout, not kernels
+NOT_KERNELS = frozenset({
+    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost",
+    "MoveToDevice", "annotate_device_placement", "LayoutConstraint",
+    "X64Combine", "X64SplitLow", "X64SplitHigh", "AllocateBuffer",
+    "PartitionId", "ReplicaId"})
+COLLECTIVES = frozenset({
+    "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
+    "psum_scatter", "reduce_scatter", "psum_invariant", "pbroadcast",
+    "all_gather_invariant"})
+
+
+def tag(site: int, call: int, role: str) -> str:
+  return f"svjpaudit_{site}_{call}_{role}"
+
+
+Key = tuple  # (site, call, role)
+
+
+def _tags(text: str) -> list[tuple[Key, str]]:
+  """Each tag in a name stack, with its context: the stack up to the tag's
+  own segment, then the tag, without the transformations wrapped round it
+  there (``jvp(<tag>)``, ``transpose(jvp(<tag>))``: a rule's equations and
+  their derivative under higher-order differentiation are one run)."""
+  out = []
+  for m in TAG.finditer(text):
+    start = text.rfind("/", 0, m.start()) + 1
+    out.append(((int(m[1]), int(m[2]), m[3]), text[:start] + m[0]))
+  return out
+
+
+class _Local:
+  """What one body (jaxpr or computation) holds of each rule: the
+  name-stack contexts of its work, and of its kernels apart."""
+
+  def __init__(self):
+    self.contexts = collections.defaultdict(set)
+    self.kernel_contexts = collections.defaultdict(set)
+    self.kernels = collections.Counter()
+
+  def add(self, name: str, opaque: bool, skip=frozenset()):
+    for key, context in _tags(name):
+      if key in skip:
+        continue
+      self.contexts[key].add(context)
+      if opaque:
+        self.kernels[key] += 1
+        self.kernel_contexts[key].add(context)
+
+  def runs(self, per_run: Callable[[Key], int]) -> collections.Counter:
+    """A rule with kernels runs once per place its kernels are (or per
+    ``per_run`` kernels); a JAX-coded rule once per place its work is."""
+    out = collections.Counter()
+    for key, ctx in self.contexts.items():
+      k = self.kernels.get(key, 0)
+      out[key] = (max(len(self.kernel_contexts[key]),
+                      math.ceil(k / max(per_run(key), 1))) if k else len(ctx))
+    return out
+
+
+def _merge_max(counters: Iterable[collections.Counter]) -> collections.Counter:
+  """Per (site, role), the most any one branch runs (its calls summed: two
+  branches calling one site make two calls, of which one runs)."""
+  out = collections.Counter()
+  for c in counters:
+    mine = collections.Counter()
+    for (site, _, role), v in c.items():
+      mine[(site, -1, role)] += v
+    for k, v in mine.items():
+      out[k] = max(out[k], v)
+  return out
+
+
+def _scaled(c: collections.Counter, n: int) -> collections.Counter:
+  return collections.Counter({k: v * n for k, v in c.items()})
+
+
+# -- jaxprs ----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class JaxprCount:
+  runs: collections.Counter          # (site, call, role) -> runs per step
+  paths: dict                        # (site, call) -> [nesting paths seen]
+  rematted: set                      # (site, call) seen in a rematted region
+  multiplicity: dict                 # (site, call) -> loop trips around it
+  notes: list                        # e.g. a while loop of unknown trip count
+
+
+def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
+                per_run: Callable[[Key], int]) -> JaxprCount:
+  """Runs per step in ``jaxpr`` (a ``jax.extend.core.Jaxpr``).
+
+  ``sub_jaxprs(eqn) -> (kind, [(jaxpr, label)...])``: what an equation runs
+  of other jaxprs, ``kind`` one of ``"inline"`` (runs once: ``jit``, remat,
+  smartvjp's rules), ``"loop"`` (``label`` is the trip count or ``None``),
+  ``"branches"`` (one of them runs) or ``None``. ``name_of(eqn)``: its name
+  stack as a string."""
+  paths, mult, notes, rematted = {}, {}, [], set()
+
+  def body(jaxpr, path, trips) -> collections.Counter:
+    local, total = _Local(), collections.Counter()
+
+    def visit(jaxpr, path, prefix=""):
+      for i, eqn in enumerate(jaxpr.eqns):
+        name = prefix + name_of(eqn)
+        local.add(name, eqn.primitive.name in OPAQUE_PRIMITIVES)
+        for key, _ in _tags(name):
+          seen = paths.setdefault(key[:2], [])
+          if tuple(path) not in seen:
+            seen.append(tuple(path))
+          mult.setdefault(key[:2], trips)
+          if "rematted_computation" in name:
+            rematted.add(key[:2])
+        kind, subs = sub_jaxprs(eqn)
+        if kind == "inline":
+          for j, (sub, label) in enumerate(subs):
+            # each occurrence of a body apart (a jitted function called twice)
+            # (under jax_remat3 a rematted region is an equation whose
+            # name stack says so, around a body whose names do not)
+            mark = "rematted_computation" if "rematted_computation" in name \
+                else ""
+            visit(sub, path + ([label] if label else []),
+                  f"{prefix}{id(jaxpr)}.{i}.{j}{mark}|")
+        elif kind == "loop":
+          for sub, (label, n) in subs:
+            if n is None:
+              notes.append(f"{label}: trip count unknown, counted once")
+            total.update(_scaled(body(sub, path + [label], trips * (n or 1)),
+                                 n or 1))
+        elif kind == "branches":
+          total.update(_merge_max(body(sub, path + [label], trips)
+                                  for sub, label in subs))
+    visit(jaxpr, path)
+    total.update(local.runs(per_run))
+    return total
+
+  runs = body(jaxpr, [], 1)
+  return JaxprCount(runs=runs, paths=paths, rematted=rematted,
+                    multiplicity=mult, notes=notes)
+
+
+# -- compiled HLO text -----------------------------------------------------------
+
+_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_CALLEE = re.compile(
+    r"\b(calls|body|condition|to_apply|true_computation|false_computation)"
+    r"=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+@dataclasses.dataclass
+class Instr:
+  opcode: str
+  op_name: str
+  target: str | None
+  callees: dict
+  branches: list
+  trips: int | None
+
+
+def parse_hlo(text: str) -> tuple[dict, str | None]:
+  """``({computation: [Instr]}, entry name)`` of an HLO module's text."""
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    if current is None or (line and not line.startswith(" ")):
+      m = _COMP.match(line)
+      if m and "=" not in line.split("(")[0]:
+        current = comps.setdefault(m[2], [])
+        if m[1]:
+          entry = m[2]
+        continue
+      if line.startswith("}"):
+        current = None
+      continue
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    op = _OP_NAME.search(line)
+    target = _TARGET.search(line)
+    branches = _BRANCHES.search(line)
+    trip = _TRIP.search(line)
+    current.append(Instr(
+        opcode=m[2], op_name=op[1] if op else "",
+        target=target[1] if target else None,
+        callees=dict(_CALLEE.findall(line)),
+        branches=[b.strip().lstrip("%") for b in branches[1].split(",")]
+        if branches else [],
+        trips=int(trip[1]) if trip else None))
+  return comps, entry
+
+
+def is_kernel(instr: Instr) -> bool:
+  return instr.opcode == "custom-call" and instr.target not in NOT_KERNELS
+
+
+@dataclasses.dataclass
+class HloCount:
+  runs: collections.Counter
+  kernels: collections.Counter       # (site, call, role) -> custom calls launched
+  notes: list
+
+
+def count_hlo(text: str, per_run: Callable[[Key], int]) -> HloCount:
+  """Runs (and kernel launches) per step in a compiled module's text."""
+  comps, entry = parse_hlo(text)
+  notes, launches = [], collections.Counter()
+  if entry is None:
+    return HloCount(collections.Counter(), launches, ["no ENTRY computation"])
+
+  def body(name, skip, factor) -> collections.Counter:
+    local, total = _Local(), collections.Counter()
+
+    def visit(name, skip):
+      for ins in comps.get(name, ()):
+        kernel = is_kernel(ins)
+        local.add(ins.op_name, kernel, skip)
+        if kernel:
+          for key, _ in _tags(ins.op_name):
+            if key not in skip:
+              launches[key] += factor
+        # a rule's own loops and branches count as part of its run
+        inner_skip = skip | {k for k, _ in _tags(ins.op_name)}
+        if ins.opcode in ("fusion", "call", "async-start", "custom-call"):
+          for role in ("calls", "to_apply"):
+            if role in ins.callees and ins.opcode != "custom-call":
+              visit(ins.callees[role], skip)
+        elif ins.opcode == "while":
+          n = ins.trips
+          if n is None:
+            notes.append(f"while {ins.op_name}: trip count unknown, counted "
+                         "once")
+          total.update(_scaled(body(ins.callees["body"], inner_skip,
+                                    factor * (n or 1)), n or 1))
+        elif ins.opcode == "conditional":
+          names = ins.branches or [ins.callees[k] for k in (
+              "true_computation", "false_computation") if k in ins.callees]
+          total.update(_merge_max(body(b, inner_skip, factor) for b in names))
+    visit(name, skip)
+    total.update(local.runs(per_run))
+    return total
+
+  return HloCount(body(entry, frozenset(), 1), launches, notes)
+
+
+def per_site(runs: collections.Counter) -> dict:
+  """``{site: {role: runs}}`` summed over a site's calls."""
+  out = collections.defaultdict(lambda: dict.fromkeys(ROLES, 0))
+  for (site, _, role), n in runs.items():
+    out[site][role] += n
+  return dict(out)

@@ -1,0 +1,214 @@
+"""The audit's report forms: the terminal table and the HTML page."""
+
+from __future__ import annotations
+
+import base64
+import html as _html
+import io
+
+_SHORT = {"as_written": "jax.custom_vjp", "optimize_remat": "optimize_remat",
+          "smartvjp": "smartvjp", "smartvjp_fused": "smartvjp+fwd_bwd",
+          "as_is": "as is"}
+
+
+def runs_text(runs: dict | None, where: str = "compiled") -> str:
+  if runs is None:
+    return "—"
+  counts = runs.get(where, runs.get("jaxpr"))
+  text = " ".join(f"{r} {n}" for r, n in counts.items() if n) or "none"
+  if where == "compiled" and runs.get("jaxpr") != counts:
+    jaxpr = " ".join(f"{r} {n}" for r, n in runs["jaxpr"].items() if n)
+    text += f" (jaxpr: {jaxpr or 'none'})"
+  return text
+
+
+def human_bytes(n) -> str:
+  if n is None:
+    return "—"
+  n = float(n)
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n:.1f} GiB"
+
+
+def _signed(n, fmt=human_bytes) -> str:
+  if n is None:
+    return "—"
+  return ("+" if n > 0 else "") + fmt(n) if n else "0"
+
+
+def table(data: dict) -> str:
+  configs = data["configs"]
+  lines = [f"smartvjp.audit of {data['function']} (jax {data['jax_version']}, "
+           f"{data['backend']}; runs per step, compiled)"]
+  for s in data["sites"]:
+    lines.append("")
+    lines.append(f"[{s['index']}] {s['name']}  ({s['kind']}, "
+                 f"{'opaque' if s['opaque'] else 'JAX-coded'})")
+    lines.append(f"    defined at {s['defined_at']}")
+    for c in dict.fromkeys(s["called_at"]):
+      lines.append(f"    called at  {c}")
+    lines.append(f"    path {s['path']}  ×{s['multiplicity']} per step"
+                 + (f", policy {s['policy']}" if s["policy"] else ""))
+    for c in configs:
+      rb = s["residual_bytes"].get(c, {})
+      lines.append(f"    {_SHORT.get(c, c):17} {runs_text(s['runs'].get(c)):40}"
+                   f" residuals written {human_bytes(rb.get('written'))},"
+                   f" dropped {human_bytes(rb.get('dropped'))}")
+    for leaf in s["residuals"]:
+      fates = ", ".join(f"{_SHORT.get(c, c)}: {f}"
+                        for c, f in leaf["fate"].items())
+      lines.append(f"    residual {leaf['path']} {leaf['dtype']}{leaf['shape']}"
+                   f" {human_bytes(leaf['bytes'])}"
+                   + (f" name={leaf['name']!r}" if leaf["name"] else "")
+                   + f" ({fates})")
+    lines.append(f"    suggestion: {s['suggestion']}")
+    for h in s["hazards"]:
+      lines.append(f"    hazard: {h}")
+  p = data.get("predicted") or {}
+  lines.append("")
+  lines.append("step:")
+  for c in configs:
+    st = data["step"][c]
+    lines.append(f"    {_SHORT.get(c, c):17} peak {human_bytes(st['memory'].get('peak'))}"
+                 f", temp {human_bytes(st['memory'].get('temp'))}"
+                 f", flops {st['cost'].get('flops', 0):.3g}"
+                 f", bytes accessed {st['cost'].get('bytes_accessed', 0):.3g}"
+                 f", kernel launches {st['kernel_launches']}")
+  if p:
+    lines.append(f"    predicted ({_SHORT[p['candidate']]} vs jax.custom_vjp):"
+                 f" peak {_signed(p['memory'].get('peak'))},"
+                 f" temp {_signed(p['memory'].get('temp'))},"
+                 f" flops x{_ratio(p['flops_ratio'])},"
+                 f" bytes accessed x{_ratio(p['bytes_accessed_ratio'])},"
+                 f" {p['launches_saved']} kernel launches fewer")
+  m = data.get("measured")
+  if m:
+    lines.append(f"    measured: {m['summary']}")
+  for c, e in data["errors"].items():
+    lines.append(f"    {_SHORT.get(c, c)} did not trace: {e}")
+  lines.append(f"    audit took {data['audit_seconds']:.2f} s "
+               f"({data['audit_cost_in_compiles']:.1f}x one trace+compile)")
+  return "\n".join(lines)
+
+
+def _ratio(r) -> str:
+  return "—" if r is None else f"{r:.3f}"
+
+
+# -- the HTML page -----------------------------------------------------------------
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:1.5em;max-width:80em;color:#222}
+table{border-collapse:collapse;font-size:85%;width:100%}td,th{border:1px solid #ccc;
+padding:.25em .5em;vertical-align:top}th{background:#f3f3f3}
+code{font-size:90%}.warn{color:#a40}details{margin:.3em 0}
+.plots img{max-width:48%;margin-right:1%}
+"""
+
+
+def _figure_svg(fig) -> str:
+  buf = io.BytesIO()
+  fig.savefig(buf, format="svg", bbox_inches="tight")
+  return ("data:image/svg+xml;base64,"
+          + base64.b64encode(buf.getvalue()).decode("ascii"))
+
+
+def plots(data: dict) -> list[tuple[str, str]]:
+  """``[(title, data URL of an SVG)]``: residual bytes per site and
+  configuration, and step memory against step cost (time where measured)."""
+  import matplotlib   # optional dependency: only the HTML page needs it
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  configs = data["configs"]
+  sites = data["sites"]
+  out = []
+  fig, ax = plt.subplots(figsize=(6.4, 3.2))
+  width = 0.8 / max(len(configs), 1)
+  for i, c in enumerate(configs):
+    xs = [j + i * width for j in range(len(sites))]
+    ax.bar(xs, [s["residual_bytes"].get(c, {}).get("written", 0) for s in sites],
+           width, label=f"{_SHORT.get(c, c)} written")
+    ax.bar(xs, [s["residual_bytes"].get(c, {}).get("dropped", 0) for s in sites],
+           width, fill=False, hatch="//", edgecolor="k")
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sites))])
+  ax.set_xticklabels([f"[{s['index']}] {s['name'][-24:]}" for s in sites],
+                     rotation=15, fontsize=7)
+  ax.set_ylabel("residual bytes per step")
+  ax.set_title("Residual bytes per site (hatched: written, then dropped)")
+  ax.legend(fontsize=7)
+  out.append(("Residual bytes per site", _figure_svg(fig)))
+  plt.close(fig)
+  fig, ax = plt.subplots(figsize=(6.4, 3.2))
+  measured = data.get("measured") or {}
+  timed = measured.get("seconds", {})
+  # measured: the timed configurations by median step time; else every
+  # configuration by XLA's bytes accessed
+  for c in (list(timed) if timed else configs):
+    st = data["step"][c]
+    x = timed[c]["median"] * 1e3 if timed else st["cost"].get(
+        "bytes_accessed", 0)
+    ax.scatter([x], [st["memory"].get("peak", 0)], s=60,
+               label=_SHORT.get(c, c))
+    if timed:
+      ax.errorbar([x], [st["memory"].get("peak", 0)], fmt="none",
+                  xerr=[[x - timed[c]["min"] * 1e3],
+                        [timed[c]["max"] * 1e3 - x]], ecolor="gray")
+  ax.set_xlabel("step time, median and min-max (ms)" if timed
+                else "bytes accessed (XLA cost model)")
+  ax.set_ylabel("peak memory (bytes)")
+  ax.set_title("Step memory against step cost, per configuration")
+  ax.legend(fontsize=7)
+  out.append(("Step memory and cost", _figure_svg(fig)))
+  plt.close(fig)
+  return out
+
+
+def html(data: dict) -> str:
+  e = _html.escape
+  configs = data["configs"]
+  rows = []
+  for s in data["sites"]:
+    cells = "".join(f"<td>{e(runs_text(s['runs'].get(c)))}</td>"
+                    for c in configs)
+    rows.append(
+        f"<tr><td>{s['index']}</td><td><code>{e(s['name'])}</code></td>"
+        f"<td>{'opaque' if s['opaque'] else 'JAX-coded'}</td>"
+        f"<td>{e(s['path'])} ×{s['multiplicity']}</td>{cells}"
+        f"<td>{e(human_bytes(s['residual_bytes'].get('as_written', {}).get('dropped')))}"
+        f"</td><td>{e(s['suggestion'])}</td></tr>")
+  details = []
+  for s in data["sites"]:
+    leaves = "".join(
+        f"<tr><td><code>{e(leaf['path'])}</code></td><td>{e(leaf['dtype'])}"
+        f"{leaf['shape']}</td><td>{e(human_bytes(leaf['bytes']))}</td>"
+        f"<td>{e(str(leaf['name'] or ''))}</td><td>"
+        + e(", ".join(f"{_SHORT.get(c, c)}: {f}" for c, f in leaf["fate"].items()))
+        + "</td></tr>" for leaf in s["residuals"])
+    hazards = "".join(f"<li class=warn>{e(h)}</li>" for h in s["hazards"])
+    details.append(
+        f"<details><summary>[{s['index']}] <code>{e(s['name'])}</code></summary>"
+        f"<p>defined at <code>{e(s['defined_at'])}</code><br>called at "
+        + ", ".join(f"<code>{e(c)}</code>" for c in dict.fromkeys(s["called_at"]))
+        + f"<br>path {e(s['path'])}, policy {e(str(s['policy']))}</p>"
+        f"<table><tr><th>residual</th><th>type</th><th>bytes</th><th>name</th>"
+        f"<th>fate</th></tr>{leaves}</table>"
+        + (f"<ul>{hazards}</ul>" if hazards else "") + "</details>")
+  figs = "".join(f'<img alt="{e(t)}" src="{u}">' for t, u in plots(data))
+  head = "".join(f"<th>{e(_SHORT.get(c, c))}</th>" for c in configs)
+  summary = e(table(data).split("\nstep:\n", 1)[-1])
+  return (
+      "<!doctype html><html><head><meta charset=utf-8>"
+      f"<title>smartvjp.audit: {e(data['function'])}</title>"
+      f"<style>{_CSS}</style></head><body>"
+      f"<h1>smartvjp.audit of <code>{e(data['function'])}</code></h1>"
+      f"<p>jax {e(data['jax_version'])}, {e(data['backend'])}; schema "
+      f"<code>{e(data['schema'])}</code>. Runs per step in the compiled "
+      "program (the jaxpr's count in brackets where it differs).</p>"
+      f"<table><tr><th>#</th><th>site</th><th>kind</th><th>path</th>{head}"
+      f"<th>dropped (as written)</th><th>suggestion</th></tr>"
+      + "".join(rows) + "</table>" + "".join(details)
+      + f"<h2>Step</h2><pre>{summary}</pre><div class=plots>{figs}</div>"
+      "</body></html>")
