@@ -31,3 +31,7 @@ SHIPS_TRITON_PALLAS_OPS
 # _api.smart_custom_vjp._remat: read back through self.__dict__ by defvjp
 # (a defremat made first); the facade's old namespace _remat hid it.
 _remat
+
+# _schedule.ScheduledRule.equation: a public field of print_schedule's
+# records (the JaxprEqn), read by their users, not by the package.
+equation
