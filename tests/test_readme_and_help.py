@@ -319,3 +319,20 @@ def test_supported_line_says_what_ci_tests_and_what_pip_installs():
   for release in probes:
     assert release in guide, release
 
+
+
+def test_the_test_count_table_has_a_row_per_install():
+  """Issue 58: the table of what a passing run prints has a row for what
+  the README's test command installs on each Python (3.11: jax 0.10.2;
+  3.12 and 3.13: the newest 0.12), at a named commit."""
+  guide = open(os.path.join(ROOT, "docs", "getting-started.md"),
+               encoding="utf-8").read()
+  section = guide.split("**What a passing test run looks like.**")[1]
+  section = section.split("\n\n")[1]
+  rows = [l for l in section.splitlines() if l.startswith("| 3.")]
+  pythons = {".".join(l.split(",")[0].strip("| ").split(".")[:2]) for l in rows}
+  assert {"3.11", "3.12"} <= pythons, rows
+  for row in rows:
+    assert re.search(r"`(\d+ failed, )?\d+ passed, \d+ skipped", row), row
+  assert re.search(r"at commit [0-9a-f]{7}", guide.split(
+      "**What a passing test run looks like.**")[1].split("\n\n")[0])

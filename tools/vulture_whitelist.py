@@ -43,6 +43,6 @@ watch
 # (smartvjp.audit(fn, ...)).
 __class__
 
-# _schedule.ScheduledRule.equation: public, the rule's JaxprEqn for readers
-# of print_schedule's return value.
+# _schedule.ScheduledRule.equation: a public field of print_schedule's
+# records (the JaxprEqn), read by their users, not by the package.
 equation
