@@ -413,3 +413,29 @@ def test_a_library_site_is_found_in_the_library_s_own_file():
   assert all(os.sep + "equinox" + os.sep in c for c in s["called_at"])
   assert s["symbolic_zeros"]   # equinox's rules take symbolic zeros
   assert s["runs"]["smartvjp"]["jaxpr"]["f"] == 1
+
+
+def test_a_loop_without_known_trip_count_reads_its_condition():
+  """XLA's TPU backend prints no ``known_trip_count`` on a scan's ``while``
+  (seen in benchmarks/results/audit_tpu_6181a0d.json, where the compiled
+  counts came out per iteration): the trip count is then read from the
+  loop's condition, ``counter < N``."""
+  from smartvjp.audit import _count as C
+
+  def body(c, _):
+    with jax.named_scope(C.tag(0, 0, "fwd")):
+      c = jnp.sin(c) * 2.0
+    return c, None
+
+  step = jax.jit(lambda x: jax.lax.scan(body, x, None, length=5)[0])
+  text = step.lower(jnp.ones(3)).compile().as_text()
+  assert C._TRIP.search(text), "the CPU backend states the trip count"
+  stripped = C._TRIP.sub('"no_trip_count":{"n":"0"', text)
+  want = C.count_hlo(text, lambda key: 1)
+  got = C.count_hlo(stripped, lambda key: 1)
+  assert want.runs[(0, 0, "fwd")] == 5
+  assert got.runs == want.runs and not got.notes
+  comps, _ = C.parse_hlo(stripped)
+  loops = [i for c in comps.values() for i in c if i.opcode == "while"]
+  assert [C.condition_bound(comps, i.callees["condition"])
+          for i in loops] == [5]

@@ -8,7 +8,10 @@ tagged work appears: per jaxpr (or HLO computation, fusions and calls
 inlined), the distinct name-stack contexts that end in the tag; for a rule
 whose work is opaque to XLA (a custom call: Pallas, FFI, a host callback),
 the custom calls it launches. Loop bodies multiply by their trip count
-(``scan``'s ``length``; XLA's ``known_trip_count``), and a conditional
+(``scan``'s ``length``; XLA's ``known_trip_count``, or, where the compiler
+prints none, as XLA's TPU backend does, the bound of the loop's condition:
+one ``LT`` comparison with one integer constant, as ``scan`` lowers), and a
+conditional
 counts its costliest branch (exactly one branch runs).
 """
 
@@ -181,6 +184,7 @@ _CALLEE = re.compile(
     r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_INT_CONSTANT = re.compile(r"\b[su]\d+\[\]\s+constant\((\d+)\)")
 
 
 @dataclasses.dataclass
@@ -191,6 +195,8 @@ class Instr:
   callees: dict
   branches: list
   trips: int | None
+  constant: int | None = None        # an integer scalar constant's value
+  less_than: bool = False            # a compare with direction=LT
 
 
 def parse_hlo(text: str) -> tuple[dict, str | None]:
@@ -214,14 +220,40 @@ def parse_hlo(text: str) -> tuple[dict, str | None]:
     target = _TARGET.search(line)
     branches = _BRANCHES.search(line)
     trip = _TRIP.search(line)
+    const = _INT_CONSTANT.search(line) if m[2] == "constant" else None
     current.append(Instr(
         opcode=m[2], op_name=op[1] if op else "",
         target=target[1] if target else None,
         callees=dict(_CALLEE.findall(line)),
         branches=[b.strip().lstrip("%") for b in branches[1].split(",")]
         if branches else [],
-        trips=int(trip[1]) if trip else None))
+        trips=int(trip[1]) if trip else None,
+        constant=int(const[1]) if const else None,
+        less_than=m[2] == "compare" and "direction=LT" in line))
   return comps, entry
+
+
+def condition_bound(comps: dict, name: str | None) -> int | None:
+  """The trip count a ``while`` loop's condition computation states when it
+  is ``counter < N`` with one integer constant ``N`` (``scan``'s lowering,
+  counter from 0), fusions included; else ``None``."""
+  constants, compares, seen = set(), 0, set()
+
+  def visit(comp):
+    nonlocal compares
+    if comp is None or comp in seen:
+      return
+    seen.add(comp)
+    for ins in comps.get(comp, ()):
+      if ins.constant is not None:
+        constants.add(ins.constant)
+      compares += ins.less_than
+      for callee in ins.callees.values():
+        visit(callee)
+  visit(name)
+  if compares == 1 and len(constants) == 1:
+    return constants.pop()
+  return None
 
 
 def is_kernel(instr: Instr) -> bool:
@@ -261,6 +293,8 @@ def count_hlo(text: str, per_run: Callable[[Key], int]) -> HloCount:
               visit(ins.callees[role], skip)
         elif ins.opcode == "while":
           n = ins.trips
+          if n is None:
+            n = condition_bound(comps, ins.callees.get("condition"))
           if n is None:
             notes.append(f"while {ins.op_name}: trip count unknown, counted "
                          "once")
