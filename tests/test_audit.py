@@ -439,3 +439,14 @@ def test_a_loop_without_known_trip_count_reads_its_condition():
   loops = [i for c in comps.values() for i in c if i.opcode == "while"]
   assert [C.condition_bound(comps, i.callees["condition"])
           for i in loops] == [5]
+  # the condition as XLA's TPU backend prints it (jax 0.10.2, TPU v5e)
+  tpu = """\
+%wide.region_1.3 (wide.arg_tuple.3: (s32[], f32[8,128], s32[])) -> pred[] {
+  %constant.8 = s32[]{:T(128)} constant(5)
+  %wide.arg_tuple.3 = (s32[]{:T(128)}, f32[8,128]{1,0:T(8,128)S(1)}, s32[]{:T(128)}) parameter(0)
+  %get-tuple-element.10 = s32[]{:T(128)} get-tuple-element(%wide.arg_tuple.3), index=0
+  ROOT %lt.0 = pred[]{:T(512)} compare(%get-tuple-element.10, %constant.8), direction=LT, metadata={op_name="jit(<lambda>)/while/cond/lt"}
+}
+"""
+  comps, _ = C.parse_hlo(tpu)
+  assert C.condition_bound(comps, "wide.region_1.3") == 5

@@ -184,7 +184,8 @@ _CALLEE = re.compile(
     r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_INT_CONSTANT = re.compile(r"\b[su]\d+\[\]\s+constant\((\d+)\)")
+# (a TPU prints a layout after the shape: s32[]{:T(128)} constant(5))
+_INT_CONSTANT = re.compile(r"\b[su]\d+\[\](?:\{[^}]*\})?\s+constant\((\d+)\)")
 
 
 @dataclasses.dataclass
