@@ -260,8 +260,11 @@ def _rounded(x):
   in more bits where it is not stored, and the backward pass would then
   see another value than the forward output (issue 56)."""
   t = jx.core.typeof(x)
-  if type(t) is not jx.core.ShapedArray or not jnp.issubdtype(t.dtype,
-                                                             jnp.inexact):
+  # only a type narrower than f32 is computed in more bits than it has
+  # (XLA's float normalization); rounding a wider one is no change, though
+  # XLA's cost analysis would count it as work
+  if (type(t) is not jx.core.ShapedArray
+      or not jnp.issubdtype(t.dtype, jnp.floating) or t.dtype.itemsize >= 4):
     return x
   info = jnp.finfo(t.dtype)
   return jax.lax.reduce_precision(x, exponent_bits=info.nexp,
