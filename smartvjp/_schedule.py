@@ -111,7 +111,7 @@ def rule_equations(jaxpr, where: tuple[str, ...] = (),
   return found
 
 
-def print_schedule(fn: Callable, *args, **kwargs) -> list[ScheduledRule]:
+def print_schedule(fn: Callable, *args: Any, **kwargs: Any) -> list[ScheduledRule]:
   """Prints which smartvjp rules the program of ``fn(*args, **kwargs)``
   runs, and where: one line per rule equation.
 
@@ -154,7 +154,8 @@ def print_schedule(fn: Callable, *args, **kwargs) -> list[ScheduledRule]:
 
   Args:
     fn: a function JAX can trace.
-    *args, **kwargs: its arguments, as for ``jax.make_jaxpr(fn)``.
+    *args: its positional arguments, as for ``jax.make_jaxpr(fn)``.
+    **kwargs: its keyword arguments, likewise.
 
   Returns:
     A list of :class:`ScheduledRule` (``which``, ``part``, ``function``,
