@@ -30,7 +30,8 @@ class smart_custom_vjp:
   ``jax.custom_vjp`` runs ``fwd`` in the forward pass, drops its residuals
   and runs ``fwd`` again in the backward pass, so ``f`` never runs
   (jax-ml/jax#21303); here the forward pass runs ``f`` and the backward pass
-  runs ``fwd`` once (or the fused ``fwd_bwd`` rule, if given). Example
+  runs ``fwd`` once (or the fused ``fwd_bwd`` rule, if given, where it costs
+  no more: ``defvjp``'s ``fused``). Example
   (self-contained; it runs as written):
 
   ```python
