@@ -185,6 +185,20 @@ def _counted(rule, kernel, grid_rank):
 
 # -- tiles and padding --------------------------------------------------------
 
+def _estimate(arith, args, out_shape):
+  """``pl.CostEstimate`` of one kernel launch: the operations of ``arith``
+  (the kernel's arithmetic on its whole inputs, in f32, counted by
+  ``pl.estimate_cost``) and its memory traffic, each input read and each
+  output written once. XLA's TPU compiler reads it as the custom call's
+  cost, and smartvjp weighs rules with it."""
+  f32 = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in args]
+  ops = pl.estimate_cost(arith, *f32)
+  moved = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+              for a in [*args, *jax.tree.leaves(out_shape)])
+  return pl.CostEstimate(flops=ops.flops, transcendentals=ops.transcendentals,
+                         bytes_accessed=moved)
+
+
 def _tile(block, size):
   """The tile along one axis: ``block`` (a power of two), or for a smaller
   axis the next power of two, at least 16."""
@@ -303,7 +317,7 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
     return {**TPU_TILES, **TPU_TILES_BY_SHAPE.get((k, n), {}), **overrides}
 
   def call(rule, name, kernel, grid, in_specs, out_specs, out_shape, scratch,
-           semantics, *args):
+           semantics, *args, arith):
     if count:
       kernel = _counted(rule, kernel, len(grid))
     outs = out_specs if isinstance(out_specs, list) else [out_specs]
@@ -315,7 +329,7 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, scratch_shapes=scratch, interpret=interpret,
         compiler_params=None if interpret else _tpu_params(semantics, limit),
-        name=name)(*args)
+        cost_estimate=_estimate(arith, args, out_shape), name=name)(*args)
 
   def fwd_tiles(x, w):
     (m, k), n = x.shape, w.shape[1]
@@ -354,7 +368,8 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
                 [pltpu.VMEM((bm, bn), jnp.float32)] if nk > 1 else [],
                 ("parallel", "parallel", "arbitrary"),
                 _pad(x, mp, kp), _pad(w, kp, np_),
-                *(_pad(e, mp, np_) for e in extra))
+                *(_pad(e, mp, np_) for e in extra),
+                arith=lambda x, w, *extra: epilogue(x @ w, *extra))
     return [o[:m, :n] for o in outs]
 
   def res_dtype(x):
@@ -403,7 +418,8 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
               jax.ShapeDtypeStruct((mp, kp), x.dtype),
               [pltpu.VMEM((bm, bk), jnp.float32)],
               ("parallel", "parallel", "arbitrary"),
-              _pad(g, mp, np_), *ys, _pad(w, kp, np_))
+              _pad(g, mp, np_), *ys, _pad(w, kp, np_),
+              arith=lambda g, *yw: (_dy(g, yw[0]) if from_y else g) @ yw[-1].T)
 
     # dw: grid (K / bk, N / bn, M / bm), M contracted innermost
     bk, bn, bm = tiles["dw"]
@@ -427,7 +443,8 @@ def _tpu_rules(interpret, tiles, residual_dtype, count, vmem_limit):
               jax.ShapeDtypeStruct((kp, np_), w.dtype),
               [pltpu.VMEM((bk, bn), jnp.float32)],
               ("parallel", "parallel", "arbitrary"),
-              _pad(x, mp, kp), _pad(g, mp, np_), *ys)
+              _pad(x, mp, kp), _pad(g, mp, np_), *ys,
+              arith=lambda x, g, *y: x.T @ (_dy(g, y[0]) if from_y else g))
     return dx[:m, :k], dw[:k, :n]
 
   def bwd(res, g):
@@ -505,12 +522,14 @@ def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
   params = None if interpret else pl_triton.CompilerParams(
       num_warps=num_warps or 8, num_stages=num_stages or 3)
 
-  def call(rule, name, kernel, grid, in_specs, out_specs, out_shape, *args):
+  def call(rule, name, kernel, grid, in_specs, out_specs, out_shape, *args,
+           arith):
     if count:
       kernel = _counted(rule, kernel, len(grid))
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape,
                           interpret=interpret, compiler_params=params,
+                          cost_estimate=_estimate(arith, args, out_shape),
                           name=name)(*args)
 
   def tiles(x, w):
@@ -538,7 +557,8 @@ def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
                 + [tile] * len(extra),
                 [tile] * len(out_dtypes),
                 [jax.ShapeDtypeStruct((mp, np_), d) for d in out_dtypes],
-                xp, wp, *extra)
+                xp, wp, *extra,
+                arith=lambda x, w, *g: _dy(g[0], x @ w) if g else gelu(x @ w))
 
   def f(x, w):
     [z] = tile_kernel("f", _f_kernel, operands(x, w), [x.dtype])
@@ -562,14 +582,16 @@ def make_gelu_matmul(block_m=128, block_n=128, block_k=None, interpret=None,
               [pl.BlockSpec((bm, np_), lambda i, k: (i, 0))] * (1 + from_y)
               + [pl.BlockSpec((bk, np_), lambda i, k: (k, 0))],
               pl.BlockSpec((bm, bk), lambda i, k: (i, k)),
-              jax.ShapeDtypeStruct((mp, kp), x.dtype), g, *ys, wp)
+              jax.ShapeDtypeStruct((mp, kp), x.dtype), g, *ys, wp,
+              arith=lambda g, *yw: (_dy(g, yw[0]) if from_y else g) @ yw[-1].T)
     dw = call(rule, names[1], functools.partial(_dw_kernel, bm=bm,
                                                 from_y=from_y),
               (kp // bk, np_ // bn),
               [pl.BlockSpec((mp, bk), lambda k, j: (0, k))]
               + [pl.BlockSpec((mp, bn), lambda k, j: (0, j))] * (1 + from_y),
               pl.BlockSpec((bk, bn), lambda k, j: (k, j)),
-              jax.ShapeDtypeStruct((kp, np_), w.dtype), xp, g, *ys)
+              jax.ShapeDtypeStruct((kp, np_), w.dtype), xp, g, *ys,
+              arith=lambda x, g, *y: x.T @ (_dy(g, y[0]) if from_y else g))
     return dx[:x.shape[0], :x.shape[1]], dw[:w.shape[0], :w.shape[1]]
 
   def bwd(res, g):

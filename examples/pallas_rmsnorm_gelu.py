@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import time
 
 import jax
@@ -86,6 +87,29 @@ def _grads_rows(n, r, gamma, g, d):
   dn = du * gamma
   dx = r * (dn - n * (jnp.sum(dn * n, axis=-1, keepdims=True) / d))
   return dx, du * n
+
+
+# Each kernel's arithmetic on whole arrays, its inputs in the kernel's
+# order: ``_estimate`` counts its operations for the kernel's cost estimate.
+_MATH = {
+    "f": lambda x, gamma, *, d: _gelu_and_grad(_norm(x, d)[0] * gamma)[0],
+    "bwd": lambda n, r, gamma, g, *, d: _grads(n, r, gamma, g, d),
+    "fwd_bwd": lambda x, gamma, g, *, d: _grads(*_norm(x, d), gamma, g, d),
+}
+_MATH["fwd"] = _MATH["f"]
+
+
+def _estimate(rule, d, arrays, out_shapes):
+  """``pl.CostEstimate`` of one kernel launch: ``_MATH``'s operations
+  (``pl.estimate_cost`` of the arithmetic in f32) and its memory traffic,
+  each input read and each output written once. XLA's TPU compiler reads it
+  as the custom call's cost, and smartvjp weighs rules with it."""
+  f32 = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in arrays]
+  ops = pl.estimate_cost(functools.partial(_MATH[rule], d=d), *f32)
+  moved = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+              for a in [*arrays, *jax.tree.leaves(out_shapes)])
+  return pl.CostEstimate(flops=ops.flops, transcendentals=ops.transcendentals,
+                         bytes_accessed=moved)
 
 
 def _row_loop(bm, rows, step, width):
@@ -174,10 +198,12 @@ def _tpu_rules(interpret, tile_bytes, count, vmem_limit):
     kernel = functools.partial(kernel, d=d, steps=mp // bm)
     if count and interpret:
       kernel = _counted(rule, kernel)
+    out_shape = out_shapes(mp, dp)
     return pl.pallas_call(
         kernel, grid=(mp // bm,), in_specs=in_specs(bm, dp),
-        out_specs=out_specs(bm, dp), out_shape=out_shapes(mp, dp),
+        out_specs=out_specs(bm, dp), out_shape=out_shape,
         scratch_shapes=scratch(dp), interpret=interpret,
+        cost_estimate=_estimate(rule, d, arrays, out_shape),
         compiler_params=None if interpret else pltpu.CompilerParams(
             dimension_semantics=semantics, vmem_limit_bytes=vmem_limit),
         name=KERNEL_NAMES[rule][0])(*arrays)
@@ -371,11 +397,13 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
     params = None if interpret else pl_triton.CompilerParams(
         num_warps=num_warps or (8 if dp >= 4096 else 4), num_stages=1)
     instances = mp // rows
+    out_shape = out_shapes(mp, dp, instances)
     return pl.pallas_call(kernel, grid=(instances,),
                           in_specs=in_specs(rows, dp),
-                          out_specs=out_specs(rows, dp),
-                          out_shape=out_shapes(mp, dp, instances),
+                          out_specs=out_specs(rows, dp), out_shape=out_shape,
                           interpret=interpret, compiler_params=params,
+                          cost_estimate=_estimate(rule, x.shape[1], in_arrays,
+                                                  out_shape),
                           name=KERNEL_NAMES[rule][0])(*in_arrays)
 
   def pad(a, x, grad=False):   # a: [M, D] or [M, 1] -> padded like x

@@ -175,15 +175,21 @@ _NOT_KERNELS = ("split", "optimization_barrier", "smartvjp_rule",
                 "smartvjp_call")
 
 
-def _counted(eqns) -> tuple[int, int]:
-  """``(collectives, opaque kernels)`` run, loops counted per trip."""
+def _counted(eqns) -> tuple[int, int, float]:
+  """``(collectives, opaque kernels, the kernels' own estimated
+  operations)`` run, loops counted per trip. A kernel's estimate is its
+  ``cost_estimate`` param (``pallas_call``'s): flops + transcendentals."""
   collectives = kernels = 0
+  estimated = 0.0
   for e in eqns:
     name = e.primitive.name
     if name in _COLLECTIVES:
       collectives += 1
     elif name in _KERNELS:
       kernels += 1
+      est = e.params.get("cost_estimate")
+      if est is not None:
+        estimated += est.flops + est.transcendentals
     else:
       subs = [_counted(j.eqns) for j in _sub_jaxprs(e)]
       if (not subs and e.primitive.multiple_results
@@ -191,24 +197,26 @@ def _counted(eqns) -> tuple[int, int]:
         kernels += 1   # a primitive of its own, several results: a kernel
       elif subs:
         trips = e.params.get("length", 1)
-        collectives += trips * max(c for c, _ in subs)
-        kernels += trips * max(k for _, k in subs)
-  return collectives, kernels
+        collectives += trips * max(c for c, _, _ in subs)
+        kernels += trips * max(k for _, k, _ in subs)
+        estimated += trips * max(f for _, _, f in subs)
+  return collectives, kernels, estimated
 
 
 def rule_cost(jaxpr) -> _plan.Cost:
   """A traced rule's cost (``jaxpr``: closed): the Pallas cost estimate of
-  its code (a ``pallas_call``'s own estimate inside), its collectives and
-  opaque kernels, and the bytes of its outputs."""
+  its JAX-coded operations plus each kernel's own estimate (a
+  ``pallas_call``'s ``cost_estimate``), its collectives and opaque
+  kernels, and the bytes of its outputs."""
   try:
     est = jx.pallas_cost.cost_estimate_jaxpr(jaxpr)
     flops = float(est.flops + est.transcendentals)
   except Exception:  # noqa: BLE001 - a primitive it has no rule for
     flops = 0.0
-  collectives, kernels = _counted(jaxpr.jaxpr.eqns)
+  collectives, kernels, estimated = _counted(jaxpr.jaxpr.eqns)
   written = sum(_size(a) * getattr(getattr(a, "dtype", None), "itemsize", 0)
                 for a in jaxpr.out_avals)
-  return _plan.Cost(collectives, flops, kernels, written)
+  return _plan.Cost(collectives, flops + estimated, kernels, written)
 
 
 # -- facts and answers --------------------------------------------------------------
