@@ -115,7 +115,8 @@ def print_schedule(fn: Callable, *args: Any, **kwargs: Any) -> list[ScheduledRul
   """Prints which smartvjp rules the program of ``fn(*args, **kwargs)``
   runs, and where: one line per rule equation.
 
-  ``fn`` is traced (``jax.make_jaxpr``), not run; give it the function you
+  ``fn`` is traced (``jax.make_jaxpr``), not run, and what no output reads
+  is removed, as ``jax.jit`` removes it; give it the function you
   would ``jax.jit``, e.g. ``jax.grad(loss)`` or a training step, and its
   arguments (arrays, ``jax.ShapeDtypeStruct``s or pytrees of them). A line
   reads ``fwd_bwd (f_fwd_bwd) of f  in remat2``: the rule (``which``, with
@@ -133,7 +134,11 @@ def print_schedule(fn: Callable, *args: Any, **kwargs: Any) -> list[ScheduledRul
   rows), with one exception: under JAX's ``jax_remat3`` flags the program
   can hold a ``fwd`` equation that nothing reads where the policy saves
   its residuals (``everything_saveable``, ``save_only_these_names``),
-  which is listed here and removed only when the program is compiled.
+  which is listed here and removed only when the program is compiled; and
+  on jax 0.11 under those flags a rule with effects that only a
+  ``fwd_bwd`` follows (``f`` printing) is replayed in the backward region
+  but not listed, since JAX 0.11's dead-code elimination drops the replay
+  (which declares no outputs) that the compiled program still runs.
 
   ```python
   import jax, jax.numpy as jnp
@@ -165,7 +170,10 @@ def print_schedule(fn: Callable, *args: Any, **kwargs: Any) -> list[ScheduledRul
   Errors raised while tracing ``fn`` propagate unchanged, as from
   ``jax.make_jaxpr(fn)``.
   """
-  rules = rule_equations(jax.make_jaxpr(fn)(*args, **kwargs))
+  closed = jax.make_jaxpr(fn)(*args, **kwargs)
+  # what jit hands XLA: the program with what no output reads removed
+  rules = rule_equations(jx.dce_jaxpr_keep_inputs(
+      closed, [True] * len(closed.jaxpr.outvars)))
   for r in rules:
     print(r)
   if not rules:
