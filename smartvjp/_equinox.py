@@ -151,6 +151,7 @@ class filter_custom_vjp:
     self.fn_fwd: Callable | None = None
     self.fn_bwd: Callable | None = None
     self.fn_fwd_bwd: Callable | None = None
+    self.fused: bool | None = None
     self.fn_wrapped = None
     self.__name__ = getattr(fn, "__name__", "fn")
     self.__doc__ = getattr(fn, "__doc__", None)
@@ -175,16 +176,25 @@ class filter_custom_vjp:
     self._maybe_defvjp()
     return fn_bwd
 
-  def def_fwd_bwd(self, fn_fwd_bwd: Callable) -> Callable:
+  def def_fwd_bwd(self, fn_fwd_bwd: Callable | None = None, *,
+                  fused: bool | None = None) -> Callable:
     """Sets the optional fused ``fn_fwd_bwd(g, perturbed, vjp_arg, *args,
     **kwargs)``.
 
     It returns what ``fn_bwd`` returns, recomputing what it needs from the
     arguments instead of reading residuals. Under remat it replaces
-    ``fn_fwd`` + ``fn_bwd`` in the backward pass; without ``def_fwd`` and
-    ``def_bwd`` it is used everywhere. Usable as a decorator; returns
-    ``fn_fwd_bwd``."""
-    self.fn_fwd_bwd = fn_fwd_bwd
+    ``fn_fwd`` + ``fn_bwd`` in the backward pass where that costs no more
+    (``smart_custom_vjp.defvjp``'s choice); without ``def_fwd`` and
+    ``def_bwd`` it is used everywhere. ``fused``: as ``defvjp``'s, ``True``
+    or ``False`` forces either pair. Usable as a decorator, also as
+    ``@f.def_fwd_bwd(fused=True)``; returns ``fn_fwd_bwd``.
+
+    Raises:
+      TypeError: ``fused`` is not ``None``, ``True`` or ``False`` (raised by
+        ``defvjp`` once the rules are complete)."""
+    if fn_fwd_bwd is None:
+      return lambda fn: self.def_fwd_bwd(fn, fused=fused)
+    self.fn_fwd_bwd, self.fused = fn_fwd_bwd, fused
     self._maybe_defvjp()
     return fn_fwd_bwd
 
@@ -280,7 +290,8 @@ class filter_custom_vjp:
                    fn_bwd_wrapped if have_pair else None,
                    symbolic_zeros=True,
                    fwd_bwd=(fn_fwd_bwd_wrapped
-                            if self.fn_fwd_bwd is not None else None))
+                            if self.fn_fwd_bwd is not None else None),
+                   fused=self.fused)
     self.fn_wrapped = wrapped
 
   def __call__(self, vjp_arg: Any, /, *args: Any, **kwargs: Any) -> Any:

@@ -70,7 +70,10 @@ def make(deco, fused=None, counted=False):
     layer.def_fwd(fwd)
     layer.def_bwd(bwd)
   if fused and deco is smartvjp.filter_custom_vjp:
-    layer.def_fwd_bwd(fwd_bwd)
+    if fused in (True, False):    # forced, through the decorator form
+      layer.def_fwd_bwd(fused=fused)(fwd_bwd)
+    else:
+      layer.def_fwd_bwd(fwd_bwd)
   return layer
 
 
@@ -125,6 +128,25 @@ def test_fused_rule(fused):
   assert dict(K.COUNTS) == {"f": 1, "fwd_bwd": 1}
   ref = eqx.filter_grad(loss_of(make(eqx.filter_custom_vjp), True))(m, X)
   close(g, ref)
+
+
+@pytest.mark.parametrize("fused, counts", [
+    (True, {"f": 1, "fwd_bwd": 1}), (False, {"fwd": 1, "bwd": 1})])
+def test_fused_forced_through_def_fwd_bwd(fused, counts):
+  """The backward region reads the layer's output (``sin``'s derivative
+  does): the pair is weighed unless ``def_fwd_bwd(fused=...)`` forces it;
+  ``True`` runs ``f`` there before ``fwd_bwd`` (the forward pass's ``f`` is
+  dead: the loss's value is not returned)."""
+  m = model()
+
+  def read(layer):
+    inner = eqx.filter_checkpoint(lambda m, x: jnp.sin(layer(m, x, 2.0)["y"]))
+    return lambda m, x: jnp.sum(inner(m, x))
+  K.reset()
+  g = eqx.filter_jit(eqx.filter_grad(read(make(
+      smartvjp.filter_custom_vjp, fused=fused, counted=True))))(m, X)
+  assert dict(K.COUNTS) == counts
+  close(g, eqx.filter_grad(read(make(eqx.filter_custom_vjp)))(m, X))
 
 
 def test_filter_vmap_and_args_not_differentiated():
