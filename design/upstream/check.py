@@ -75,8 +75,7 @@ NEEDS_REMAT_RULE = tuple(f'test_{t}' for t in (
     'launches_residual_offloaded_kept_kernel',
     'launches_residual_saved_jnp_scalar_in_fwd',
     'launches_residual_saved_mask_in_fwd', 'launches_scan_residual_saved',
-    'launches_vmap_residual_saved',
-    'second_order_offloaded_residual_raises'))
+    'launches_vmap_residual_saved'))
 # Policies of launches.py under which True may change: they keep fwd's
 # residual.
 KEEPING = ('names', 'offload')
