@@ -106,10 +106,10 @@ POLICIES = dict(
         names_which_can_be_saved=[], names_which_can_be_offloaded=['c'],
         offload_src='device', offload_dst='pinned_host'))
 PROGRAMS = ('plain', 'scan4', 'static', 'vmap_outside', 'vmap_inside',
-            'uses_output', 'cond', 'const_in_fwd')
+            'uses_output', 'cond', 'const_in_fwd', 'unnamed_res')
 
 
-def make_sin(kernel, mode, static=False, const=False):
+def make_sin(kernel, mode, static=False, const=False, unnamed=False):
   K = KERNELS[kernel]
   if mode == 'custom_remat':  # f forward, fwd_bwd backward, by hand
     f = lambda x: K('f', x)[0]
@@ -121,9 +121,15 @@ def make_sin(kernel, mode, static=False, const=False):
   def fwd(*args):  # with const, an array constant multiplies x first
     x = args[-1] * np.ones(args[-1].shape, np.float32) if const else args[-1]
     y, c = K('fwd', x)
-    return y, checkpoint_name(c, 'c')
+    c = checkpoint_name(c, 'c')
+    # with unnamed, a second residual computed in JAX from x, not named
+    return y, ((c, args[-1] * 2.) if unnamed else c)
   def bwd(*args):
-    return (K('bwd', *args[-2:])[0],)
+    res, g = args[-2:]
+    if unnamed:  # bwd reads the unnamed residual too (adding zero)
+      (res, r) = res
+      return (K('bwd', res, g)[0] + 0. * r,)
+    return (K('bwd', res, g)[0],)
   sin = jax.custom_vjp(f, nondiff_argnums=(0,) if static else ())
   sin.defvjp(fwd, bwd, optimize_remat={'False': False, 'True': True}.get(mode, mode))
   return (lambda x: sin('static', x)) if static else sin
@@ -131,7 +137,7 @@ def make_sin(kernel, mode, static=False, const=False):
 
 def make_step(program, sin, policy):
   ckpt = lambda g: jax.checkpoint(g, policy=POLICIES[policy])
-  if program in ('plain', 'static', 'const_in_fwd'):
+  if program in ('plain', 'static', 'const_in_fwd', 'unnamed_res'):
     return jax.value_and_grad(ckpt(lambda x: sin(x).sum()))
   if program == 'uses_output':
     return jax.value_and_grad(ckpt(lambda x: (sin(x) * jnp.cos(x)).sum()))
@@ -161,7 +167,8 @@ def expected_grad(program, x):
 
 def measure(program, mode, policy, kernel, jit):
   sin = make_sin(kernel, mode, static=program == 'static',
-                 const=program == 'const_in_fwd')
+                 const=program == 'const_in_fwd',
+                 unnamed=program == 'unnamed_res')
   step = make_step(program, sin, policy)
   x = jnp.linspace(0.1, 0.9, 8, dtype=jnp.float32)
   if program.startswith('vmap'):
