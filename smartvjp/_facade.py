@@ -118,8 +118,9 @@ if _MISSING:
 
 # ClosedJaxpr from jax.extend.core names the closed-jaxpr class on every supported
 # release (jax 0.11 merged it into Jaxpr and 0.12 removed core's alias), and
-# ClosedJaxpr(jaxpr, consts) builds one.
-from jax.extend.core import ClosedJaxpr  # noqa: E402
+# ClosedJaxpr(jaxpr, consts) builds one; jaxpr_as_fun makes one a function
+# (the audit lowers a rule's traced jaxpr alone for its cost).
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun  # noqa: E402
 
 # -- jaxprs and equations ----------------------------------------------------------
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from smartvjp.audit import _count as C
+from smartvjp.audit import _model as M
 from smartvjp.audit import _trace as T
 from smartvjp import _facade as jx
 from smartvjp import _primitive as P
@@ -108,6 +109,8 @@ class Build:
   jaxpr_count: Any = None
   hlo_count: Any = None
   calls: dict = dataclasses.field(default_factory=dict)
+  loop_cost: dict = dataclasses.field(default_factory=dict)
+  loop_notes: list = dataclasses.field(default_factory=list)
 
 
 def _jitted(fn):
@@ -130,13 +133,16 @@ def _memory(compiled) -> dict:
   return out
 
 
-def _cost(compiled) -> dict:
+def _cost(stage) -> dict:
+  """XLA's ``cost_analysis`` of a compiled (or lowered) program: ``flops``,
+  ``transcendentals``, ``bytes_accessed`` (``{}`` where unavailable)."""
   try:
-    c = compiled.cost_analysis()
+    c = stage.cost_analysis()
   except Exception:   # noqa: BLE001
     return {}
   c = c[0] if isinstance(c, (list, tuple)) and c else c
   return {"flops": float(c.get("flops", 0.0)),
+          "transcendentals": float(c.get("transcendentals", 0.0)),
           "bytes_accessed": float(c.get("bytes accessed", 0.0))} if c else {}
 
 
@@ -284,6 +290,93 @@ def opaque_count(closed) -> int:
              for e in closed.jaxpr.eqns)
 
 
+def _pallas_estimates(jaxpr, times=1):
+  """The summed ``cost_estimate`` of the ``pallas_call``s in ``jaxpr``
+  (a scan's body times its length), and how many had none."""
+  total, missing = dict(flops=0.0, transcendentals=0.0, bytes_accessed=0.0), 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      est = eqn.params.get("cost_estimate")
+      if est is None:
+        missing += 1
+        continue
+      for k in total:
+        total[k] += times * float(getattr(est, k, 0) or 0)
+      continue
+    n = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    subs = [_closed(v) for v in eqn.params.values()]
+    subs += [_closed(j) for v in eqn.params.values()
+             if isinstance(v, (tuple, list)) for j in v]
+    for sub in (j for j in subs if j is not None):
+      inner, more = _pallas_estimates(sub, times * n)
+      missing += more
+      for k in total:
+        total[k] += inner[k]
+  return total, missing
+
+
+def rule_cost(closed) -> dict:
+  """A traced rule's own cost, one run: XLA's ``cost_analysis`` of the rule
+  lowered alone (before optimisation; no compile) and the ``cost_estimate``
+  of each ``pallas_call`` in it, the larger of the two per field (XLA's
+  figure either includes the kernels' estimates, as a TPU's does, or sees a
+  custom call as nothing)."""
+  try:
+    lowered = jax.jit(jx.jaxpr_as_fun(closed)).lower(
+        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals])
+    xla = _cost(lowered)
+  except Exception as e:   # noqa: BLE001  (reported, not raised)
+    xla = {}
+    error = f"{type(e).__name__}: {str(e)[:200]}"
+  else:
+    error = None
+  pallas, missing = _pallas_estimates(closed.jaxpr)
+  out = {k: max(xla.get(k, 0.0), pallas[k]) for k in pallas}
+  out["source"] = ("xla+pallas_estimate" if any(pallas.values()) else "xla")
+  if missing:
+    out["pallas_calls_without_estimate"] = missing
+  if error:
+    out["error"] = error
+  return out
+
+
+_COST_KEYS = ("flops", "transcendentals", "bytes_accessed")
+
+
+def loop_correction(jaxpr, notes: list, cache: dict) -> dict:
+  """What XLA's ``cost_analysis`` of a compiled step leaves out of loops:
+  it counts a ``while`` body once, whatever its trip count (checked in
+  tests/test_audit_model.py). Per scan in ``jaxpr`` (a ``Jaxpr``) of
+  length ``L``, unrolled ``u`` times (its body's ``u`` copies are what XLA
+  counts): ``(L - u)`` times its body's own cost (``rule_cost``: the body
+  lowered alone), plus ``L`` times the correction inside the body."""
+  total = dict.fromkeys(_COST_KEYS, 0.0)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      n, body = eqn.params["length"], eqn.params["jaxpr"]
+      unroll = eqn.params.get("unroll", 1)
+      unroll = n if unroll is True else max(min(int(unroll), n), 1)
+      if id(body) not in cache:
+        own = rule_cost(body)
+        inner = loop_correction(body.jaxpr, notes, cache)
+        cache[id(body)] = (own, inner)
+      own, inner = cache[id(body)]
+      for k in total:
+        total[k] += (n - unroll) * own.get(k, 0.0) + n * inner[k]
+      continue
+    kind, subs = sub_jaxprs(eqn)
+    if kind == "loop":   # a while loop: its trip count is not known here
+      notes.append("a while loop's body is counted once in the step's cost "
+                   "(trip count unknown)")
+    parts = [loop_correction(sub, notes, cache) for sub, _ in subs]
+    if kind == "branches" and parts:
+      parts = [max(parts, key=lambda p: p["flops"] + p["bytes_accessed"])]
+    for part in parts:
+      for k in total:
+        total[k] += part[k]
+  return total
+
+
 def hazards(site, rules: Rules, remat3: bool) -> list[str]:
   out = []
   if site.symbolic_zeros and remat3:
@@ -418,9 +511,58 @@ def _suggestion(site, info, step_delta) -> str:
           "the compiled steps do the same work)")
 
 
-def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "callback"})
+
+
+def _model_notes(backend: str, out_sites: list, rule_jaxprs: dict) -> list:
+  notes = []
+  for s in out_sites:
+    jaxprs = rule_jaxprs.get(s["index"], {})
+    names = {e.primitive.name for j in jaxprs.values()
+             for e in _primitives(j.jaxpr)}
+    if backend == "cpu" and names & _CALLBACKS:
+      notes.append(
+          f"{s['name']}: a host callback kernel (jax.pure_callback): on CPU "
+          "XLA's cost analysis sees none of its work, so only its launches "
+          "are priced, here and in the step's cost")
+    elif s["opaque"] and not any(
+        c.get("flops") or c.get("bytes_accessed")
+        for c in s["predicted"].get("rule_cost", {}).values()):
+      notes.append(
+          f"{s['name']}: its kernels have no cost XLA can see and no Pallas "
+          "cost_estimate: only their launches are priced")
+  return notes
+
+
+def _site_model(info: dict, rules: Rules | None, builds: dict, best: str,
+                peaks: dict, step_seconds: float | None) -> dict:
+  """The site's predicted seconds per configuration and saving (the
+  as-written seconds less ``best``'s), from its rules' own costs."""
+  costs = {role: rule_cost(j) for role, j in (
+      rules.jaxprs.items() if rules else ())}
+  own = {role: M.seconds(c, 0, peaks)["total"] for role, c in costs.items()}
+  per = {}
+  for c in builds:
+    runs = info["runs"].get(c)
+    if runs is None:
+      continue
+    per[c] = M.site_seconds(runs.get("compiled", runs["jaxpr"]), own,
+                            info["opaque"], runs.get("kernel_launches", 0),
+                            peaks)
+  saved = (per["as_written"] - per[best]
+           if "as_written" in per and best in per else None)
+  return dict(rule_cost=costs, seconds=per, seconds_saved=saved,
+              share_of_step=(saved / step_seconds
+                             if saved is not None and step_seconds else None))
+
+
+def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
+            ) -> tuple[dict, dict]:
   """Trace and compile ``fn(*args, **kwargs)`` under ``configs``:
-  ``(the report as plain data (schema: docs/audit.md), {config: Build})``."""
+  ``(the report as plain data (schema: docs/audit.md), {config: Build})``.
+  ``peaks``: the time model's overrides (``_model.peaks_for``)."""
+  device = jax.devices()[0]
+  peaks, peaks_source = M.peaks_for(device.device_kind, device.platform, peaks)
   sites: dict = {}
   builds: dict = {}
   errors: dict = {}
@@ -469,6 +611,16 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
   ref = builds.get("as_written", first_build)
   best_step = ("smartvjp_fused" if "smartvjp_fused" in builds and any(
       s.fwd_bwd is not None for s in by_index.values()) else "smartvjp")
+  step_seconds = {}
+  for c, b in {id(b): (c, b) for c, b in builds.items()}.values():
+    notes: list = []
+    fix = loop_correction(b.closed.jaxpr, notes, {}) if b.cost else {}
+    b.loop_cost = {k: b.cost.get(k, 0.0) + fix.get(k, 0.0) for k in b.cost}
+    b.loop_notes = sorted(set(notes))
+  for c, b in builds.items():
+    launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else 0
+    step_seconds[c] = (M.seconds(b.loop_cost, launches, peaks) if peaks
+                       else None)
   step_delta = {}
   if best_step in builds and "as_written" in builds:
     a, s = builds["as_written"], builds[best_step]
@@ -551,18 +703,25 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
         refused=site.refused,
         hazards=hazards(site, r, bool(remat3.get("jax_remat3")))
         if r else [])
+    if peaks:
+      info["predicted"].update(_site_model(
+          info, r, builds, best, peaks,
+          (step_seconds.get("as_written") or {}).get("total")))
     info["suggestion"] = _suggestion(site, info, step_delta)
     out_sites.append(info)
-  out_sites.sort(key=lambda s: (-s["predicted"]["launches_saved"],
+  out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
+                                -s["predicted"]["launches_saved"],
                                 -s["predicted"]["dropped_bytes_saved"],
                                 s["index"]))
   step = {}
   for c, b in builds.items():
     launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else None
-    step[c] = dict(memory=b.memory, cost=b.cost, kernel_launches=launches,
-                   seconds=b.seconds,
+    step[c] = dict(memory=b.memory, cost=b.cost, cost_loops_scaled=b.loop_cost,
+                   kernel_launches=launches,
+                   seconds=b.seconds, predicted_seconds=step_seconds[c],
                    notes=(b.jaxpr_count.notes + (b.hlo_count.notes
-                                                 if b.hlo_count else [])))
+                                                 if b.hlo_count else [])
+                          + b.loop_notes))
   predicted = {}
   if "as_written" in builds and best_step in builds:
     a, s = step["as_written"], step[best_step]
@@ -575,7 +734,14 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
                               / a["cost"]["bytes_accessed"])
         if a["cost"].get("bytes_accessed") else None,
         flops_ratio=(s["cost"].get("flops", 0) / a["cost"]["flops"])
-        if a["cost"].get("flops") else None)
+        if a["cost"].get("flops") else None,
+        predicted_ratio=M.ratio(s["predicted_seconds"],
+                                a["predicted_seconds"]),
+        seconds_saved=(a["predicted_seconds"]["total"]
+                       - s["predicted_seconds"]["total"])
+        if peaks else None,
+        sites_seconds_saved=sum(x["predicted"].get("seconds_saved") or 0
+                                for x in out_sites) if peaks else None)
   cvjp_saved = sum(s["residual_bytes"].get("as_written", {}).get("saved", 0)
                    for s in out_sites)
   temp = step.get("as_written", {}).get("memory", {}).get("temp")
@@ -586,6 +752,10 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
       backend=jax.default_backend(), flags=remat3,
       configs=list(builds), errors=errors, sites=out_sites, step=step,
       predicted=predicted,
+      model=dict(name=M.MODEL, device_kind=device.device_kind, peaks=peaks,
+                 peaks_source=peaks_source,
+                 notes=_model_notes(jax.default_backend(), out_sites, {
+                     i: r.jaxprs for i, r in rules.items() if r})),
       summary=dict(
           sites=len(out_sites),
           kernel_launches={c: v["kernel_launches"] for c, v in step.items()},
@@ -640,7 +810,7 @@ def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
                    max=float(np.max(v))) for k, v in times.items()}
   ratio = float(np.median(ratios))
   lo, hi = float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))
-  pred = data["predicted"].get("bytes_accessed_ratio")
+  pred = data["predicted"].get("predicted_ratio")
   disagree = None
   if pred is not None:
     # a prediction of no change is checked against the paired spread
@@ -651,8 +821,10 @@ def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
   return dict(
       pairs=pairs, candidate=cand, seconds=stats, paired_ratio=ratio,
       paired_ratio_iqr=[lo, hi], predicted_ratio=pred,
+      predicted_bytes_accessed_ratio=data["predicted"].get(
+          "bytes_accessed_ratio"),
       disagrees=disagree,
       summary=(f"{cand} / jax.custom_vjp = {ratio:.3f} (paired, median of "
-               f"{pairs}; IQR {lo:.3f}-{hi:.3f}); predicted (bytes accessed) "
+               f"{pairs}; IQR {lo:.3f}-{hi:.3f}); predicted (roofline) "
                + ("—" if pred is None else f"{pred:.3f}")
                + ("; DISAGREES" if disagree else "")))

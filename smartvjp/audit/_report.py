@@ -64,6 +64,12 @@ def table(data: dict) -> str:
                    f" {human_bytes(leaf['bytes'])}"
                    + (f" name={leaf['name']!r}" if leaf["name"] else "")
                    + f" ({fates})")
+    saved = s["predicted"].get("seconds_saved")
+    if saved is not None:
+      share = s["predicted"].get("share_of_step")
+      lines.append(f"    predicted saving {saved * 1e6:.3g} us per step"
+                   + (f" ({share:.1%} of the step)" if share is not None
+                      else "") + " (roofline of its rules' own costs)")
     lines.append(f"    suggestion: {s['suggestion']}")
     for h in s["hazards"]:
       lines.append(f"    hazard: {h}")
@@ -83,7 +89,8 @@ def table(data: dict) -> str:
                  f" temp {_signed(p['memory'].get('temp'))},"
                  f" flops x{_ratio(p['flops_ratio'])},"
                  f" bytes accessed x{_ratio(p['bytes_accessed_ratio'])},"
-                 f" {p['launches_saved']} kernel launches fewer")
+                 f" {p['launches_saved']} kernel launches fewer;"
+                 f" time x{_ratio(p.get('predicted_ratio'))} (roofline)")
   m = data.get("measured")
   if m:
     lines.append(f"    measured: {m['summary']}")
