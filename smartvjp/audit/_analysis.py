@@ -466,7 +466,12 @@ def _fate(leaf, eqn, policy, remat, runs, opaque, fused) -> str:
   return "dropped" if opaque and c["fwd"] > c["bwd"] else "recomputed"
 
 
-def _suggestion(site, info, step_delta) -> str:
+# a JAX-coded site is worth swapping when its own predicted saving is at
+# least this share of the step (below it, a measurement cannot tell)
+WORTH = 0.01
+
+
+def _suggestion(site, info) -> str:
   if site.refused is not None:
     return f"none: left as JAX's ({site.refused})"
   best = info["best_config"]
@@ -495,20 +500,26 @@ def _suggestion(site, info, step_delta) -> str:
     if launches > 0 or s_fwd < a_fwd:
       dropped = info["predicted"]["dropped_bytes_saved"]
       extra = (" and use its fwd_bwd" if site.fwd_bwd is not None else "")
+      share = info["predicted"].get("share_of_step")
       return (f"swap: {how}{extra} (fwd runs {a_fwd} -> {s_fwd} per step, "
               f"{launches} kernel launches fewer, {dropped} bytes of "
-              "dropped residual writes avoided)")
+              "dropped residual writes avoided"
+              + (f"; predicted {share:.1%} of the step saved"
+                 if share is not None else "") + ")")
     named = [r["name"] for r in info["residuals"] if r["name"]
              and r["fate"]["as_written"] != "saved"]
     if named:
       return (f"name-based policy: save residual {named[0]!r} with "
               f"jax.checkpoint_policies.save_only_these_names({named[0]!r})")
     return "no action: the swap launches no fewer kernels here"
-  if step_delta and (step_delta.get("flops", 0) < 0
-                     or step_delta.get("bytes_accessed", 0) < 0):
-    return f"swap: {how} (the compiled step does less work; see predicted)"
+  share = info["predicted"].get("share_of_step")
+  if share is not None and share >= WORTH:
+    return (f"swap: {how}" + (" and use its fwd_bwd" if site.fwd_bwd
+                              is not None else "")
+            + f" (predicted {share:.1%} of the step saved)")
   return ("no action: XLA already removes the duplicate (JAX-coded rules: "
-          "the compiled steps do the same work)")
+          "XLA drops the work only the residuals need"
+          + (f"; predicted {share:.1%} of the step" if share else "") + ")")
 
 
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "callback"})
@@ -621,10 +632,6 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
     launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else 0
     step_seconds[c] = (M.seconds(b.loop_cost, launches, peaks) if peaks
                        else None)
-  step_delta = {}
-  if best_step in builds and "as_written" in builds:
-    a, s = builds["as_written"], builds[best_step]
-    step_delta = {k: s.cost.get(k, 0) - a.cost.get(k, 0) for k in a.cost}
   out_sites = []
   for idx, site in sorted(by_index.items()):
     calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
@@ -707,7 +714,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
       info["predicted"].update(_site_model(
           info, r, builds, best, peaks,
           (step_seconds.get("as_written") or {}).get("total")))
-    info["suggestion"] = _suggestion(site, info, step_delta)
+    info["suggestion"] = _suggestion(site, info)
     out_sites.append(info)
   out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
                                 -s["predicted"]["launches_saved"],
