@@ -78,10 +78,14 @@ def sub_jaxprs(eqn):
     label = (f"jit({eqn.params.get('name', '')})", None)
   else:
     label = None
+  hi = eqn.params.get("_prim")
+  if label is None and hasattr(hi, "policy") and hasattr(hi, "prevent_cse"):
+    # under the remat3 flags (jax 0.11+): a rematerialized region is a
+    # call_hi_primitive whose _prim (RematTraced) holds the policy
+    label = (f"checkpoint({_policy_name(hi.policy)})", ("policy", hi.policy))
   subs = [(j, label) for j in map(_closed, eqn.params.values()) if j is not None]
   subs += [(j, label) for v in eqn.params.values() if isinstance(v, (tuple, list))
            for j in map(_closed, v) if j is not None]
-  hi = eqn.params.get("_prim")
   if hi is not None:
     subs += [(j, label) for j in map(_closed, (
         getattr(hi, "jaxpr", None),
@@ -253,8 +257,8 @@ def trace_rules(site, call) -> Rules:
             path=jax.tree_util.keystr(path) or "res", shape=list(leaf.shape),
             dtype=str(leaf.dtype),
             bytes=int(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize),
-            name=eqn.params.get("name") if eqn is not None
-            and eqn.primitive.name == "name" else None, source=source))
+            name=jx.checkpoint_name_of(eqn.primitive, eqn.params)
+            if eqn is not None else None, source=source))
         res_eqns.append(eqn)
       if site.bwd is not None:
         ct = _sds(out_shape)
@@ -407,8 +411,12 @@ def saveable(policy, eqn) -> bool | str:
   """What ``policy`` answers for the equation producing a residual."""
   if policy is None or eqn is None:
     return False
+  prim, params = eqn.primitive, eqn.params
+  name = jx.checkpoint_name_of(prim, params)
+  if name is not None:   # (under remat3, a high-level primitive: as name_p)
+    prim, params = jx.ad_checkpoint.name_p, dict(name=name)
   try:
-    ans = policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+    ans = policy(prim, *[v.aval for v in eqn.invars], **params)
   except Exception:   # noqa: BLE001  (a policy that cannot answer: recompute)
     return False
   kind = type(ans).__name__
