@@ -294,79 +294,104 @@ def opaque_count(closed) -> int:
              for e in closed.jaxpr.eqns)
 
 
-def _pallas_estimates(jaxpr, times=1):
-  """The summed ``cost_estimate`` of the ``pallas_call``s in ``jaxpr``
-  (a scan's body times its length), and how many had none."""
-  total, missing = dict(flops=0.0, transcendentals=0.0, bytes_accessed=0.0), 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      est = eqn.params.get("cost_estimate")
-      if est is None:
-        missing += 1
-        continue
-      for k in total:
-        total[k] += times * float(getattr(est, k, 0) or 0)
+_COST_KEYS = ("flops", "transcendentals", "bytes_accessed")
+
+
+def _zero() -> dict:
+  return dict.fromkeys(_COST_KEYS, 0.0)
+
+
+def _lowered_cost(fn, avals) -> dict:
+  """XLA's ``cost_analysis`` of ``fn`` lowered alone for ``avals`` (before
+  optimisation; no compile); where the platform gives none (a TPU), the
+  CPU client's analysis of the same HLO (a kernel counts nothing there)."""
+  lowered = jax.jit(fn).lower(
+      *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+  out = _cost(lowered)
+  if not out:
+    c = jx.cost_analysis_on_cpu(lowered)
+    out = {k: max(float(c.get(name, 0.0) or 0.0), 0.0) for k, name in (
+        ("flops", "flops"), ("transcendentals", "transcendentals"),
+        ("bytes_accessed", "bytes accessed"))}
+  return out
+
+
+def _pallas_adjustment(jaxpr, cache: dict) -> tuple[dict, int]:
+  """Per ``pallas_call`` in ``jaxpr`` (each once, in loops too: the loop
+  correction scales them): its ``cost_estimate`` less what XLA's analysis
+  sees of it lowered alone (a TPU's may read the estimate, a CPU's sees
+  the interpreted kernel or nothing), so that XLA's figure for the whole
+  plus this counts each kernel at its estimate; and how many had none."""
+  total, missing = _zero(), 0
+  for eqn in _primitives(jaxpr):
+    if eqn.primitive.name != "pallas_call":
       continue
-    n = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-    subs = [_closed(v) for v in eqn.params.values()]
-    subs += [_closed(j) for v in eqn.params.values()
-             if isinstance(v, (tuple, list)) for j in v]
-    for sub in (j for j in subs if j is not None):
-      inner, more = _pallas_estimates(sub, times * n)
-      missing += more
-      for k in total:
-        total[k] += inner[k]
+    est = eqn.params.get("cost_estimate")
+    if est is None:
+      missing += 1
+      continue
+    key = ("pallas_call", id(eqn))
+    if key not in cache:
+      try:
+        seen = _lowered_cost(
+            lambda *a, e=eqn: e.primitive.bind(*a, **e.params),
+            [v.aval for v in eqn.invars])
+      except Exception:   # noqa: BLE001  (then XLA saw nothing of it)
+        seen = {}
+      cache[key] = (eqn, seen)
+    seen = cache[key][1]
+    for k in total:
+      total[k] += float(getattr(est, k, 0) or 0) - seen.get(k, 0.0)
   return total, missing
 
 
-def rule_cost(closed) -> dict:
-  """A traced rule's own cost, one run: XLA's ``cost_analysis`` of the rule
-  lowered alone (before optimisation; no compile) and the ``cost_estimate``
-  of each ``pallas_call`` in it, the larger of the two per field (XLA's
-  figure either includes the kernels' estimates, as a TPU's does, or sees a
-  custom call as nothing)."""
+def rule_cost(closed, cache: dict | None = None) -> dict:
+  """A traced jaxpr's own cost, one run (a rule's, or a loop's body):
+  XLA's ``cost_analysis`` of it lowered alone (before optimisation; no
+  compile), each ``pallas_call`` at its own ``cost_estimate``
+  (``_pallas_adjustment``), and its scans scaled by their trip counts
+  (``loop_correction``, kept apart in ``"loops"``)."""
+  cache = {} if cache is None else cache
+  if ("rule", id(closed)) in cache:
+    return cache[("rule", id(closed))][1]
   try:
-    lowered = jax.jit(jx.jaxpr_as_fun(closed)).lower(
-        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals])
-    xla = _cost(lowered)
-  except Exception as e:   # noqa: BLE001  (reported, not raised)
-    xla = {}
-    error = f"{type(e).__name__}: {str(e)[:200]}"
-  else:
+    xla = _lowered_cost(jx.jaxpr_as_fun(closed), closed.in_avals)
     error = None
-  pallas, missing = _pallas_estimates(closed.jaxpr)
-  out = {k: max(xla.get(k, 0.0), pallas[k]) for k in pallas}
-  out["source"] = ("xla+pallas_estimate" if any(pallas.values()) else "xla")
+  except Exception as e:   # noqa: BLE001  (reported, not raised)
+    xla, error = {}, f"{type(e).__name__}: {str(e)[:200]}"
+  pallas, missing = _pallas_adjustment(closed.jaxpr, cache)
+  notes: list = []
+  loops = loop_correction(closed.jaxpr, notes, cache)
+  out = {k: max(xla.get(k, 0.0) + pallas[k] + loops[k], 0.0)
+         for k in _COST_KEYS}
+  out["loops"] = loops
+  out["source"] = "xla+pallas_estimate" if any(
+      e.primitive.name == "pallas_call" and e.params.get("cost_estimate")
+      for e in _primitives(closed.jaxpr)) else "xla"
   if missing:
     out["pallas_calls_without_estimate"] = missing
   if error:
     out["error"] = error
+  cache[("rule", id(closed))] = (closed, out)
   return out
 
 
-_COST_KEYS = ("flops", "transcendentals", "bytes_accessed")
-
-
 def loop_correction(jaxpr, notes: list, cache: dict) -> dict:
-  """What XLA's ``cost_analysis`` of a compiled step leaves out of loops:
-  it counts a ``while`` body once, whatever its trip count (checked in
+  """What XLA's ``cost_analysis`` leaves out of loops: it counts a
+  ``while`` body once, whatever its trip count (checked in
   tests/test_audit_model.py). Per scan in ``jaxpr`` (a ``Jaxpr``) of
-  length ``L``, unrolled ``u`` times (its body's ``u`` copies are what XLA
-  counts): ``(L - u)`` times its body's own cost (``rule_cost``: the body
-  lowered alone), plus ``L`` times the correction inside the body."""
-  total = dict.fromkeys(_COST_KEYS, 0.0)
+  length ``n`` unrolled ``u`` times (the ``u`` copies XLA counts), with
+  ``own`` its body's cost (``rule_cost``, its own loops scaled):
+  ``(n - u) * own + u * own["loops"]``."""
+  total = _zero()
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan":
       n, body = eqn.params["length"], eqn.params["jaxpr"]
       unroll = eqn.params.get("unroll", 1)
       unroll = n if unroll is True else max(min(int(unroll), n), 1)
-      if id(body) not in cache:
-        own = rule_cost(body)
-        inner = loop_correction(body.jaxpr, notes, cache)
-        cache[id(body)] = (own, inner)
-      own, inner = cache[id(body)]
+      own = rule_cost(body, cache)
       for k in total:
-        total[k] += (n - unroll) * own.get(k, 0.0) + n * inner[k]
+        total[k] += (n - unroll) * own[k] + unroll * own["loops"][k]
       continue
     kind, subs = sub_jaxprs(eqn)
     if kind == "loop":   # a while loop: its trip count is not known here
@@ -554,10 +579,10 @@ def _model_notes(backend: str, out_sites: list, rule_jaxprs: dict) -> list:
 
 
 def _site_model(info: dict, rules: Rules | None, builds: dict, best: str,
-                peaks: dict, step_seconds: float | None) -> dict:
+                peaks: dict, step_seconds: float | None, cache: dict) -> dict:
   """The site's predicted seconds per configuration and saving (the
   as-written seconds less ``best``'s), from its rules' own costs."""
-  costs = {role: rule_cost(j) for role, j in (
+  costs = {role: rule_cost(j, cache) for role, j in (
       rules.jaxprs.items() if rules else ())}
   own = {role: M.seconds(c, 0, peaks)["total"] for role, c in costs.items()}
   per = {}
@@ -630,10 +655,10 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
   ref = builds.get("as_written", first_build)
   best_step = ("smartvjp_fused" if "smartvjp_fused" in builds and any(
       s.fwd_bwd is not None for s in by_index.values()) else "smartvjp")
-  step_seconds = {}
+  step_seconds, cost_cache = {}, {}
   for c, b in {id(b): (c, b) for c, b in builds.items()}.values():
     notes: list = []
-    fix = loop_correction(b.closed.jaxpr, notes, {}) if b.cost else {}
+    fix = loop_correction(b.closed.jaxpr, notes, cost_cache) if b.cost else {}
     b.loop_cost = {k: b.cost.get(k, 0.0) + fix.get(k, 0.0) for k in b.cost}
     b.loop_notes = sorted(set(notes))
   for c, b in builds.items():
@@ -721,7 +746,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
     if peaks:
       info["predicted"].update(_site_model(
           info, r, builds, best, peaks,
-          (step_seconds.get("as_written") or {}).get("total")))
+          (step_seconds.get("as_written") or {}).get("total"), cost_cache))
     info["suggestion"] = _suggestion(site, info)
     out_sites.append(info)
   out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
