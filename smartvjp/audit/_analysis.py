@@ -331,6 +331,10 @@ def _pallas_adjustment(jaxpr, cache: dict) -> tuple[dict, int]:
       missing += 1
       continue
     key = ("pallas_call", id(eqn))
+    if key not in cache and not eqn.params.get("interpret"):
+      # a compiled kernel is a custom call: XLA's analysis before compiling
+      # counts nothing of it (-1 alone; probed on a TPU v5e)
+      cache[key] = (eqn, {})
     if key not in cache:
       try:
         seen = _lowered_cost(

@@ -101,6 +101,10 @@ def table(data: dict) -> str:
   return "\n".join(lines)
 
 
+def _share(r) -> str:
+  return "—" if r is None else f"{r:+.1%}"
+
+
 def _ratio(r) -> str:
   return "—" if r is None else f"{r:.3f}"
 
@@ -125,7 +129,8 @@ def _figure_svg(fig) -> str:
 
 def plots(data: dict) -> list[tuple[str, str]]:
   """``[(title, data URL of an SVG)]``: residual bytes per site and
-  configuration, and step memory against step cost (time where measured)."""
+  configuration, and step memory against step time (measured, else the
+  time model's prediction)."""
   import matplotlib   # optional dependency: only the HTML page needs it
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -152,11 +157,11 @@ def plots(data: dict) -> list[tuple[str, str]]:
   measured = data.get("measured") or {}
   timed = measured.get("seconds", {})
   # measured: the timed configurations by median step time; else every
-  # configuration by XLA's bytes accessed
+  # configuration by the time model's seconds
   for c in (list(timed) if timed else configs):
     st = data["step"][c]
-    x = timed[c]["median"] * 1e3 if timed else st["cost"].get(
-        "bytes_accessed", 0)
+    x = timed[c]["median"] * 1e3 if timed else (
+        st.get("predicted_seconds") or {}).get("total", 0) * 1e3
     ax.scatter([x], [st["memory"].get("peak", 0)], s=60,
                label=_SHORT.get(c, c))
     if timed:
@@ -164,7 +169,7 @@ def plots(data: dict) -> list[tuple[str, str]]:
                   xerr=[[x - timed[c]["min"] * 1e3],
                         [timed[c]["max"] * 1e3 - x]], ecolor="gray")
   ax.set_xlabel("step time, median and min-max (ms)" if timed
-                else "bytes accessed (XLA cost model)")
+                else "predicted step time (ms, the audit's time model)")
   ax.set_ylabel("peak memory (bytes)")
   ax.set_title("Step memory against step cost, per configuration")
   ax.legend(fontsize=7)
@@ -185,7 +190,8 @@ def html(data: dict) -> str:
         f"<td>{'opaque' if s['opaque'] else 'JAX-coded'}</td>"
         f"<td>{e(s['path'])} ×{s['multiplicity']}</td>{cells}"
         f"<td>{e(human_bytes(s['residual_bytes'].get('as_written', {}).get('dropped')))}"
-        f"</td><td>{e(s['suggestion'])}</td></tr>")
+        f"</td><td>{e(_share(s['predicted'].get('share_of_step')))}</td>"
+        f"<td>{e(s['suggestion'])}</td></tr>")
   details = []
   for s in data["sites"]:
     leaves = "".join(
@@ -215,7 +221,8 @@ def html(data: dict) -> str:
       f"<code>{e(data['schema'])}</code>. Runs per step in the compiled "
       "program (the jaxpr's count in brackets where it differs).</p>"
       f"<table><tr><th>#</th><th>site</th><th>kind</th><th>path</th>{head}"
-      f"<th>dropped (as written)</th><th>suggestion</th></tr>"
+      f"<th>dropped (as written)</th><th>predicted saving (of the step)</th>"
+      "<th>suggestion</th></tr>"
       + "".join(rows) + "</table>" + "".join(details)
       + f"<h2>Step</h2><pre>{summary}</pre><div class=plots>{figs}</div>"
       "</body></html>")
