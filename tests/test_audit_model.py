@@ -233,3 +233,23 @@ def test_cost_of_a_lowered_program_where_the_platform_gives_none():
   got = jx.cost_analysis_on_cpu(lowered)
   assert want["flops"] == got["flops"] == 2 * 16 ** 3
   assert want["bytes_accessed"] == got["bytes accessed"] > 0
+
+
+def test_a_pallas_call_without_an_estimate_is_named_in_the_notes():
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.sin(x_ref[...])
+
+  call = lambda x: pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      interpret=True)(x)
+  F = jax.custom_vjp(call)
+  F.defvjp(lambda x: (call(x), x), lambda x, g: (jnp.cos(x) * g,))
+  a = smartvjp.audit(jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x))),
+                     jnp.ones((8, 128)), configs=("as_written", "smartvjp"))
+  (s,) = a.sites
+  assert s["predicted"]["rule_cost"]["fwd"]["pallas_calls_without_estimate"] \
+      == 1
+  assert any("pallas_call(s) without a cost_estimate in f (1), fwd (1)" in n
+             for n in a.data["model"]["notes"]), a.data["model"]["notes"]

@@ -573,7 +573,18 @@ def _model_notes(backend: str, out_sites: list, rule_jaxprs: dict) -> list:
           f"{s['name']}: a host callback kernel (jax.pure_callback): on CPU "
           "XLA's cost analysis sees none of its work, so only its launches "
           "are priced, here and in the step's cost")
-    elif s["opaque"] and not any(
+    missing = {role: c["pallas_calls_without_estimate"] for role, c in
+               s["predicted"].get("rule_cost", {}).items()
+               if c.get("pallas_calls_without_estimate")}
+    if missing:
+      notes.append(
+          f"{s['name']}: pallas_call(s) without a cost_estimate in "
+          + ", ".join(f"{r} ({n})" for r, n in missing.items())
+          + ": where such a kernel is compiled (not interpreted), XLA's "
+          "cost analysis counts nothing of it, so only its launches are "
+          "priced; give "
+          "pl.pallas_call a cost_estimate=pl.CostEstimate(...)")
+    elif s["opaque"] and not names & _CALLBACKS and not any(
         c.get("flops") or c.get("bytes_accessed")
         for c in s["predicted"].get("rule_cost", {}).values()):
       notes.append(
