@@ -12,9 +12,15 @@ short keeps what it finished):
   attention as JAX ships it, unswapped: three sites, found in their own
   files) and as its ``smartvjp+fused`` column (for the fused rules).
 
-Each entry holds the audit's prediction (differences of the two compiles)
-beside its measurement (interleaved pairs: median, min-max, paired ratio),
-the sites' counts, and the audit's own cost in compiles.
+Each entry holds the audit's prediction beside its measurement
+(interleaved pairs: median, min-max, paired ratio): the roofline time
+model's ``predicted_ratio`` (``docs/audit.md``; the model, the device's
+peaks and notes under ``model``), the old bytes-accessed and flops ratios,
+each site's own predicted saving (seconds per step and share of the step,
+with its rules' own costs), the sites' counts, and the audit's own cost in
+compiles. At the end, one line per entry: predicted and measured ratio and
+whether their signs agree (``sign``: a ratio within 0.2% of 1 counts as no
+change, which agrees with a measured interquartile range holding 1).
 
 Run on a TPU:  python benchmarks/audit_tpu.py --out FILE.json
 Smoke (CPU):   python benchmarks/audit_tpu.py --smoke --out FILE.json
@@ -46,12 +52,45 @@ def _entry(name, report, seconds):
   return dict(
       name=name, seconds=seconds, predicted=d["predicted"],
       measured=d.get("measured"), step=d["step"], errors=d["errors"],
+      model=d["model"], sign=sign_agrees(d),
       audit_cost_in_compiles=d["audit_cost_in_compiles"],
       audit_seconds=d["audit_seconds"],
       sites=[{k: s[k] for k in ("name", "kind", "defined_at", "called_at",
                                 "path", "multiplicity", "opaque", "runs",
-                                "residual_bytes", "suggestion", "hazards")}
+                                "residual_bytes", "predicted", "suggestion",
+                                "hazards")}
              for s in d["sites"]])
+
+
+def sign_agrees(d, flat=0.002):
+  """Whether the predicted step ratio has the measured one's sign (a ratio
+  within ``flat`` of 1 is no change: it agrees with a measurement whose
+  interquartile range holds 1); ``None`` without both."""
+  m = d.get("measured") or {}
+  pred, ratio = d["predicted"].get("predicted_ratio"), m.get("paired_ratio")
+  if pred is None or ratio is None:
+    return None
+  lo, hi = m["paired_ratio_iqr"]
+  if abs(pred - 1) <= flat:
+    return lo <= 1.0 <= hi
+  if lo <= 1.0 <= hi:
+    return False
+  return (pred < 1) == (ratio < 1)
+
+
+def summary_line(e):
+  if "error" in e:
+    return f"{e['name']:45} {e['error']}"
+  p, m = e["predicted"], e["measured"] or {}
+  sites = ", ".join(
+      f"{s['name']} {s['predicted'].get('share_of_step') or 0:+.1%}"
+      for s in e["sites"])
+  return (f"{e['name']:45} {p.get('candidate', '-'):15} predicted "
+          f"{p.get('predicted_ratio') or float('nan'):.3f} (bytes "
+          f"{p.get('bytes_accessed_ratio') or float('nan'):.3f}) measured "
+          f"{m.get('paired_ratio', float('nan')):.3f} sign "
+          f"{'yes' if e['sign'] else 'no' if e['sign'] is not None else '-'}"
+          f"  sites saved: {sites}")
 
 
 def main(argv=None):
@@ -111,11 +150,20 @@ def main(argv=None):
       print(name, report.data["measured"]["summary"],
             f"audit {report.data['audit_cost_in_compiles']:.2f}x a compile",
             flush=True)
+      for s in report.sites:
+        print(f"  {s['name']}: predicted saving "
+              f"{(s['predicted'].get('seconds_saved') or 0) * 1e3:.3f} ms "
+              f"per step; {s['suggestion']}", flush=True)
     except Exception as e:   # noqa: BLE001  (recorded; the next one runs)
       doc["entries"].append(dict(name=name, error=f"{type(e).__name__}: {e}"))
       print(name, "ERROR", type(e).__name__, str(e)[:300], flush=True)
     save()
   save()
+  print("\nstep ratios, swapped / as written:")
+  for e in doc["entries"]:
+    print(summary_line(e))
+  signs = [e.get("sign") for e in doc["entries"] if e.get("sign") is not None]
+  print(f"predicted sign matches measured in {sum(signs)} of {len(signs)}")
 
 
 if __name__ == "__main__":

@@ -139,11 +139,12 @@ def test_site_identity_residuals_and_suggestion(ad_mode):
       f.__code__.co_firstlineno))
   assert all(c.endswith(f"test_audit.py:{_scan.__code__.co_firstlineno + 1}")
              for c in s["called_at"])
-  # under the remat3 flags jax.checkpoint leaves no equation behind, only
-  # its name stack (and no policy to read)
-  assert s["path"] == ("jit › scan(×4) › checkpoint(nothing_saveable)"
-                       if ad_mode == "default" else
-                       "jit › scan(×4) › checkpoint(?)")
+  # under the remat3 flags, jax 0.10's jax.checkpoint leaves no equation
+  # behind, only its name stack (and no policy to read); 0.11+ leaves a
+  # call_hi_primitive whose RematTraced holds the policy
+  assert s["path"] == ("jit › scan(×4) › checkpoint(?)"
+                       if ad_mode == "remat3" and not _remat3_equation()
+                       else "jit › scan(×4) › checkpoint(nothing_saveable)")
   assert s["multiplicity"] == 4 and s["remat"] and s["opaque"]
   (leaf,) = s["residuals"]
   assert (leaf["shape"], leaf["dtype"], leaf["bytes"]) == ([3], "float32", 12)
@@ -155,6 +156,44 @@ def test_site_identity_residuals_and_suggestion(ad_mode):
         "written": 48, "saved": 0, "dropped": 48, "recomputed": 0}
     assert s["suggestion"].startswith("swap: decorate kernels.f")
     assert "fwd runs 8 -> 4" in s["suggestion"]
+
+
+def _remat3_equation():
+  """Whether this JAX, under the flags set now, leaves an equation holding
+  the policy for a rematerialized region (a call_hi_primitive's _prim)."""
+  F = jax.custom_vjp(jnp.sin)
+  F.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (jnp.cos(x) * g,))
+  closed = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x))))(X)
+  return any(hasattr(e.params.get("_prim"), "policy")
+             for e in closed.jaxpr.eqns)
+
+
+@pytest.mark.parametrize("policy,fate", [
+    ("save_only_these_names", "saved"), ("nothing_saveable", "dropped")])
+def test_policy_read_under_remat3_where_jax_leaves_it(ad_mode, policy, fate):
+  """The policy, and each residual's fate under it, on JAX's default path
+  and, where JAX leaves an equation holding it, under the remat3 flags."""
+  if ad_mode == "remat3" and not _remat3_equation():
+    pytest.skip(f"jax {jax.__version__} leaves no equation for a "
+                "rematerialized region under the remat3 flags")
+  f, fwd, bwd, _ = _rules(True, named="r")
+  F = jax.custom_vjp(f)
+  F.defvjp(fwd, bwd)
+  pol = (P.save_only_these_names("r") if policy == "save_only_these_names"
+         else P.nothing_saveable)
+  a = smartvjp.audit(jax.grad(_loss(F, True, pol)), X,
+                     configs=("as_written", "smartvjp"))
+  (s,) = a.sites
+  assert s["remat"] and "?" not in s["path"] and "unknown" not in s["policy"]
+  if policy == "nothing_saveable":
+    assert s["policy"] == policy
+  (leaf,) = s["residuals"]
+  assert leaf["name"] == "r"
+  if ad_mode == "default" or fate == "saved":
+    # (jax.custom_vjp under the remat3 flags runs f forward already)
+    assert leaf["fate"]["as_written"] == fate
+  assert leaf["fate"]["smartvjp"] == ("saved" if fate == "saved"
+                                      else "recomputed")
 
 
 def test_jax_coded_rules_count_twice_and_say_xla_removes_it():

@@ -50,11 +50,13 @@ class Audit:
       numbers), the JSON form; its keys are documented in ``docs/audit.md``
       (``schema`` names the version).
     sites: ``data["sites"]``, one ``dict`` per site, sorted by predicted
-      saving (kernel launches saved, then residual bytes no longer dropped).
+      saving (the time model's seconds saved, then kernel launches saved,
+      then residual bytes no longer dropped).
     summary: ``data["summary"]``: totals per configuration.
     predicted: ``data["predicted"]``: the compiled step as written against
       the swapped one (differences of ``memory_analysis`` and
-      ``cost_analysis``, kernel launches saved).
+      ``cost_analysis``, kernel launches saved, the time model's
+      ``predicted_ratio``).
     measured: ``data.get("measured")``: the timed A/B with ``measure=True``,
       else ``None``.
   """
@@ -122,7 +124,8 @@ class Audit:
 
 
 def audit(fn: Callable, *args: Any, measure: bool = False,
-          configs: tuple[str, ...] = CONFIGS, **kwargs: Any) -> Audit:
+          configs: tuple[str, ...] = CONFIGS,
+          peaks: dict[str, float] | None = None, **kwargs: Any) -> Audit:
   """Audits every custom_vjp site of ``fn(*args, **kwargs)``.
 
   Args:
@@ -138,6 +141,13 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
     configs: the configurations to trace and compile, a subset of
       ``CONFIGS`` starting with ``"as_written"`` (fewer compiles: a cheaper
       audit).
+    peaks: the time model's machine, overriding the table's entry for this
+      device kind (``smartvjp.audit._model.PEAKS``; TPU v5e: 197e12 FLOP/s
+      bf16, 819e9 B/s HBM): any of ``"flops"`` (FLOP/s), ``"bytes"``
+      (bytes/s) and ``"launch"`` (seconds per kernel launch), floats. The
+      model (a roofline, Williams et al. 2009, its compute and memory
+      times summed, plus launches) gives ``predicted["predicted_ratio"]``
+      and each site's ``predicted["seconds_saved"]``.
     **kwargs: its keyword arguments, as ``*args``.
 
   Returns:
@@ -148,7 +158,8 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       (the first error is quoted), makes no ``jax.custom_vjp`` or
       ``smart_custom_vjp`` call, donates arguments, or has a site under
       ``shard_map``.
-    ValueError: ``configs`` names an unknown configuration.
+    ValueError: ``configs`` names an unknown configuration, or ``peaks``
+      has a key other than ``flops``, ``bytes``, ``launch``.
 
   The audit clears JAX's caches (``jax.clear_caches()``) before and after
   each configuration, so that nothing traced with one is reused by another
@@ -158,7 +169,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   if unknown or not configs:
     raise ValueError(f"smartvjp.audit: configs must be some of {CONFIGS}, "
                      f"got {configs!r}")
-  data, builds = _audit.analyse(fn, args, kwargs, tuple(configs))
+  data, builds = _audit.analyse(fn, args, kwargs, tuple(configs), peaks)
   if measure:
     data["measured"] = _audit.measure(builds, data, args, kwargs)
   return Audit(data, builds)

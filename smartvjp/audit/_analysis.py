@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from smartvjp.audit import _count as C
+from smartvjp.audit import _model as M
 from smartvjp.audit import _trace as T
 from smartvjp import _facade as jx
 from smartvjp import _primitive as P
@@ -77,10 +78,14 @@ def sub_jaxprs(eqn):
     label = (f"jit({eqn.params.get('name', '')})", None)
   else:
     label = None
+  hi = eqn.params.get("_prim")
+  if label is None and hasattr(hi, "policy") and hasattr(hi, "prevent_cse"):
+    # under the remat3 flags (jax 0.11+): a rematerialized region is a
+    # call_hi_primitive whose _prim (RematTraced) holds the policy
+    label = (f"checkpoint({_policy_name(hi.policy)})", ("policy", hi.policy))
   subs = [(j, label) for j in map(_closed, eqn.params.values()) if j is not None]
   subs += [(j, label) for v in eqn.params.values() if isinstance(v, (tuple, list))
            for j in map(_closed, v) if j is not None]
-  hi = eqn.params.get("_prim")
   if hi is not None:
     subs += [(j, label) for j in map(_closed, (
         getattr(hi, "jaxpr", None),
@@ -108,6 +113,8 @@ class Build:
   jaxpr_count: Any = None
   hlo_count: Any = None
   calls: dict = dataclasses.field(default_factory=dict)
+  loop_cost: dict = dataclasses.field(default_factory=dict)
+  loop_notes: list = dataclasses.field(default_factory=list)
 
 
 def _jitted(fn):
@@ -130,13 +137,16 @@ def _memory(compiled) -> dict:
   return out
 
 
-def _cost(compiled) -> dict:
+def _cost(stage) -> dict:
+  """XLA's ``cost_analysis`` of a compiled (or lowered) program: ``flops``,
+  ``transcendentals``, ``bytes_accessed`` (``{}`` where unavailable)."""
   try:
-    c = compiled.cost_analysis()
+    c = stage.cost_analysis()
   except Exception:   # noqa: BLE001
     return {}
   c = c[0] if isinstance(c, (list, tuple)) and c else c
   return {"flops": float(c.get("flops", 0.0)),
+          "transcendentals": float(c.get("transcendentals", 0.0)),
           "bytes_accessed": float(c.get("bytes accessed", 0.0))} if c else {}
 
 
@@ -247,8 +257,8 @@ def trace_rules(site, call) -> Rules:
             path=jax.tree_util.keystr(path) or "res", shape=list(leaf.shape),
             dtype=str(leaf.dtype),
             bytes=int(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize),
-            name=eqn.params.get("name") if eqn is not None
-            and eqn.primitive.name == "name" else None, source=source))
+            name=jx.checkpoint_name_of(eqn.primitive, eqn.params)
+            if eqn is not None else None, source=source))
         res_eqns.append(eqn)
       if site.bwd is not None:
         ct = _sds(out_shape)
@@ -284,6 +294,122 @@ def opaque_count(closed) -> int:
              for e in closed.jaxpr.eqns)
 
 
+_COST_KEYS = ("flops", "transcendentals", "bytes_accessed")
+
+
+def _zero() -> dict:
+  return dict.fromkeys(_COST_KEYS, 0.0)
+
+
+def _lowered_cost(fn, avals) -> dict:
+  """XLA's ``cost_analysis`` of ``fn`` lowered alone for ``avals`` (before
+  optimisation; no compile); where the platform gives none (a TPU), the
+  CPU client's analysis of the same HLO (a kernel counts nothing there)."""
+  lowered = jax.jit(fn).lower(
+      *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+  out = _cost(lowered)
+  if not out:
+    c = jx.cost_analysis_on_cpu(lowered)
+    out = {k: max(float(c.get(name, 0.0) or 0.0), 0.0) for k, name in (
+        ("flops", "flops"), ("transcendentals", "transcendentals"),
+        ("bytes_accessed", "bytes accessed"))}
+  return out
+
+
+def _pallas_adjustment(jaxpr, cache: dict) -> tuple[dict, int]:
+  """Per ``pallas_call`` in ``jaxpr`` (each once, in loops too: the loop
+  correction scales them): its ``cost_estimate`` less what XLA's analysis
+  sees of it lowered alone (a TPU's may read the estimate, a CPU's sees
+  the interpreted kernel or nothing), so that XLA's figure for the whole
+  plus this counts each kernel at its estimate; and how many had none."""
+  total, missing = _zero(), 0
+  for eqn in _primitives(jaxpr):
+    if eqn.primitive.name != "pallas_call":
+      continue
+    est = eqn.params.get("cost_estimate")
+    if est is None:
+      missing += 1
+      continue
+    key = ("pallas_call", id(eqn))
+    if key not in cache and not eqn.params.get("interpret"):
+      # a compiled kernel is a custom call: XLA's analysis before compiling
+      # counts nothing of it (-1 alone; probed on a TPU v5e)
+      cache[key] = (eqn, {})
+    if key not in cache:
+      try:
+        seen = _lowered_cost(
+            lambda *a, e=eqn: e.primitive.bind(*a, **e.params),
+            [v.aval for v in eqn.invars])
+      except Exception:   # noqa: BLE001  (then XLA saw nothing of it)
+        seen = {}
+      cache[key] = (eqn, seen)
+    seen = cache[key][1]
+    for k in total:
+      total[k] += float(getattr(est, k, 0) or 0) - seen.get(k, 0.0)
+  return total, missing
+
+
+def rule_cost(closed, cache: dict | None = None) -> dict:
+  """A traced jaxpr's own cost, one run (a rule's, or a loop's body):
+  XLA's ``cost_analysis`` of it lowered alone (before optimisation; no
+  compile), each ``pallas_call`` at its own ``cost_estimate``
+  (``_pallas_adjustment``), and its scans scaled by their trip counts
+  (``loop_correction``, kept apart in ``"loops"``)."""
+  cache = {} if cache is None else cache
+  if ("rule", id(closed)) in cache:
+    return cache[("rule", id(closed))][1]
+  try:
+    xla = _lowered_cost(jx.jaxpr_as_fun(closed), closed.in_avals)
+    error = None
+  except Exception as e:   # noqa: BLE001  (reported, not raised)
+    xla, error = {}, f"{type(e).__name__}: {str(e)[:200]}"
+  pallas, missing = _pallas_adjustment(closed.jaxpr, cache)
+  notes: list = []
+  loops = loop_correction(closed.jaxpr, notes, cache)
+  out = {k: max(xla.get(k, 0.0) + pallas[k] + loops[k], 0.0)
+         for k in _COST_KEYS}
+  out["loops"] = loops
+  out["source"] = "xla+pallas_estimate" if any(
+      e.primitive.name == "pallas_call" and e.params.get("cost_estimate")
+      for e in _primitives(closed.jaxpr)) else "xla"
+  if missing:
+    out["pallas_calls_without_estimate"] = missing
+  if error:
+    out["error"] = error
+  cache[("rule", id(closed))] = (closed, out)
+  return out
+
+
+def loop_correction(jaxpr, notes: list, cache: dict) -> dict:
+  """What XLA's ``cost_analysis`` leaves out of loops: it counts a
+  ``while`` body once, whatever its trip count (checked in
+  tests/test_audit_model.py). Per scan in ``jaxpr`` (a ``Jaxpr``) of
+  length ``n`` unrolled ``u`` times (the ``u`` copies XLA counts), with
+  ``own`` its body's cost (``rule_cost``, its own loops scaled):
+  ``(n - u) * own + u * own["loops"]``."""
+  total = _zero()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      n, body = eqn.params["length"], eqn.params["jaxpr"]
+      unroll = eqn.params.get("unroll", 1)
+      unroll = n if unroll is True else max(min(int(unroll), n), 1)
+      own = rule_cost(body, cache)
+      for k in total:
+        total[k] += (n - unroll) * own[k] + unroll * own["loops"][k]
+      continue
+    kind, subs = sub_jaxprs(eqn)
+    if kind == "loop":   # a while loop: its trip count is not known here
+      notes.append("a while loop's body is counted once in the step's cost "
+                   "(trip count unknown)")
+    parts = [loop_correction(sub, notes, cache) for sub, _ in subs]
+    if kind == "branches" and parts:
+      parts = [max(parts, key=lambda p: p["flops"] + p["bytes_accessed"])]
+    for part in parts:
+      for k in total:
+        total[k] += part[k]
+  return total
+
+
 def hazards(site, rules: Rules, remat3: bool) -> list[str]:
   out = []
   if site.symbolic_zeros and remat3:
@@ -314,8 +440,12 @@ def saveable(policy, eqn) -> bool | str:
   """What ``policy`` answers for the equation producing a residual."""
   if policy is None or eqn is None:
     return False
+  prim, params = eqn.primitive, eqn.params
+  name = jx.checkpoint_name_of(prim, params)
+  if name is not None:   # (under remat3, a high-level primitive: as name_p)
+    prim, params = jx.ad_checkpoint.name_p, dict(name=name)
   try:
-    ans = policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+    ans = policy(prim, *[v.aval for v in eqn.invars], **params)
   except Exception:   # noqa: BLE001  (a policy that cannot answer: recompute)
     return False
   kind = type(ans).__name__
@@ -373,7 +503,12 @@ def _fate(leaf, eqn, policy, remat, runs, opaque, fused) -> str:
   return "dropped" if opaque and c["fwd"] > c["bwd"] else "recomputed"
 
 
-def _suggestion(site, info, step_delta) -> str:
+# a JAX-coded site is worth swapping when its own predicted saving is at
+# least this share of the step (below it, a measurement cannot tell)
+WORTH = 0.01
+
+
+def _suggestion(site, info) -> str:
   if site.refused is not None:
     return f"none: left as JAX's ({site.refused})"
   best = info["best_config"]
@@ -402,25 +537,91 @@ def _suggestion(site, info, step_delta) -> str:
     if launches > 0 or s_fwd < a_fwd:
       dropped = info["predicted"]["dropped_bytes_saved"]
       extra = (" and use its fwd_bwd" if site.fwd_bwd is not None else "")
+      share = info["predicted"].get("share_of_step")
       return (f"swap: {how}{extra} (fwd runs {a_fwd} -> {s_fwd} per step, "
               f"{launches} kernel launches fewer, {dropped} bytes of "
-              "dropped residual writes avoided)")
+              "dropped residual writes avoided"
+              + (f"; predicted {share:.1%} of the step saved"
+                 if share is not None else "") + ")")
     named = [r["name"] for r in info["residuals"] if r["name"]
              and r["fate"]["as_written"] != "saved"]
     if named:
       return (f"name-based policy: save residual {named[0]!r} with "
               f"jax.checkpoint_policies.save_only_these_names({named[0]!r})")
     return "no action: the swap launches no fewer kernels here"
-  if step_delta and (step_delta.get("flops", 0) < 0
-                     or step_delta.get("bytes_accessed", 0) < 0):
-    return f"swap: {how} (the compiled step does less work; see predicted)"
+  share = info["predicted"].get("share_of_step")
+  if share is not None and share >= WORTH:
+    return (f"swap: {how}" + (" and use its fwd_bwd" if site.fwd_bwd
+                              is not None else "")
+            + f" (predicted {share:.1%} of the step saved)")
   return ("no action: XLA already removes the duplicate (JAX-coded rules: "
-          "the compiled steps do the same work)")
+          "XLA drops the work only the residuals need"
+          + (f"; predicted {share:.1%} of the step" if share else "") + ")")
 
 
-def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "callback"})
+
+
+def _model_notes(backend: str, out_sites: list, rule_jaxprs: dict) -> list:
+  notes = []
+  for s in out_sites:
+    jaxprs = rule_jaxprs.get(s["index"], {})
+    names = {e.primitive.name for j in jaxprs.values()
+             for e in _primitives(j.jaxpr)}
+    if backend == "cpu" and names & _CALLBACKS:
+      notes.append(
+          f"{s['name']}: a host callback kernel (jax.pure_callback): on CPU "
+          "XLA's cost analysis sees none of its work, so only its launches "
+          "are priced, here and in the step's cost")
+    missing = {role: c["pallas_calls_without_estimate"] for role, c in
+               s["predicted"].get("rule_cost", {}).items()
+               if c.get("pallas_calls_without_estimate")}
+    if missing:
+      notes.append(
+          f"{s['name']}: pallas_call(s) without a cost_estimate in "
+          + ", ".join(f"{r} ({n})" for r, n in missing.items())
+          + ": where such a kernel is compiled (not interpreted), XLA's "
+          "cost analysis counts nothing of it, so only its launches are "
+          "priced; give "
+          "pl.pallas_call a cost_estimate=pl.CostEstimate(...)")
+    elif s["opaque"] and not names & _CALLBACKS and not any(
+        c.get("flops") or c.get("bytes_accessed")
+        for c in s["predicted"].get("rule_cost", {}).values()):
+      notes.append(
+          f"{s['name']}: its kernels have no cost XLA can see and no Pallas "
+          "cost_estimate: only their launches are priced")
+  return notes
+
+
+def _site_model(info: dict, rules: Rules | None, builds: dict, best: str,
+                peaks: dict, step_seconds: float | None, cache: dict) -> dict:
+  """The site's predicted seconds per configuration and saving (the
+  as-written seconds less ``best``'s), from its rules' own costs."""
+  costs = {role: rule_cost(j, cache) for role, j in (
+      rules.jaxprs.items() if rules else ())}
+  own = {role: M.seconds(c, 0, peaks)["total"] for role, c in costs.items()}
+  per = {}
+  for c in builds:
+    runs = info["runs"].get(c)
+    if runs is None:
+      continue
+    per[c] = M.site_seconds(runs.get("compiled", runs["jaxpr"]), own,
+                            info["opaque"], runs.get("kernel_launches", 0),
+                            peaks)
+  saved = (per["as_written"] - per[best]
+           if "as_written" in per and best in per else None)
+  return dict(rule_cost=costs, seconds=per, seconds_saved=saved,
+              share_of_step=(saved / step_seconds
+                             if saved is not None and step_seconds else None))
+
+
+def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
+            ) -> tuple[dict, dict]:
   """Trace and compile ``fn(*args, **kwargs)`` under ``configs``:
-  ``(the report as plain data (schema: docs/audit.md), {config: Build})``."""
+  ``(the report as plain data (schema: docs/audit.md), {config: Build})``.
+  ``peaks``: the time model's overrides (``_model.peaks_for``)."""
+  device = jax.devices()[0]
+  peaks, peaks_source = M.peaks_for(device.device_kind, device.platform, peaks)
   sites: dict = {}
   builds: dict = {}
   errors: dict = {}
@@ -469,10 +670,16 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
   ref = builds.get("as_written", first_build)
   best_step = ("smartvjp_fused" if "smartvjp_fused" in builds and any(
       s.fwd_bwd is not None for s in by_index.values()) else "smartvjp")
-  step_delta = {}
-  if best_step in builds and "as_written" in builds:
-    a, s = builds["as_written"], builds[best_step]
-    step_delta = {k: s.cost.get(k, 0) - a.cost.get(k, 0) for k in a.cost}
+  step_seconds, cost_cache = {}, {}
+  for c, b in {id(b): (c, b) for c, b in builds.items()}.values():
+    notes: list = []
+    fix = loop_correction(b.closed.jaxpr, notes, cost_cache) if b.cost else {}
+    b.loop_cost = {k: b.cost.get(k, 0.0) + fix.get(k, 0.0) for k in b.cost}
+    b.loop_notes = sorted(set(notes))
+  for c, b in builds.items():
+    launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else 0
+    step_seconds[c] = (M.seconds(b.loop_cost, launches, peaks) if peaks
+                       else None)
   out_sites = []
   for idx, site in sorted(by_index.items()):
     calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
@@ -551,18 +758,25 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
         refused=site.refused,
         hazards=hazards(site, r, bool(remat3.get("jax_remat3")))
         if r else [])
-    info["suggestion"] = _suggestion(site, info, step_delta)
+    if peaks:
+      info["predicted"].update(_site_model(
+          info, r, builds, best, peaks,
+          (step_seconds.get("as_written") or {}).get("total"), cost_cache))
+    info["suggestion"] = _suggestion(site, info)
     out_sites.append(info)
-  out_sites.sort(key=lambda s: (-s["predicted"]["launches_saved"],
+  out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
+                                -s["predicted"]["launches_saved"],
                                 -s["predicted"]["dropped_bytes_saved"],
                                 s["index"]))
   step = {}
   for c, b in builds.items():
     launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else None
-    step[c] = dict(memory=b.memory, cost=b.cost, kernel_launches=launches,
-                   seconds=b.seconds,
+    step[c] = dict(memory=b.memory, cost=b.cost, cost_loops_scaled=b.loop_cost,
+                   kernel_launches=launches,
+                   seconds=b.seconds, predicted_seconds=step_seconds[c],
                    notes=(b.jaxpr_count.notes + (b.hlo_count.notes
-                                                 if b.hlo_count else [])))
+                                                 if b.hlo_count else [])
+                          + b.loop_notes))
   predicted = {}
   if "as_written" in builds and best_step in builds:
     a, s = step["as_written"], step[best_step]
@@ -575,7 +789,14 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
                               / a["cost"]["bytes_accessed"])
         if a["cost"].get("bytes_accessed") else None,
         flops_ratio=(s["cost"].get("flops", 0) / a["cost"]["flops"])
-        if a["cost"].get("flops") else None)
+        if a["cost"].get("flops") else None,
+        predicted_ratio=M.ratio(s["predicted_seconds"],
+                                a["predicted_seconds"]),
+        seconds_saved=(a["predicted_seconds"]["total"]
+                       - s["predicted_seconds"]["total"])
+        if peaks else None,
+        sites_seconds_saved=sum(x["predicted"].get("seconds_saved") or 0
+                                for x in out_sites) if peaks else None)
   cvjp_saved = sum(s["residual_bytes"].get("as_written", {}).get("saved", 0)
                    for s in out_sites)
   temp = step.get("as_written", {}).get("memory", {}).get("temp")
@@ -586,6 +807,10 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS) -> tuple[dict, dict]:
       backend=jax.default_backend(), flags=remat3,
       configs=list(builds), errors=errors, sites=out_sites, step=step,
       predicted=predicted,
+      model=dict(name=M.MODEL, device_kind=device.device_kind, peaks=peaks,
+                 peaks_source=peaks_source,
+                 notes=_model_notes(jax.default_backend(), out_sites, {
+                     i: r.jaxprs for i, r in rules.items() if r})),
       summary=dict(
           sites=len(out_sites),
           kernel_launches={c: v["kernel_launches"] for c, v in step.items()},
@@ -640,7 +865,7 @@ def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
                    max=float(np.max(v))) for k, v in times.items()}
   ratio = float(np.median(ratios))
   lo, hi = float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))
-  pred = data["predicted"].get("bytes_accessed_ratio")
+  pred = data["predicted"].get("predicted_ratio")
   disagree = None
   if pred is not None:
     # a prediction of no change is checked against the paired spread
@@ -651,8 +876,10 @@ def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
   return dict(
       pairs=pairs, candidate=cand, seconds=stats, paired_ratio=ratio,
       paired_ratio_iqr=[lo, hi], predicted_ratio=pred,
+      predicted_bytes_accessed_ratio=data["predicted"].get(
+          "bytes_accessed_ratio"),
       disagrees=disagree,
       summary=(f"{cand} / jax.custom_vjp = {ratio:.3f} (paired, median of "
-               f"{pairs}; IQR {lo:.3f}-{hi:.3f}); predicted (bytes accessed) "
+               f"{pairs}; IQR {lo:.3f}-{hi:.3f}); predicted (roofline) "
                + ("—" if pred is None else f"{pred:.3f}")
                + ("; DISAGREES" if disagree else "")))

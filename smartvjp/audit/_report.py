@@ -64,6 +64,12 @@ def table(data: dict) -> str:
                    f" {human_bytes(leaf['bytes'])}"
                    + (f" name={leaf['name']!r}" if leaf["name"] else "")
                    + f" ({fates})")
+    saved = s["predicted"].get("seconds_saved")
+    if saved is not None:
+      share = s["predicted"].get("share_of_step")
+      lines.append(f"    predicted saving {saved * 1e6:.3g} us per step"
+                   + (f" ({share:.1%} of the step)" if share is not None
+                      else "") + " (roofline of its rules' own costs)")
     lines.append(f"    suggestion: {s['suggestion']}")
     for h in s["hazards"]:
       lines.append(f"    hazard: {h}")
@@ -83,7 +89,8 @@ def table(data: dict) -> str:
                  f" temp {_signed(p['memory'].get('temp'))},"
                  f" flops x{_ratio(p['flops_ratio'])},"
                  f" bytes accessed x{_ratio(p['bytes_accessed_ratio'])},"
-                 f" {p['launches_saved']} kernel launches fewer")
+                 f" {p['launches_saved']} kernel launches fewer;"
+                 f" time x{_ratio(p.get('predicted_ratio'))} (roofline)")
   m = data.get("measured")
   if m:
     lines.append(f"    measured: {m['summary']}")
@@ -92,6 +99,10 @@ def table(data: dict) -> str:
   lines.append(f"    audit took {data['audit_seconds']:.2f} s "
                f"({data['audit_cost_in_compiles']:.1f}x one trace+compile)")
   return "\n".join(lines)
+
+
+def _share(r) -> str:
+  return "—" if r is None else f"{r:+.1%}"
 
 
 def _ratio(r) -> str:
@@ -118,7 +129,8 @@ def _figure_svg(fig) -> str:
 
 def plots(data: dict) -> list[tuple[str, str]]:
   """``[(title, data URL of an SVG)]``: residual bytes per site and
-  configuration, and step memory against step cost (time where measured)."""
+  configuration, and step memory against step time (measured, else the
+  time model's prediction)."""
   import matplotlib   # optional dependency: only the HTML page needs it
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -145,11 +157,11 @@ def plots(data: dict) -> list[tuple[str, str]]:
   measured = data.get("measured") or {}
   timed = measured.get("seconds", {})
   # measured: the timed configurations by median step time; else every
-  # configuration by XLA's bytes accessed
+  # configuration by the time model's seconds
   for c in (list(timed) if timed else configs):
     st = data["step"][c]
-    x = timed[c]["median"] * 1e3 if timed else st["cost"].get(
-        "bytes_accessed", 0)
+    x = timed[c]["median"] * 1e3 if timed else (
+        st.get("predicted_seconds") or {}).get("total", 0) * 1e3
     ax.scatter([x], [st["memory"].get("peak", 0)], s=60,
                label=_SHORT.get(c, c))
     if timed:
@@ -157,7 +169,7 @@ def plots(data: dict) -> list[tuple[str, str]]:
                   xerr=[[x - timed[c]["min"] * 1e3],
                         [timed[c]["max"] * 1e3 - x]], ecolor="gray")
   ax.set_xlabel("step time, median and min-max (ms)" if timed
-                else "bytes accessed (XLA cost model)")
+                else "predicted step time (ms, the audit's time model)")
   ax.set_ylabel("peak memory (bytes)")
   ax.set_title("Step memory against step cost, per configuration")
   ax.legend(fontsize=7)
@@ -178,7 +190,8 @@ def html(data: dict) -> str:
         f"<td>{'opaque' if s['opaque'] else 'JAX-coded'}</td>"
         f"<td>{e(s['path'])} ×{s['multiplicity']}</td>{cells}"
         f"<td>{e(human_bytes(s['residual_bytes'].get('as_written', {}).get('dropped')))}"
-        f"</td><td>{e(s['suggestion'])}</td></tr>")
+        f"</td><td>{e(_share(s['predicted'].get('share_of_step')))}</td>"
+        f"<td>{e(s['suggestion'])}</td></tr>")
   details = []
   for s in data["sites"]:
     leaves = "".join(
@@ -208,7 +221,8 @@ def html(data: dict) -> str:
       f"<code>{e(data['schema'])}</code>. Runs per step in the compiled "
       "program (the jaxpr's count in brackets where it differs).</p>"
       f"<table><tr><th>#</th><th>site</th><th>kind</th><th>path</th>{head}"
-      f"<th>dropped (as written)</th><th>suggestion</th></tr>"
+      f"<th>dropped (as written)</th><th>predicted saving (of the step)</th>"
+      "<th>suggestion</th></tr>"
       + "".join(rows) + "</table>" + "".join(details)
       + f"<h2>Step</h2><pre>{summary}</pre><div class=plots>{figs}</div>"
       "</body></html>")

@@ -1,0 +1,76 @@
+"""``smartvjp.audit`` on third-party libraries' own ``jax.custom_vjp`` sites
+(equinox's is in tests/test_audit.py): each site is found in the library's
+own files, with no change to the library, and the suggestion is the one a
+CPU measurement bears out (``measure=True``). The libraries are installed
+by the ``ports`` extra (CI's newest leg); elsewhere these tests skip.
+
+Both sites here are JAX-coded: XLA already removes the forward pass's
+duplicate residual work, the audit says "no action", and the measured
+paired ratio of the swapped step to the step as written is within a
+shared CPU's noise of 1 (a bound of 0.8-1.25: the swap would need to halve
+or double the step to leave it; the point is the sign of the advice, not a
+benchmark).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import smartvjp
+
+NOISE = (0.8, 1.25)
+
+
+def _package_dir(module):
+  return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+def _check(a, package):
+  (s,) = [s for s in a.sites if s["defined_at"].startswith(package)]
+  assert s["kind"] == "jax.custom_vjp" and not s["opaque"]
+  assert all(c.startswith(package) for c in s["called_at"])
+  path, line = s["defined_at"].rsplit(":", 1)
+  assert os.path.isfile(path) and int(line) > 0
+  # the duplicate is in the jaxpr, and XLA removes it
+  aw = s["runs"]["as_written"]
+  assert aw["jaxpr"]["fwd"] > aw["jaxpr"]["bwd"]
+  assert aw["compiled"]["fwd"] <= aw["compiled"]["bwd"]
+  assert s["suggestion"].startswith("no action: XLA already removes")
+  assert abs(s["predicted"]["share_of_step"]) < 0.01
+  m = a.measured
+  assert NOISE[0] < m["paired_ratio"] < NOISE[1], m["summary"]
+  return s
+
+
+def test_optax_scale_gradient_in_a_checkpointed_scan():
+  optax = pytest.importorskip("optax")
+
+  def layer(carry, w):
+    return optax.scale_gradient(jnp.tanh(carry @ w), 0.5), None
+
+  def step(x, ws):
+    loss = lambda x, ws: jnp.sum(
+        jax.lax.scan(jax.checkpoint(layer), x, ws)[0] ** 2)
+    return jax.grad(loss, argnums=(0, 1))(x, ws)
+
+  a = smartvjp.audit(step, jnp.ones((8, 32)), jnp.full((3, 32, 32), 0.1),
+                     measure=True, configs=("as_written", "smartvjp"))
+  s = _check(a, _package_dir(optax))
+  assert s["remat"] and "scan(×3)" in s["path"]
+
+
+def test_jax_cce_fused_cross_entropy_under_checkpoint():
+  jax_cce = pytest.importorskip("jax_cce")
+  labels = jnp.arange(256) % 512
+
+  def loss(x, w):
+    return jax_cce.linear_cross_entropy(x, w, labels, chunk_size=128)
+
+  S = jax.ShapeDtypeStruct
+  a = smartvjp.audit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)),
+                     S((256, 64), jnp.float32), S((512, 64), jnp.float32),
+                     measure=True, configs=("as_written", "smartvjp"))
+  s = _check(a, _package_dir(jax_cce))
+  assert s["remat"] and s["policy"] == "nothing_saveable"
