@@ -11,7 +11,6 @@ smart_custom_vjp.defremat
 smart_custom_vjp.defremat_with_logs
 filter_custom_vjp.def_fwd
 filter_custom_vjp.def_bwd
-filter_custom_vjp.def_fwd_bwd
 
 # Public: SwapReport.ok, what the docs' recipe checks (tests/test_swap.py).
 from smartvjp._swap import SwapReport  # noqa: E402
