@@ -134,6 +134,20 @@ def cost_analysis_on_cpu(lowered) -> dict:
   return xla_lib._jax.hlo_module_cost_analysis(
       jax.devices("cpu")[0].client, module)
 
+# -- primitive names ----------------------------------------------------------------
+
+# what a collective and an opaque kernel (code no cost estimate or jaxpr
+# walk sees into) are called in a jaxpr: read by the plan's cost of a rule
+# (_policy) and by the audit's counts (smartvjp.audit)
+COLLECTIVE_PRIMITIVES = frozenset({
+    "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute",
+    "psum_scatter", "reduce_scatter", "pbroadcast", "psum_invariant",
+    "all_gather_invariant"})
+KERNEL_PRIMITIVES = frozenset({
+    "pallas_call", "custom_call", "ffi_call", "pure_callback", "io_callback",
+    "callback", "triton_kernel_call", "tpu_custom_call", "mosaic_gpu_call"})
+
+
 # -- jaxprs and equations ----------------------------------------------------------
 
 def trace_to_closed_jaxpr(

@@ -165,12 +165,6 @@ def cost(eqns) -> float:
   return total
 
 
-# what a collective or an opaque kernel is called in a jaxpr
-_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all",
-                "ppermute", "psum_scatter", "reduce_scatter", "pbroadcast",
-                "psum_invariant", "all_gather_invariant")
-_KERNELS = ("pure_callback", "io_callback", "ffi_call", "pallas_call",
-            "custom_call", "tpu_custom_call", "triton_kernel_call")
 _NOT_KERNELS = ("split", "optimization_barrier", "smartvjp_rule",
                 "smartvjp_call")
 
@@ -183,9 +177,9 @@ def _counted(eqns) -> tuple[int, int, float]:
   estimated = 0.0
   for e in eqns:
     name = e.primitive.name
-    if name in _COLLECTIVES:
+    if name in jx.COLLECTIVE_PRIMITIVES:
       collectives += 1
-    elif name in _KERNELS:
+    elif name in jx.KERNEL_PRIMITIVES:
       kernels += 1
       est = e.params.get("cost_estimate")
       if est is not None:

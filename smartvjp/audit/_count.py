@@ -23,24 +23,21 @@ import math
 import re
 from typing import Callable, Iterable
 
+from smartvjp import _facade as jx
+
 ROLES = ("f", "fwd", "bwd", "fwd_bwd")
 TAG = re.compile(r"svjpaudit_(\d+)_(\d+)_(fwd_bwd|fwd|bwd|f)(?![\w])")
 
 # primitives whose work XLA cannot split or remove in part
-OPAQUE_PRIMITIVES = frozenset({
-    "pallas_call", "custom_call", "ffi_call", "pure_callback", "io_callback",
-    "callback", "triton_kernel_call", "tpu_custom_call", "mosaic_gpu_call",
-    "test_opaque_kernel", "smartvjp_count"})
+OPAQUE_PRIMITIVES = jx.KERNEL_PRIMITIVES | {
+    "test_opaque_kernel", "smartvjp_count"}   # the tests' kernel, RunCounter
 # custom calls XLA itself uses for placement and layout, not kernels
 NOT_KERNELS = frozenset({
     "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost",
     "MoveToDevice", "annotate_device_placement", "LayoutConstraint",
     "X64Combine", "X64SplitLow", "X64SplitHigh", "AllocateBuffer",
     "PartitionId", "ReplicaId"})
-COLLECTIVES = frozenset({
-    "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
-    "psum_scatter", "reduce_scatter", "psum_invariant", "pbroadcast",
-    "all_gather_invariant"})
+COLLECTIVES = jx.COLLECTIVE_PRIMITIVES
 
 
 def tag(site: int, call: int, role: str) -> str:
