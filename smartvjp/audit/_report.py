@@ -114,7 +114,8 @@ def _ratio(r) -> str:
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:1.5em;max-width:80em;color:#222}
 table{border-collapse:collapse;font-size:85%;width:100%}td,th{border:1px solid #ccc;
-padding:.25em .5em;vertical-align:top}th{background:#f3f3f3}
+padding:.25em .5em;vertical-align:top;overflow-wrap:anywhere}th{background:#f3f3f3}
+pre{white-space:pre-wrap}
 code{font-size:90%}.warn{color:#a40}details{margin:.3em 0}
 .plots img{max-width:48%;margin-right:1%}
 """
