@@ -355,6 +355,11 @@ CLAIMS = [
       "test_filter_custom_vjp_rule_arguments"),
     C(f"{FCV}.def_fwd_bwd", "Under remat it replaces fn_fwd + fn_bwd in the "
       "backward pass", "tests/test_equinox.py::test_fused_rule"),
+    C(f"{FCV}.def_fwd_bwd", "True or False forces either pair",
+      "tests/test_equinox.py::test_fused_forced_through_def_fwd_bwd"),
+    C(f"{FCV}.def_fwd_bwd", "fused is not None, True or False",
+      "tests/test_equinox.py::test_def_fwd_bwd_fused_must_be_a_bool",
+      raises="TypeError"),
     # check_primals
     C("check_primals", "for an unknown mode or a negative tolerance",
       "test_check_primals_refuses_bad_settings_at_once", raises="ValueError"),

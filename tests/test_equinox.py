@@ -149,6 +149,12 @@ def test_fused_forced_through_def_fwd_bwd(fused, counts):
   close(g, eqx.filter_grad(read(make(eqx.filter_custom_vjp)))(m, X))
 
 
+def test_def_fwd_bwd_fused_must_be_a_bool():
+  layer = make(smartvjp.filter_custom_vjp)
+  with pytest.raises(TypeError, match="fused must be None, True or False"):
+    layer.def_fwd_bwd(fused="yes")(lambda g, perturbed, m, x, scale=1.0: m)
+
+
 def test_filter_vmap_and_args_not_differentiated():
   ours = make(smartvjp.filter_custom_vjp)
   theirs = make(eqx.filter_custom_vjp)
