@@ -176,17 +176,23 @@ def test_defvjp_fused_must_be_a_bool():
     F.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g,), fused="yes")
 
 
+def _staged_jvp(F):
+  """``F``'s jvp equation as the checkpoint stages it, asking for the pair
+  (``f`` forward, ``fwd_bwd`` backward)."""
+  x = jnp.ones(4)
+  jaxpr = jax.make_jaxpr(lambda x, t: jax.jvp(F, (x,), (t,)))(x, x).jaxpr
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "smartvjp_jvp"]
+  return eqn.replace(params=dict(eqn.params, schedule=Schedule(
+      Forward.F, Backward.FWD_BWD)))
+
+
 def test_printed_schedule_says_which_and_why():
   """The staged jvp as the checkpoint's dead-code elimination leaves it
   where the backward region reads the output: the pair and the reason."""
   f, fwd, bwd, fwd_bwd = _rules(True)
   F = smart_custom_vjp(f)
   F.defvjp(fwd, bwd, fwd_bwd=fwd_bwd)
-  x = jnp.ones(4)
-  jaxpr = jax.make_jaxpr(lambda x, t: jax.jvp(F, (x,), (t,)))(x, x).jaxpr
-  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "smartvjp_jvp"]
-  eqn = eqn.replace(params=dict(eqn.params, schedule=Schedule(
-      Forward.F, Backward.FWD_BWD)))
+  eqn = _staged_jvp(F)
   _, kept = _remat._jvp_dce([True, True], eqn)
   assert kept.params["schedule"].backward is Backward.FWD_THEN_BWD
   assert "backward=fwd+bwd (output read; fused costs more)" in str(kept)
@@ -270,12 +276,7 @@ def test_kernel_estimates_choose_the_pair(fwd_bwd_flops, backward):
   F.defvjp(lambda x: (f(x), f(x)),     # a residual: f's output, in fwd
            lambda _, g: (_estimated_kernel(100)(g),),
            fwd_bwd=lambda x, g: (_estimated_kernel(fwd_bwd_flops)(g),))
-  x = jnp.ones(4)
-  jaxpr = jax.make_jaxpr(lambda x, t: jax.jvp(F, (x,), (t,)))(x, x).jaxpr
-  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "smartvjp_jvp"]
-  eqn = eqn.replace(params=dict(eqn.params, schedule=Schedule(
-      Forward.F, Backward.FWD_BWD)))
-  _, kept = _remat._jvp_dce([True, True], eqn)
+  _, kept = _remat._jvp_dce([True, True], _staged_jvp(F))
   chosen = kept.params["schedule"]
   assert chosen.backward is backward
   assert chosen.why == ("output read; fused costs "
