@@ -5,11 +5,12 @@ CPU measurement bears out (``measure=True``). The libraries are installed
 by the ``ports`` extra (CI's newest leg); elsewhere these tests skip.
 
 Both sites here are JAX-coded: XLA already removes the forward pass's
-duplicate residual work, the audit says "no action", and the measured
-paired ratio of the swapped step to the step as written is within a
-shared CPU's noise of 1 (a bound of 0.8-1.25: the swap would need to halve
-or double the step to leave it; the point is the sign of the advice, not a
-benchmark).
+duplicate residual work (the compiled counts say so), the audit says "no
+action", and ``measure=True`` reports a paired ratio beside it. The ratio
+itself is not asserted: these steps take well under a millisecond, and on
+CI's shared 2-core CPU one run measured 1.50 (interquartile range
+0.44-1.79) where another measured 1.0; timings belong in benchmarks/, not
+in unit tests.
 """
 
 import os
@@ -19,9 +20,6 @@ import jax.numpy as jnp
 import pytest
 
 import smartvjp
-
-NOISE = (0.8, 1.25)
-
 
 def _package_dir(module):
   return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
@@ -40,7 +38,7 @@ def _check(a, package):
   assert s["suggestion"].startswith("no action: XLA already removes")
   assert abs(s["predicted"]["share_of_step"]) < 0.01
   m = a.measured
-  assert NOISE[0] < m["paired_ratio"] < NOISE[1], m["summary"]
+  assert m["paired_ratio"] > 0 and m["pairs"] > 0, m
   return s
 
 
