@@ -950,6 +950,13 @@ def main(argv=None):
     cfg["tpu_tiles"] = {h: {k: tuple(v) for k, v in c["tiles"].items()}
                         for h, c in chosen.items()}
     cfg["tiles_source"] = args.tiles_json
+    with open(args.tiles_json) as fh:
+      searched = json.load(fh).get("rmsnorm_gelu", [])
+    # the RMSNorm kernels' (tile_bytes, gelu) per width, as the search chose
+    RG.TPU_BY_WIDTH.update({s["hidden"]: (s["chosen"]["tile_bytes"],
+                                          s["chosen"]["gelu"])
+                            for s in searched if "chosen" in s})
+    cfg["rmsnorm_by_width"] = dict(RG.TPU_BY_WIDTH)
   cfg["kernel_kwargs"] = {
       w: {k: v for k, v in kernel_options(w, cfg["interpret"],
                                           cfg["kernel_block"][w],

@@ -51,6 +51,21 @@ def _gelu_and_grad(u):
           0.5 * (1 + t) + 0.5 * u * (1 - t * t) * c * (1 + 3 * 0.044715 * u * u))
 
 
+def _gelu_and_grad_sigmoid(u, approx):
+  """``_gelu_and_grad`` through ``0.5 (1 + tanh(y)) = sigmoid(2 y)``: the
+  same tanh GELU, written as ``u * s`` with ``s = 1 / (1 + exp(-2 y))``
+  (one exp and one reciprocal on the TPU's transcendental unit, fewer vector
+  operations than the tanh form); ``approx``: the unit's approximate
+  reciprocal (for bf16 results, which round it away)."""
+  k1 = 2 * 0.7978845608028654
+  k2 = k1 * 0.044715
+  uu = u * u
+  e = jnp.exp(-(u * (k1 + k2 * uu)))
+  s = pl.reciprocal(1 + e, approx=True) if approx else 1 / (1 + e)
+  us = u * s
+  return us, s + (us - us * s) * (k1 + 3 * k2 * uu)
+
+
 # ``d`` is the true row width: rows are zero-padded to a power of two (which
 # adds nothing to the sums), so means are sums divided by ``d``.
 
@@ -79,10 +94,10 @@ def _grads(n, r, gamma, g, d):
   return dx, jnp.sum(dgamma_rows, axis=0, keepdims=True)
 
 
-def _grads_rows(n, r, gamma, g, d):
+def _grads_rows(n, r, gamma, g, d, gelu_and_grad=_gelu_and_grad):
   """``dx`` and the per-row terms of ``dgamma`` (``du * n``, summed by the
   caller)."""
-  _, dgelu = _gelu_and_grad(n * gamma)
+  _, dgelu = gelu_and_grad(n * gamma)
   du = g * dgelu
   dn = du * gamma
   dx = r * (dn - n * (jnp.sum(dn * n, axis=-1, keepdims=True) / d))
@@ -160,6 +175,13 @@ def _fwd_bwd_kernel(x_ref, gamma_ref, g_ref, dx_ref, dgamma_ref, *, d, bm):
 # small; the scoped VMEM asked for is TPU_VMEM_LIMIT.
 TPU_TILE_BYTES = 2 * 2**20
 TPU_VMEM_LIMIT = 64 * 2**20
+# How the TPU kernels evaluate the tanh GELU and its derivative (see
+# ``_tpu_rules``); TPU_GELU is the one the tile search measured fastest.
+TPU_GELU_FORMS = ("tanh", "sigmoid")
+TPU_GELU = "tanh"
+# Per row width D, (tile_bytes, gelu) where the search chose otherwise than
+# TPU_TILE_BYTES / TPU_GELU; used when make_rmsnorm_gelu is given neither.
+TPU_BY_WIDTH: dict = {}
 
 
 def _counted(rule, kernel):
@@ -179,13 +201,31 @@ def _tpu_rows(m, dp, tile_bytes):
   return min(bm, -(-m // 16) * 16)
 
 
-def _tpu_rules(interpret, tile_bytes, count, vmem_limit):
-  """(f, fwd, bwd, fwd_bwd) with Mosaic kernels."""
+def _tpu_config(d, tile_bytes, gelu):
+  """``(tile_bytes, gelu)`` for rows of width ``d``: those given, else
+  ``TPU_BY_WIDTH[d]``'s, else ``TPU_TILE_BYTES`` / ``TPU_GELU``."""
+  by_width = TPU_BY_WIDTH.get(d, (TPU_TILE_BYTES, TPU_GELU))
+  return tile_bytes or by_width[0], gelu or by_width[1]
+
+
+def _tpu_rules(interpret, tile_bytes, count, vmem_limit, gelu):
+  """(f, fwd, bwd, fwd_bwd) with Mosaic kernels; ``gelu``: ``"tanh"``
+  (``_gelu_and_grad``) or ``"sigmoid"`` (``_gelu_and_grad_sigmoid``);
+  either None: chosen per row width by ``_tpu_config``."""
+  if gelu is not None and gelu not in TPU_GELU_FORMS:
+    raise ValueError(f"make_rmsnorm_gelu: gelu must be one of "
+                     f"{TPU_GELU_FORMS}, got {gelu!r}")
+  state = {}
+
+  def gelu_and_grad(u):
+    if state["gelu"] == "tanh":
+      return _gelu_and_grad(u)
+    return _gelu_and_grad_sigmoid(u, state["approx"])
 
   def shapes(x):
     m, d = x.shape
     dp = -(-d // 128) * 128
-    bm = _tpu_rows(m, dp, tile_bytes)
+    bm = _tpu_rows(m, dp, _tpu_config(d, tile_bytes, gelu)[0])
     return m, d, bm, -(-m // bm) * bm, dp
 
   def pad(a, rows, cols):
@@ -195,6 +235,9 @@ def _tpu_rules(interpret, tile_bytes, count, vmem_limit):
   def call(rule, kernel, x, arrays, in_specs, out_shapes, out_specs, scratch,
            semantics):
     m, d, bm, mp, dp = shapes(x)
+    # bf16 results round the approximate reciprocal's error away
+    state["approx"] = x.dtype == jnp.bfloat16
+    state["gelu"] = _tpu_config(d, tile_bytes, gelu)[1]
     kernel = functools.partial(kernel, d=d, steps=mp // bm)
     if count and interpret:
       kernel = _counted(rule, kernel)
@@ -218,13 +261,13 @@ def _tpu_rules(interpret, tile_bytes, count, vmem_limit):
   def f_kernel(x_ref, gamma_ref, z_ref, *, d, steps):
     del steps
     n, _ = _norm(x_ref[...].astype(jnp.float32), d)
-    z_ref[...] = _gelu_and_grad(
+    z_ref[...] = gelu_and_grad(
         n * gamma_ref[...].astype(jnp.float32))[0].astype(z_ref.dtype)
 
   def fwd_kernel(x_ref, gamma_ref, z_ref, n_ref, r_ref, *, d, steps):
     del steps
     n, r = _norm(x_ref[...].astype(jnp.float32), d)
-    z_ref[...] = _gelu_and_grad(
+    z_ref[...] = gelu_and_grad(
         n * gamma_ref[...].astype(jnp.float32))[0].astype(z_ref.dtype)
     n_ref[...] = n.astype(n_ref.dtype)
     r_ref[...] = r
@@ -237,7 +280,8 @@ def _tpu_rules(interpret, tile_bytes, count, vmem_limit):
     def _():
       acc_ref[...] = jnp.zeros_like(acc_ref)
     dx, dgamma_rows = _grads_rows(n, r, gamma_ref[...].astype(jnp.float32),
-                                  g_ref[...].astype(jnp.float32), d)
+                                  g_ref[...].astype(jnp.float32), d,
+                                  gelu_and_grad)
     dx_ref[...] = dx.astype(dx_ref.dtype)
     bm, dp = dgamma_rows.shape
     acc_ref[...] += jnp.sum(dgamma_rows.reshape(bm // 8, 8, dp), axis=0)
@@ -325,7 +369,8 @@ def _pow2_at_least(n):
 
 def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
                       num_warps=None, target=None,
-                      tile_bytes=TPU_TILE_BYTES, vmem_limit=TPU_VMEM_LIMIT):
+                      tile_bytes=None, vmem_limit=TPU_VMEM_LIMIT,
+                      gelu=None):
   """``rmsnorm_gelu(x: [M, D], gamma: [D]) -> [M, D]`` as a ``smart_custom_vjp``.
 
   ``z = gelu(x * rsqrt(mean(x**2, -1) + 1e-6) * gamma)``, computed in f32,
@@ -350,7 +395,13 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
       (the Triton-shaped kernels described below); default: ``"tpu"`` on a
       TPU, else ``"gpu"``. ``block_m`` applies to the GPU kernels only.
     tile_bytes, vmem_limit: the TPU kernels' f32 bytes per row block and
-      scoped VMEM limit.
+      scoped VMEM limit (``tile_bytes`` default: ``TPU_BY_WIDTH``'s for the
+      row width, else ``TPU_TILE_BYTES``).
+    gelu: how the TPU kernels evaluate the GELU, one of ``TPU_GELU_FORMS``
+      (default: ``TPU_BY_WIDTH``'s for the row width, else ``TPU_GELU``):
+      ``"tanh"``, or ``"sigmoid"``, the same function as ``u * sigmoid(2 y)``
+      (one exp and one reciprocal; for bf16 ``x`` the reciprocal is the
+      approximate one).
 
   Returns ``(rmsnorm_gelu, rules)``. Rows are zero-padded to a multiple of
   the rows per kernel instance (``block_m``; ``GRAD_ROWS`` or more for the
@@ -360,7 +411,8 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
   instances outside the kernels.
 
   Raises:
-    ValueError: ``block_m`` is not a power of two, or an unknown target.
+    ValueError: ``block_m`` is not a power of two, an unknown target, or
+      an unknown ``gelu``.
   """
   target = target or ("tpu" if jax.default_backend() == "tpu" else "gpu")
   if target not in ("tpu", "gpu"):
@@ -369,8 +421,8 @@ def make_rmsnorm_gelu(block_m=None, interpret=None, fused=True, count=False,
   if target == "tpu":
     if interpret is None:
       interpret = jax.default_backend() != "tpu"
-    return _assemble(*_tpu_rules(interpret, tile_bytes, count, vmem_limit),
-                     fused=fused)
+    return _assemble(*_tpu_rules(interpret, tile_bytes, count, vmem_limit,
+                                 gelu), fused=fused)
   if block_m is not None and (block_m < 1 or block_m & (block_m - 1)):
     raise ValueError(f"make_rmsnorm_gelu: block_m must be a power of two, "
                      f"got {block_m}")
