@@ -179,9 +179,13 @@ TPU_VMEM_LIMIT = 64 * 2**20
 # ``_tpu_rules``); TPU_GELU is the one the tile search measured fastest.
 TPU_GELU_FORMS = ("tanh", "sigmoid")
 TPU_GELU = "tanh"
-# Per row width D, (tile_bytes, gelu) where the search chose otherwise than
-# TPU_TILE_BYTES / TPU_GELU; used when make_rmsnorm_gelu is given neither.
-TPU_BY_WIDTH: dict = {}
+# Per row width D, (tile_bytes, gelu): the candidate with the least total
+# time of the four rules at M = 8192, bf16, in the search of tpu_tiles.py on
+# a TPU v5e at 500a79e (benchmarks/results/tpu_tiles_rms_dispatched_500a79e
+# .json; timed call by call, so host dispatch is in every candidate's time);
+# used where make_rmsnorm_gelu is given neither.
+TPU_BY_WIDTH: dict = {1024: (2**21, "tanh"), 2048: (2**22, "tanh"),
+                      4096: (2**22, "sigmoid")}
 
 
 def _counted(rule, kernel):

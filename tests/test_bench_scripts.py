@@ -318,6 +318,22 @@ def test_tpu_tiles_ranks_candidates_by_their_rules():
     assert kind in bench.MM_CANDIDATES and len(default) == 3
 
 
+def test_tpu_tiles_loop_chains_one_kernel_per_call():
+  """The RMSNorm timing program: one kernel launch inside a while loop (the
+  chained calls are neither hoisted nor merged), lowered for a TPU."""
+  bench = load("tpu_tiles")
+  _, rules = bench.RG.make_rmsnorm_gelu(target="tpu", interpret=False)
+  x = jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16)
+  gamma = jax.ShapeDtypeStruct((2048,), jnp.bfloat16)
+  for step, args in (
+      (lambda c, gm: rules["f"](c, gm), (x, gamma)),
+      (lambda c, x, gm: rules["fwd_bwd"](x, gm, c)[0], (x, x, gamma)),
+      (bench._pallas_copy(2**22), (x,))):
+    prog, _, _ = bench._looped(step, *args)
+    text = prog.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1 and "stablehlo.while" in text
+
+
 def test_tpu_lm_largest_batch_searches_up_to_the_budget(monkeypatch):
   """The LM's search goes past the line's first guess until a batch fits and
   the next does not; compiles that fail count as not fitting."""

@@ -175,3 +175,36 @@ def test_tpu_compiled_values_and_gradients(dtype, tol):
   K.assert_grads_close(jax.jit(jax.grad(loss(op, True), (0, 1)))(x, gamma),
                        jax.grad(loss(RG.reference, False), (0, 1))(x, gamma),
                        tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tpu_gelu_forms_agree(dtype):
+  """The sigmoid form is the tanh GELU: in bf16 its values and gradients stay
+  within the bf16 bound of the tanh form's; f32 keeps the tanh form, so the
+  two are bitwise equal there."""
+  x, gamma = _data(45, 200, dtype)
+  out = {}
+  for form in RG.TPU_GELU_FORMS:
+    op, _ = RG.make_rmsnorm_gelu(target="tpu", interpret=True, fused=True,
+                                 tile_bytes=SMALL_TILE, gelu=form)
+    out[form] = (op(x, gamma),
+                 *jax.jit(jax.grad(loss(op, True), (0, 1)))(x, gamma))
+  for a, b in zip(out["tanh"], out["sigmoid"]):
+    if dtype == jnp.float32:
+      assert np.array_equal(np.asarray(a), np.asarray(b))
+    else:
+      scale = float(jnp.max(jnp.abs(a.astype(jnp.float32))))
+      np.testing.assert_allclose(np.float32(b), np.float32(a), rtol=5e-2,
+                                 atol=5e-2 * scale)
+  with pytest.raises(ValueError, match="gelu must be one of"):
+    RG.make_rmsnorm_gelu(target="tpu", gelu="erf")
+
+
+@pytest.mark.parametrize("d", [1024, 2048, 4096, 700])
+def test_tpu_config_by_width(d):
+  """Row widths in ``TPU_BY_WIDTH`` take its (tile, form); others the
+  module defaults; given arguments win."""
+  want = RG.TPU_BY_WIDTH.get(d, (RG.TPU_TILE_BYTES, RG.TPU_GELU))
+  assert RG._tpu_config(d, None, None) == want
+  assert RG._tpu_config(d, 2**20, "tanh") == (2**20, "tanh")
+  assert set(RG.TPU_GELU_FORMS) >= {g for _, g in RG.TPU_BY_WIDTH.values()}
