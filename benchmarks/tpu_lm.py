@@ -26,6 +26,14 @@ columns, each one program:
   through ``smartvjp.import_swapped``;
 * ``smartvjp+fused``: the same with the kernels' fused ``fwd_bwd`` rules.
 
+The attention kernel (``--attention``) is one of JAX's shipped Pallas TPU
+kernels with a ``custom_vjp`` (``ATTENTIONS``: flash attention, splash
+attention with a causal mask); by default (``auto``) the fastest, measured
+first in the same run (``attention_trial``: forward + backward at the LM's
+shape, each kernel's swapped copy's gradients compared bit for bit with the
+shipped kernel's; ``attention_trial`` and ``attention`` in the JSON). For
+one device call per policy, run with ``--policies`` naming one.
+
 Under each policy (``nothing_saveable``, ``dots_saveable``,
 ``save_only_these_names("x_mid")``, the residual stream after attention, and
 ``save_kernel_outputs``: ``save_only_these_names("h1", "h2", "u")``, the
@@ -89,6 +97,13 @@ import pallas_rmsnorm_gelu as RG  # noqa: E402
 import smartvjp  # noqa: E402
 
 FLASH = "jax.experimental.pallas.ops.tpu.flash_attention"
+SPLASH = ("jax.experimental.pallas.ops.tpu.splash_attention."
+          "splash_attention_kernel")
+SPLASH_MASKS = ("jax.experimental.pallas.ops.tpu.splash_attention."
+                "splash_attention_mask")
+# JAX's shipped Pallas TPU attention kernels with a custom_vjp, by name:
+# the module import_swapped copies for the smartvjp columns
+ATTENTIONS = {"flash": FLASH, "splash": SPLASH}
 COLUMNS = ("xla", "jax.custom_vjp", "optimize_remat", "smartvjp",
            "smartvjp+fused")
 KERNEL_COLUMNS = COLUMNS[1:]
@@ -166,9 +181,62 @@ def corpus(cfg, steps, seed=0):
   return out
 
 
-def kernels(column, smoke):
+def attention_op(name, swapped, heads, seq, interpret=False):
+  """Causal attention ``(q, k, v: [b, h, t, hd]) -> [b, h, t, hd]`` with
+  JAX's shipped kernel ``name`` (``ATTENTIONS``), from its module as shipped
+  or through ``smartvjp.import_swapped`` (``swapped``); scaled by
+  ``1 / sqrt(hd)``. ``interpret``: splash attention's interpret mode (a
+  CPU runs it; flash attention has none that can be differentiated)."""
+  module = (smartvjp.import_swapped(ATTENTIONS[name]) if swapped
+            else importlib.import_module(ATTENTIONS[name]))
+  if name == "flash":
+    return lambda q, k, v: module.flash_attention(
+        q, k, v, causal=True, sm_scale=1 / math.sqrt(q.shape[-1]))
+  masks = importlib.import_module(SPLASH_MASKS)
+  kernel = module.make_splash_mha(
+      masks.MultiHeadMask([masks.CausalMask((seq, seq))] * heads),
+      head_shards=1, q_seq_shards=1, interpret=interpret)
+  return lambda q, k, v: jax.vmap(kernel)(
+      (q / math.sqrt(q.shape[-1])).astype(q.dtype), k, v)
+
+
+def attention_trial(cfg, rounds, inner=3, interpret=False, names=None):
+  """Each shipped attention kernel's forward + backward at the LM's shape
+  (``[batch, heads, seq, head_dim]`` bf16, a jitted gradient of a sum of
+  squares), timed, and its swapped copy's gradients compared bitwise with
+  the shipped kernel's: ``{"kernels": {name: {...}}, "fastest": name}``."""
+  b, h, t, hd = cfg.batch, cfg.heads, cfg.seq, cfg.head_dim
+  keys = jax.random.split(jax.random.key(11), 3)
+  q, k, v = (jax.random.normal(key, (b, h, t, hd), jnp.bfloat16)
+             for key in keys)
+  out = {}
+  for name in names or ATTENTIONS:
+    rec = out[name] = {}
+    try:
+      grads = {}
+      for swapped in (False, True):
+        op = attention_op(name, swapped, h, t, interpret)
+        g = jax.jit(jax.grad(lambda q, k, v, op=op: jnp.sum(
+            op(q, k, v).astype(jnp.float32) ** 2), (0, 1, 2)))
+        grads[swapped] = jax.device_get(g(q, k, v))
+        if not swapped:
+          rec["fwd_bwd_s"] = R.timed(g, q, k, v, rounds=rounds, inner=inner)
+      rec["swapped_grads_bitwise_equal"] = all(
+          np.array_equal(np.asarray(a).view(np.uint16),
+                         np.asarray(c).view(np.uint16))
+          for a, c in zip(grads[False], grads[True]))
+    except Exception as e:  # noqa: BLE001 - a kernel that fails is data
+      rec["error"] = f"{type(e).__name__}: {e}"[:500]
+  timed = {n: r["fwd_bwd_s"]["median_s"] for n, r in out.items()
+           if "fwd_bwd_s" in r}
+  return dict(kernels=out, fastest=min(timed, key=timed.get) if timed
+              else "flash")
+
+
+def kernels(column, smoke, attention="flash"):
   """``(rmsnorm_gelu, gelu_matmul, attention)`` for a column: functions of
-  ``[tokens, d]`` arrays (attention of ``[b, h, t, hd]`` q, k, v)."""
+  ``[tokens, d]`` arrays (attention of ``[b, h, t, hd]`` q, k, v, with the
+  shipped kernel ``attention`` of ``ATTENTIONS``)."""
   if column == "xla":
     xla_attention = lambda q, k, v: jax.nn.dot_product_attention(
         q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
@@ -191,15 +259,21 @@ def kernels(column, smoke):
   if smoke:   # TPU interpret mode cannot be differentiated under checkpoint
     attention = kernels("xla", smoke)[2]
   else:
-    module = (smartvjp.import_swapped(FLASH) if column.startswith("smartvjp")
-              else importlib.import_module(FLASH))
-    attention = lambda q, k, v: module.flash_attention(
-        q, k, v, causal=True, sm_scale=1 / math.sqrt(q.shape[-1]))
+    swapped = column.startswith("smartvjp")
+    attention = (attention_op("flash", swapped, None, None)
+                 if attention == "flash" else _splash_for_heads(swapped))
   return norm, mm, attention
 
 
-def make_loss(cfg, column, policy, smoke):
-  norm, mm, attention = kernels(column, smoke)
+def _splash_for_heads(swapped):
+  """Splash attention built at the first call's heads and length (its mask
+  is static)."""
+  return lambda q, k, v: attention_op("splash", swapped, q.shape[1],
+                                      q.shape[2])(q, k, v)
+
+
+def make_loss(cfg, column, policy, smoke, attention="flash"):
+  norm, mm, attention = kernels(column, smoke, attention)
   b, t, h, hd, d = cfg.batch, cfg.seq, cfg.heads, cfg.head_dim, cfg.width
   bf = jnp.bfloat16
 
@@ -233,9 +307,10 @@ def make_loss(cfg, column, policy, smoke):
   return loss
 
 
-def make_train_step(cfg, column, policy, smoke):
-  """``step(state, tokens) -> (state, loss)``: Adam (b1 0.9, b2 0.95)."""
-  grad = jax.value_and_grad(make_loss(cfg, column, policy, smoke))
+def make_train_step(cfg, column, policy, smoke, attention="flash"):
+  """``step(state, tokens) -> (state, loss)``: Adam (b1 0.9, b2 0.95);
+  ``attention``: the shipped kernel (``ATTENTIONS``) of the kernel columns."""
+  grad = jax.value_and_grad(make_loss(cfg, column, policy, smoke, attention))
 
   def step(state, tokens):
     params, m, v, n = state
@@ -331,6 +406,9 @@ def main(argv=None):
   p.add_argument("--columns", nargs="+", default=list(COLUMNS),
                  choices=list(COLUMNS))
   p.add_argument("--no-largest-batch", action="store_true")
+  p.add_argument("--attention", default="auto", choices=["auto", *ATTENTIONS],
+                 help="the kernel columns' attention; auto: the fastest "
+                 "forward + backward at the LM's shape, measured first")
   p.add_argument("--out")
   args = p.parse_args(argv)
   t_start = time.perf_counter()
@@ -354,6 +432,18 @@ def main(argv=None):
     doc["peaks"] = R.measured_peaks()
     print(f"measured peaks: {doc['peaks']['TFLOP/s']:.1f} TFLOP/s, "
           f"{doc['peaks']['GB/s']:.1f} GB/s", flush=True)
+    doc["attention_trial"] = attention_trial(cfg, rounds) \
+        if args.attention == "auto" else None
+    if doc["attention_trial"]:
+      for n, r in doc["attention_trial"]["kernels"].items():
+        print(f"attention {n}: " + (r.get("error") or (
+            f"forward + backward {r['fwd_bwd_s']['median_s'] * 1e3:.3f} ms, "
+            f"swapped gradients bitwise equal: "
+            f"{r['swapped_grads_bitwise_equal']}")), flush=True)
+  attention = (args.attention if args.attention != "auto" else
+               doc["attention_trial"]["fastest"] if not smoke else "flash")
+  doc["attention"] = attention
+  print(f"attention kernel of the kernel columns: {attention}", flush=True)
   budget = R.machine().get("bytes_limit")
   data = jnp.asarray(corpus(cfg, steps))
   tokens0 = data[0]
@@ -370,7 +460,7 @@ def main(argv=None):
       rec = res["columns"][column] = {}
       state = jax.block_until_ready(init_state(cfg))
       t0 = time.perf_counter()
-      step = make_train_step(cfg, column, policy, smoke)
+      step = make_train_step(cfg, column, policy, smoke, attention)
       traced = step.trace(state, tokens0)
       t1 = time.perf_counter()
       lowered = traced.lower()

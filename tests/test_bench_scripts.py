@@ -214,6 +214,37 @@ def test_tpu_lm_kernel_launches_off_a_tpu():
     assert c[("_flash_attention_dq_kernel", 1)] == L
 
 
+def test_tpu_lm_splash_attention_swapped_and_lowered():
+  """Issue 64: splash attention as the LM's kernel: its swapped copy's
+  gradients are bitwise the shipped kernel's (interpret mode, a CPU), the
+  trial names a fastest kernel among those that ran, and lowered for a TPU
+  the swapped LM runs splash's residual-writing forward once per layer
+  (shipped: twice) and the forward without residuals in its place."""
+  lm = load("tpu_lm")
+  cfg = lm.Config(layers=2, width=256, heads=2, seq=256, vocab=512, mlp=512,
+                  batch=1)
+  trial = lm.attention_trial(cfg, rounds=1, inner=1, interpret=True,
+                             names=["splash"])
+  assert trial["kernels"]["splash"]["swapped_grads_bitwise_equal"] is True
+  assert trial["fastest"] == "splash"
+  tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
+  counts = {}
+  for column in ("jax.custom_vjp", "smartvjp"):
+    step = lm.make_train_step(cfg, column, lm.POLICIES["nothing_saveable"],
+                              smoke=False, attention="splash")
+    lowered = step.trace(lm.state_shapes(cfg), tokens).lower(
+        lowering_platforms=("tpu",))
+    counts[column] = {k.name: n for k, n in lm.EX.kernel_launches(
+        lowered.compiler_ir()).items() if k.name.startswith("splash")}
+  L = cfg.layers
+  assert counts["jax.custom_vjp"]["splash_mha_fwd_residuals"] == 2 * L
+  assert "splash_mha_fwd_no_residuals" not in counts["jax.custom_vjp"]
+  assert counts["smartvjp"]["splash_mha_fwd_residuals"] == L
+  assert counts["smartvjp"]["splash_mha_fwd_no_residuals"] == L
+  for c in counts.values():
+    assert c["splash_mha_dkv_no_residuals"] == c["splash_mha_dq_no_residuals"] == L
+
+
 @pytest.mark.parametrize("policy", ["dots_saveable", "save_only_x_mid",
                                     "save_kernel_outputs"])
 def test_tpu_lm_fused_column_launches_no_more_kernels(policy):
