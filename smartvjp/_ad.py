@@ -13,7 +13,6 @@ from jax.errors import UnexpectedTracerError
 from smartvjp import _execute as ex
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
-from smartvjp import _plan
 from smartvjp import _policy
 from smartvjp import _versions
 from smartvjp._checks import (
@@ -111,11 +110,11 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
   check_aliased_refs(call, primals)
   eager = isinstance(jx.core.trace_ctx.trace, jx.core.EvalTrace) and not any(
       isinstance(p, jx.core.Tracer) for p in primals_in)
-  plan = _plan.plan(_policy.facts_of(call, None), None)
-  if plan.schedule.runs_fwd_bwd:   # fwd_bwd alone: f now
+  schedule = _policy.schedule_without_policy(call, None)
+  if schedule.runs_fwd_bwd:   # fwd_bwd alone: f now
     outs = (eager_f(call, primals) if eager else
             ex.primal(ex.Bind(), call, None, f_consts, [], primals,
-                      plan.schedule.primal_by))
+                      schedule.primal_by))
     return _linearized(call, None, in_nz, outs, primals)
   if call.fwd_only is not None:   # fwd traced where the call was made
     fwd, fwd_consts = call.fwd_only, f_consts
