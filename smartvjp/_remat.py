@@ -113,7 +113,7 @@ def _pair_costs(call, fwd, in_nz, facts):
   except Exception:  # noqa: BLE001 - raised again where the rule is bound
     return None, None
   f = _policy.rule_cost(call.jaxpr)
-  apart = _plan.backward_pair(facts, True, None, None)
+  apart = _plan.unfused_schedule(facts)
   first = f if apart.backward is _plan.Backward.BWD else \
       _policy.rule_cost(fwd.jaxpr)
   return (f + _policy.rule_cost(fwd_bwd),
