@@ -91,33 +91,11 @@ def _place(emit, policy, call, fwd, in_nz, f_consts, fwd_consts, primals,
 # -- the backward region's pair: f + fwd_bwd or fwd + bwd ----------------------------
 
 def backward_pair(call, fwd, in_nz, schedule, output_read):
-  """``schedule`` with its backward pair chosen (``_plan.backward_pair``)
-  where the plan left ``f`` + ``fwd_bwd`` to be weighed; else as it is.
-  ``output_read``: whether the backward region reads ``f``'s output
-  (``None``: not known here)."""
-  if (not schedule.asks_pair or fwd is None or fwd.jaxpr is None
-      or call.jaxpr is None):
-    return schedule
-  facts = _policy.facts_of(call, fwd)
-  costs = (None, None)
-  if facts.fused is None and output_read is not False:
-    costs = _pair_costs(call, fwd, in_nz, facts)
-  return _plan.backward_pair(facts, output_read, *costs)
-
-
-def _pair_costs(call, fwd, in_nz, facts):
-  """``(f + fwd_bwd, fwd + bwd)`` (``f`` + ``bwd`` where ``fwd`` computes
-  nothing), from the traced rules."""
-  try:
-    bwd, fwd_bwd = ex.traced_backward_rules(call, fwd, in_nz)
-  except Exception:  # noqa: BLE001 - raised again where the rule is bound
-    return None, None
-  f = _policy.rule_cost(call.jaxpr)
-  apart = _plan.unfused_schedule(facts)
-  first = f if apart.backward is _plan.Backward.BWD else \
-      _policy.rule_cost(fwd.jaxpr)
-  return (f + _policy.rule_cost(fwd_bwd),
-          first + _policy.rule_cost(bwd))
+  """``schedule`` with its backward pair chosen (:func:`_policy.decide_pair`),
+  weighing the rules as traced for ``in_nz``."""
+  return _policy.decide_pair(
+      call, fwd, schedule, output_read,
+      lambda: ex.traced_backward_rules(call, fwd, in_nz))
 
 
 # -- smartvjp_jvp: policy-driven partial evaluation (jax.checkpoint) ------------------
