@@ -20,6 +20,7 @@ as JAX keeps any equation with effects.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -93,9 +94,11 @@ def _place(emit, policy, call, fwd, in_nz, f_consts, fwd_consts, primals,
 def backward_pair(call, fwd, in_nz, schedule, output_read):
   """``schedule`` with its backward pair chosen (:func:`_policy.decide_pair`),
   weighing the rules as traced for ``in_nz``."""
+  if not schedule.asks_pair:   # nothing to weigh
+    return schedule
   return _policy.decide_pair(
       call, fwd, schedule, output_read,
-      lambda: ex.traced_backward_rules(call, fwd, in_nz))
+      functools.partial(ex.traced_backward_rules, call, fwd, in_nz))
 
 
 # -- smartvjp_jvp: policy-driven partial evaluation (jax.checkpoint) ------------------
