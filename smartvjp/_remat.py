@@ -203,8 +203,7 @@ def _call_remat3(ctx, *in_vals, call):
     return _full_remat(call_p, in_vals, dict(call=call))
   fwd, fwd_consts = call.fwd_for(in_nz)
   check_fwd_output_types(call, fwd)   # f and fwd may both run
-  k = call.num_consts
-  f_consts, primals = list(in_vals[:k]), list(in_vals[k:])
+  f_consts, primals = call.split_call_args(in_vals)
   avals = [jx.core.typeof(x) for x in (*f_consts, *fwd_consts, *primals)]
   avals += [a.to_tangent_aval() for a, nz in zip(call.in_avals, in_nz) if nz]
   p = _place(ex.Bind(), ctx.policy, call, fwd, in_nz, f_consts, fwd_consts,
@@ -230,7 +229,8 @@ def _call_remat3(ctx, *in_vals, call):
   def rem(res, *rem_in):
     res = [r if s is None else jax.device_put(r, jx.core.mem_kind_to_space("device"))
            for r, s in zip(res, (*spaces, *[None] * len(res)))]
-    return rem_p.bind(*rem_in[:k], *res, *rem_in[k:], call=p.call, fwd=back,
+    f_consts, rest = call.split_call_args(rem_in)
+    return rem_p.bind(*f_consts, *res, *rest, call=p.call, fwd=back,
                       schedule=schedule)
   return outs, [*saved, *p.fwd_consts], rem
 
