@@ -13,7 +13,6 @@ from jax.errors import UnexpectedTracerError
 from smartvjp import _execute as ex
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
-from smartvjp import _plan
 from smartvjp import _policy
 from smartvjp import _versions
 from smartvjp._checks import (
@@ -48,10 +47,10 @@ def closure_error(call, where: str = "", where_made: bool = False):
   return error
 
 
-def _classify(call, nonzeros, in_nz) -> str:
-  """``"args"``, ``"closure"`` (only closed-over values move) or ``"none"``;
-  raises when both move."""
-  const_nz = any(nonzeros[:call.num_consts])
+def _classify(call, const_nz, in_nz) -> str:
+  """``"args"``, ``"closure"`` (only closed-over values move: ``const_nz``)
+  or ``"none"``; raises when both move."""
+  const_nz = any(const_nz)
   if const_nz and any(in_nz):
     raise closure_error(call,
                         where_made=made_where_differentiated.get() is call)
@@ -60,20 +59,22 @@ def _classify(call, nonzeros, in_nz) -> str:
 
 # -- smartvjp_call: JVP (jax.checkpoint, jax.jvp) ------------------------------------
 
-def _call_jvp(primals, tangents, *, call):
+def _call_jvp(primals_in, tangents, *, call):
   nonzeros = [type(t) is not jx.ad_util.Zero for t in tangents]
-  in_nz = call.perturbed(nonzeros[call.num_consts:])
-  if _classify(call, nonzeros, in_nz) == "closure":   # f differentiated
-    return rule_jvp(call_p.impl, "fun", primals, tangents, call=call,
+  const_nz, arg_nz = call.split_call_args(nonzeros)
+  f_consts, primals = call.split_call_args(primals_in)
+  arg_tangents = call.split_call_args(tangents)[1]
+  in_nz = call.perturbed(arg_nz)
+  if _classify(call, const_nz, in_nz) == "closure":   # f differentiated
+    return rule_jvp(call_p.impl, "fun", primals_in, tangents, call=call,
                     what="differentiation with respect to values it closes "
                     "over")
-  f_consts, primals = primals[:call.num_consts], primals[call.num_consts:]
   if not any(in_nz):
     return call_p.bind(*f_consts, *primals, call=call), call.expand_tangents([])
   check_aliased_refs(call, primals)
   fwd, fwd_consts = call.fwd_for(in_nz)
   check_fwd_output_types(call, fwd)   # f and fwd may both run (remat)
-  nz_tangents = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
+  nz_tangents = [t for t, nz in zip(arg_tangents, in_nz) if nz]
   outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,
                     call=call, fwd=fwd, in_nz=in_nz,
                     schedule=_policy.schedule_without_policy(call, fwd))
@@ -89,7 +90,8 @@ def _linearized(call, fwd, in_nz, primal_outs, residuals):
   params = ex.lin_params(call, fwd, in_nz)
 
   def linearized(residuals, *tangents):
-    nz_t = [t for t, nz in zip(tangents[call.num_consts:], in_nz) if nz]
+    nz_t = [t for t, nz in zip(call.split_call_args(tangents)[1], in_nz)
+            if nz]
     return call.expand_tangents(lin_p.bind(*residuals, *nz_t, **params))
   return list(primal_outs), list(call.out_nz), list(residuals), linearized
 
@@ -98,12 +100,13 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
   if call.eager is not None:   # fwd (or f) already ran on concrete values
     in_nz, primal_outs, residuals, fwd = call.eager
     return _linearized(call, fwd, in_nz, primal_outs, residuals)
-  in_nz = call.perturbed(nonzeros[call.num_consts:])
+  const_nz, arg_nz = call.split_call_args(nonzeros)
+  f_consts, primals = call.split_call_args(primals_in)
+  in_nz = call.perturbed(arg_nz)
   if (call.fwd_only is None
-      and _classify(call, nonzeros, in_nz) == "closure"):
+      and _classify(call, const_nz, in_nz) == "closure"):
     return jx.fallback_linearize(call_p, is_vjp, nonzeros, *primals_in,
                                  call=call)
-  f_consts, primals = primals_in[:call.num_consts], primals_in[call.num_consts:]
   if not any(in_nz):
     outs = call_p.bind(*f_consts, *primals, call=call)
     return (outs, [False] * call.num_outs, [],
@@ -111,11 +114,11 @@ def _call_linearization(is_vjp, nonzeros, *primals_in, call):
   check_aliased_refs(call, primals)
   eager = isinstance(jx.core.trace_ctx.trace, jx.core.EvalTrace) and not any(
       isinstance(p, jx.core.Tracer) for p in primals_in)
-  plan = _plan.plan(_policy.facts_of(call, None), None)
-  if plan.schedule.runs_fwd_bwd:   # fwd_bwd alone: f now
+  schedule = _policy.schedule_without_policy(call, None)
+  if schedule.runs_fwd_bwd:   # fwd_bwd alone: f now
     outs = (eager_f(call, primals) if eager else
             ex.primal(ex.Bind(), call, None, f_consts, [], primals,
-                      plan.schedule.primal_by))
+                      schedule.primal_by))
     return _linearized(call, None, in_nz, outs, primals)
   if call.fwd_only is not None:   # fwd traced where the call was made
     fwd, fwd_consts = call.fwd_only, f_consts

@@ -20,8 +20,8 @@ from smartvjp._primitive import (
 def _call_batching(axis_data, args, dims, *, call):
   if _vmap.unbatched(axis_data, dims, call.jaxpr.effects):
     return call_p.bind(*args, call=call), [None] * call.num_outs
-  consts, primals = args[:call.num_consts], args[call.num_consts:]
-  cdims, pdims = dims[:call.num_consts], dims[call.num_consts:]
+  consts, primals = call.split_call_args(args)
+  cdims, pdims = call.split_call_args(dims)
   primals, pdims = _vmap.to_front_or_none(axis_data, primals, pdims)
   bcall, bconsts = _vmap.batched_call(call, consts, cdims, pdims, axis_data)
   with (differentiated_where_made(bcall)

@@ -16,7 +16,7 @@ def _call_checkify(ctx, error, enabled, *args, call):
   """As with ``jax.custom_vjp``, ``fwd`` is not checked: differentiated
   after ``checkify``, the error that comes out is the one that went in."""
   err_vals, err_tree = tree_util.tree_flatten(error)
-  f_consts, primals = args[:call.num_consts], args[call.num_consts:]
+  f_consts, primals = call.split_call_args(args)
   leaves = [*err_vals, *primals]
   store = {}
   rules = _checked_rules(ctx, call, enabled, err_tree, len(err_vals),

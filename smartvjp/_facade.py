@@ -124,7 +124,6 @@ if _MISSING:
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun  # noqa: E402
 
 
-
 def cost_analysis_on_cpu(lowered) -> dict:
   """XLA's cost analysis of a lowered program's HLO (before optimisation)
   by the CPU client: where the program's own platform gives none before

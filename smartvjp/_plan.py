@@ -268,6 +268,13 @@ class Cost:
     return (self.collectives, self.flops, self.kernels)
 
 
+def unfused_schedule(facts: Facts) -> Schedule:
+  """What the rematerialized backward region runs without ``fwd_bwd``:
+  ``fwd`` + ``bwd``, or ``bwd`` alone where ``fwd`` computes nothing ``f``
+  does not (:func:`backward_pair`'s unfused pair)."""
+  return _recompute(dataclasses.replace(facts, has_fwd_bwd=False)).schedule
+
+
 def backward_pair(facts: Facts, output_read: bool | None,
                   fused: Cost | None, unfused: Cost | None) -> Schedule:
   """The rematerialized backward region's pair for a call whose plan says
@@ -279,7 +286,7 @@ def backward_pair(facts: Facts, output_read: bool | None,
   ``bwd`` (``unfused``) are weighed (:class:`Cost`; ``None``: not known),
   ties going to the one writing fewer bytes, and unknown costs to
   ``fwd`` + ``bwd``. ``defvjp(..., fused=...)`` forces either."""
-  apart = _recompute(dataclasses.replace(facts, has_fwd_bwd=False)).schedule
+  apart = unfused_schedule(facts)
 
   def chosen(fuse: bool, why: str) -> Schedule:
     if fuse:

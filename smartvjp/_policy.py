@@ -337,3 +337,33 @@ def decide(call, fwd, in_nz, policy, answers):
     return call, fwd, plan, False
   return other, other_fwd, _plan.plan(facts_of(other, other_fwd),
                                       answers), True
+
+
+def decide_pair(call, fwd, schedule, output_read, traced_rules):
+  """``schedule`` with its backward pair chosen (``_plan.backward_pair``)
+  where the plan left ``f`` + ``fwd_bwd`` to be weighed; else as it is.
+  ``output_read``: whether the backward region reads ``f``'s output
+  (``None``: not known there). ``traced_rules()``: ``(bwd, fwd_bwd)``
+  traced for the call, called only where the costs are weighed."""
+  if (not schedule.asks_pair or fwd is None or fwd.jaxpr is None
+      or call.jaxpr is None):
+    return schedule
+  facts = facts_of(call, fwd)
+  costs = (None, None)
+  if facts.fused is None and output_read is not False:
+    costs = _pair_costs(call, fwd, facts, traced_rules)
+  return _plan.backward_pair(facts, output_read, *costs)
+
+
+def _pair_costs(call, fwd, facts, traced_rules):
+  """``(f + fwd_bwd, fwd + bwd)`` (``f`` + ``bwd`` where ``fwd`` computes
+  nothing ``f`` does not), from the traced rules; ``(None, None)`` where
+  one cannot be traced (its error is raised where the rule is bound)."""
+  try:
+    bwd, fwd_bwd = traced_rules()
+  except Exception:  # noqa: BLE001 - raised again where the rule is bound
+    return None, None
+  f = rule_cost(call.jaxpr)
+  apart = _plan.unfused_schedule(facts)
+  first = f if apart.backward is _plan.Backward.BWD else rule_cost(fwd.jaxpr)
+  return f + rule_cost(fwd_bwd), first + rule_cost(bwd)

@@ -386,13 +386,12 @@ def _rule_jvp(primals, tangents, **params):
   if params["which"] != "f" or fwd is None or params.get("jaxpr") is not None:
     return rule_jvp(rule_p.impl, _rule_role(params), list(primals),
                     list(tangents), **params)
-  n1 = call.num_consts
 
   def fwd_primal_outs(*args, call):
     outs = eval_scoped(fwd.jaxpr, call.scopes["fwd"], args)
     return outs[:call.num_outs]
-  return rule_jvp(fwd_primal_outs, "fwd", list(primals[n1:]),
-                  list(tangents[n1:]), call=call)
+  return rule_jvp(fwd_primal_outs, "fwd", call.split_call_args(primals)[1],
+                  call.split_call_args(tangents)[1], call=call)
 
 
 def _rule_role(params) -> str:

@@ -14,7 +14,6 @@ from jax import tree_util
 from jax.errors import UnexpectedTracerError
 
 from smartvjp import _facade as jx
-from smartvjp import _plan
 from smartvjp import _policy
 from smartvjp import _spec
 from smartvjp import _versions
@@ -35,8 +34,8 @@ def eager_call(rules, nondiff: tuple, num_args: int, in_tree,
   traced. Returns the ``CallSpec`` that carries what ran."""
   call = untraced(rules, nondiff, num_args, in_tree, in_avals)
   in_nz = call.perturbed(nonzero)
-  eager_plan = _plan.plan(_policy.facts_of(call, None), None)
-  if eager_plan.kind is _plan.Kind.RECOMPUTE:   # fwd_bwd alone: f now
+  if _policy.schedule_without_policy(call, None).runs_fwd_bwd:
+    # fwd_bwd alone: f now
     with jax.named_scope(call.scopes["f"]):
       out = rules.fun(*call.full_args(primals))
     check_jax_leaves(out, rules, "fun", "output")

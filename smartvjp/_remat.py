@@ -20,6 +20,7 @@ as JAX keeps any equation with effects.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -91,33 +92,13 @@ def _place(emit, policy, call, fwd, in_nz, f_consts, fwd_consts, primals,
 # -- the backward region's pair: f + fwd_bwd or fwd + bwd ----------------------------
 
 def backward_pair(call, fwd, in_nz, schedule, output_read):
-  """``schedule`` with its backward pair chosen (``_plan.backward_pair``)
-  where the plan left ``f`` + ``fwd_bwd`` to be weighed; else as it is.
-  ``output_read``: whether the backward region reads ``f``'s output
-  (``None``: not known here)."""
-  if (not schedule.asks_pair or fwd is None or fwd.jaxpr is None
-      or call.jaxpr is None):
+  """``schedule`` with its backward pair chosen (:func:`_policy.decide_pair`),
+  weighing the rules as traced for ``in_nz``."""
+  if not schedule.asks_pair:   # nothing to weigh
     return schedule
-  facts = _policy.facts_of(call, fwd)
-  costs = (None, None)
-  if facts.fused is None and output_read is not False:
-    costs = _pair_costs(call, fwd, in_nz, facts)
-  return _plan.backward_pair(facts, output_read, *costs)
-
-
-def _pair_costs(call, fwd, in_nz, facts):
-  """``(f + fwd_bwd, fwd + bwd)`` (``f`` + ``bwd`` where ``fwd`` computes
-  nothing), from the traced rules."""
-  try:
-    bwd, fwd_bwd = ex.traced_backward_rules(call, fwd, in_nz)
-  except Exception:  # noqa: BLE001 - raised again where the rule is bound
-    return None, None
-  f = _policy.rule_cost(call.jaxpr)
-  apart = _plan.backward_pair(facts, True, None, None)
-  first = f if apart.backward is _plan.Backward.BWD else \
-      _policy.rule_cost(fwd.jaxpr)
-  return (f + _policy.rule_cost(fwd_bwd),
-          first + _policy.rule_cost(bwd))
+  return _policy.decide_pair(
+      call, fwd, schedule, output_read,
+      functools.partial(ex.traced_backward_rules, call, fwd, in_nz))
 
 
 # -- smartvjp_jvp: policy-driven partial evaluation (jax.checkpoint) ------------------
@@ -222,8 +203,7 @@ def _call_remat3(ctx, *in_vals, call):
     return _full_remat(call_p, in_vals, dict(call=call))
   fwd, fwd_consts = call.fwd_for(in_nz)
   check_fwd_output_types(call, fwd)   # f and fwd may both run
-  k = call.num_consts
-  f_consts, primals = list(in_vals[:k]), list(in_vals[k:])
+  f_consts, primals = call.split_call_args(in_vals)
   avals = [jx.core.typeof(x) for x in (*f_consts, *fwd_consts, *primals)]
   avals += [a.to_tangent_aval() for a, nz in zip(call.in_avals, in_nz) if nz]
   p = _place(ex.Bind(), ctx.policy, call, fwd, in_nz, f_consts, fwd_consts,
@@ -249,7 +229,8 @@ def _call_remat3(ctx, *in_vals, call):
   def rem(res, *rem_in):
     res = [r if s is None else jax.device_put(r, jx.core.mem_kind_to_space("device"))
            for r, s in zip(res, (*spaces, *[None] * len(res)))]
-    return rem_p.bind(*rem_in[:k], *res, *rem_in[k:], call=p.call, fwd=back,
+    f_consts, rest = call.split_call_args(rem_in)
+    return rem_p.bind(*f_consts, *res, *rest, call=p.call, fwd=back,
                       schedule=schedule)
   return outs, [*saved, *p.fwd_consts], rem
 

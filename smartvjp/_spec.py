@@ -249,6 +249,12 @@ class CallSpec:
       self.batch_cache.put(("defremat",), hit)
     return hit
 
+  def split_call_args(self, args) -> tuple[list, list]:
+    """``(f's constants, the primals)`` from a ``smartvjp_call``'s inputs
+    ``[*f_consts, *primals]``, or from anything laid out as they are (their
+    tangents, nonzero flags or batch dimensions)."""
+    return list(args[:self.num_consts]), list(args[self.num_consts:])
+
   def split_jvp_args(self, args, fwd) -> tuple[list, list, list, list]:
     n1 = self.num_consts
     n2 = n1 + (fwd.num_consts if fwd is not None else 0)

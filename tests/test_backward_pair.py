@@ -72,6 +72,20 @@ def test_backward_pair_table(name, facts, read, fused, unfused, backward,
   assert str(chosen) == f"f forward, {backward.value} ({why}) backward"
 
 
+@pytest.mark.parametrize("facts,backward", [
+    (ALL_THREE, Backward.FWD_THEN_BWD), (SEED, Backward.BWD),
+    (dataclasses.replace(ALL_THREE, fused=True), Backward.FWD_THEN_BWD)])
+def test_the_unfused_pair_is_what_backward_pair_weighs(facts, backward):
+  """``unfused_schedule``: the pair ``backward_pair`` chooses when it does
+  not fuse (the costs' second pair), whatever ``fused=`` forces."""
+  apart = _plan.unfused_schedule(facts)
+  assert (apart.forward, apart.backward) == (Forward.F, backward)
+  assert not apart.why and not apart.runs_fwd_bwd
+  unforced = dataclasses.replace(facts, fused=None)
+  chosen = _plan.backward_pair(unforced, True, DEAR, CHEAP)
+  assert (chosen.forward, chosen.backward) == (apart.forward, apart.backward)
+
+
 def test_a_plan_leaves_the_pair_to_be_weighed_only_with_fwd_bwd():
   fused = _plan.plan(ALL_THREE, _plan.Answers(_plan.RECOMPUTE,
                                               (_plan.RECOMPUTE,)))

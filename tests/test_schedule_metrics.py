@@ -52,16 +52,35 @@ def test_prints_json(metrics, capsys):
   assert out["facade"]["functions"] > 0
 
 
-def test_the_core_grows_only_with_a_changelog_note(metrics):
-  """The core may grow ``GROWTH_BUDGET`` lines past the latest size
-  CHANGELOG.md notes ("Core size note: N lines", the first one in the file);
-  beyond, a change notes the new size there, with its reason."""
-  path = os.path.join(metrics.ROOT, "CHANGELOG.md")
-  with open(path, encoding="utf-8") as fh:
-    noted = re.findall(r"Core size note[^:]*: ([\d,]+) lines", fh.read())
-  assert noted, "CHANGELOG.md has no 'Core size note: N lines'"
+# What the core and the walk may reach. A change that needs more raises the
+# number here, in the same commit, with the reason in its message and in
+# CHANGELOG.md (this replaced issue 55's guard, which a new CHANGELOG note
+# raised by itself).
+# 6,296 after issue 65's refactors (82a7469: 6,279); 6,304 with
+# CallSpec.split_call_args (the hand-sliced [*f_consts, *primals] in one place)
+CORE_LINES = 6_310
+# module switches outside _facade in the walk of design/walkthrough.py's F
+# (issue 47's target, 90, is not met) and of the seed's, per JAX minor
+# version (measured on jax 0.10.2, 0.11.2, 0.12.1; the same at 82a7469)
+WALK_SWITCHES = {"0.10": (96, 81), "0.11": (96, 80), "0.12": (94, 81)}
+
+
+def test_the_core_stays_within_the_number_written_here(metrics):
   size = metrics.lines()["core"]["lines"]
-  limit = int(noted[0].replace(",", "")) + metrics.GROWTH_BUDGET
-  assert size <= limit, (
-      f"the core is {size} lines, more than {metrics.GROWTH_BUDGET} past the "
-      f"{noted[0]} CHANGELOG.md notes: note the new size there, and why")
+  assert size <= CORE_LINES, (
+      f"the core is {size} lines, past the {CORE_LINES} this test holds it "
+      "to: raise CORE_LINES here with the reason, or make the change smaller")
+
+
+def test_the_walk_stays_within_the_numbers_written_here(metrics):
+  import jax
+  minor = ".".join(jax.__version__.split(".")[:2])
+  if minor not in WALK_SWITCHES:
+    pytest.skip(f"no walk figure recorded for jax {minor}")
+  for seed, limit in zip((False, True), WALK_SWITCHES[minor]):
+    got = metrics.walk(seed=seed)["module_switches_outside_facade"]
+    assert got <= limit, (
+        f"the walk of the {'seed' if seed else 'walkthrough'}'s F switches "
+        f"modules {got} times outside _facade on jax {jax.__version__}, past "
+        f"the {limit} this test holds it to: raise the number here with the "
+        "reason, or keep the walk shorter")

@@ -28,9 +28,16 @@ from smartvjp import _facade as jx
 ROLES = ("f", "fwd", "bwd", "fwd_bwd")
 TAG = re.compile(r"svjpaudit_(\d+)_(\d+)_(fwd_bwd|fwd|bwd|f)(?![\w])")
 
-# primitives whose work XLA cannot split or remove in part
-OPAQUE_PRIMITIVES = jx.KERNEL_PRIMITIVES | {
-    "test_opaque_kernel", "smartvjp_count"}   # the tests' kernel, RunCounter
+# primitives whose work XLA cannot split or remove in part; one defined
+# outside JAX (RunCounter's step, a test's kernel) is added beside its
+# definition by declare_opaque
+OPAQUE_PRIMITIVES = set(jx.KERNEL_PRIMITIVES)
+
+
+def declare_opaque(prim) -> None:
+  """Counts ``prim`` (a ``jax.extend.core.Primitive``) as an opaque kernel
+  in the audit's jaxpr counts, as a ``pallas_call`` is."""
+  OPAQUE_PRIMITIVES.add(prim.name)
 # custom calls XLA itself uses for placement and layout, not kernels
 NOT_KERNELS = frozenset({
     "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost",
