@@ -31,7 +31,10 @@ import sys
 import types
 from typing import Any, Callable, Iterator
 
+import jax
+
 from smartvjp.audit import _analysis as _audit
+from smartvjp.audit import _calibrate
 from smartvjp.audit import _report as _audit_report
 from smartvjp.audit import _trace as _audit_trace
 from smartvjp.audit._analysis import AuditError, SCHEMA
@@ -123,7 +126,40 @@ class Audit:
             f"{len(self.sites)} site(s)>")
 
 
+def _name(fn) -> str:
+  return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def check_arguments(fn, args, kwargs, *, configs, measure, calibrate
+                    ) -> None:
+  """Raises on arguments ``audit`` cannot take (see its ``Raises``)."""
+  for name, value in (("measure", measure), ("calibrate", calibrate)):
+    if not isinstance(value, bool):
+      raise TypeError(f"smartvjp.audit: {name} must be True or False, got "
+                      f"{value!r} ({type(value).__name__})")
+  if isinstance(configs, str) or not configs:
+    raise ValueError(f"smartvjp.audit: configs must be a tuple of some of "
+                     f"{CONFIGS}, got {configs!r}")
+  unknown = set(configs) - set(CONFIGS)
+  if unknown or configs[0] != "as_written":
+    raise ValueError(
+        f"smartvjp.audit: configs must be some of {CONFIGS} starting with "
+        f"'as_written' (every saving is measured from it), got {configs!r}")
+  dyn_args, dyn_kwargs = _audit.dynamic_arguments(fn, args, kwargs)
+  leaves = jax.tree_util.tree_leaves_with_path((dyn_args, dyn_kwargs))
+  for path, leaf in leaves:
+    if isinstance(leaf, (str, bytes)):
+      where = jax.tree_util.keystr(path[1:]) if path else ""
+      raise TypeError(
+          f"smartvjp.audit: the argument at {where or '?'} of "
+          f"{_name(fn)} is a {type(leaf).__name__} ({leaf!r}); "
+          "the audit traces its arguments as arrays and takes no "
+          "static_argnums: bind it first, smartvjp.audit(functools."
+          f"partial({_name(fn)}, ...), arrays...)")
+
+
 def audit(fn: Callable, *args: Any, measure: bool = False,
+          calibrate: bool = False,
           configs: tuple[str, ...] = CONFIGS,
           peaks: dict[str, float] | None = None, **kwargs: Any) -> Audit:
   """Audits every custom_vjp site of ``fn(*args, **kwargs)``.
@@ -165,13 +201,13 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   each configuration, so that nothing traced with one is reused by another
   or by your program afterwards: functions jitted before it compile again.
   """
-  unknown = set(configs) - set(CONFIGS)
-  if unknown or not configs:
-    raise ValueError(f"smartvjp.audit: configs must be some of {CONFIGS}, "
-                     f"got {configs!r}")
+  check_arguments(fn, args, kwargs, configs=configs, measure=measure,
+                  calibrate=calibrate)
   data, builds = _audit.analyse(fn, args, kwargs, tuple(configs), peaks)
   if measure:
-    data["measured"] = _audit.measure(builds, data, args, kwargs)
+    data["measured"] = _audit.measure(builds, data, args, kwargs, fn=fn)
+  if calibrate or measure:
+    _calibrate.attach(data, builds, args, kwargs, fn)
   return Audit(data, builds)
 
 

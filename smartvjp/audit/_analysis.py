@@ -115,6 +115,7 @@ class Build:
   calls: dict = dataclasses.field(default_factory=dict)
   loop_cost: dict = dataclasses.field(default_factory=dict)
   loop_notes: list = dataclasses.field(default_factory=list)
+  rules: dict = dataclasses.field(default_factory=dict)   # site -> Rules
 
 
 def _jitted(fn):
@@ -482,8 +483,8 @@ def _site_runs(b: Build, index: int) -> dict | None:
   jaxpr = C.per_site(b.jaxpr_count.runs).get(index, dict.fromkeys(C.ROLES, 0))
   out = {"jaxpr": jaxpr}
   if b.hlo_count is not None:
-    out["compiled"] = C.per_site(b.hlo_count.runs).get(
-        index, dict.fromkeys(C.ROLES, 0))
+    out["compiled"] = C.bounded(C.per_site(b.hlo_count.runs).get(
+        index, dict.fromkeys(C.ROLES, 0)), jaxpr)
     out["kernel_launches"] = sum(
         n for (s, _, _), n in b.hlo_count.kernels.items() if s == index)
   return out
@@ -662,6 +663,8 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
   for idx, site in by_index.items():
     calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
     rules[idx] = trace_rules(site, calls[0]) if calls else None
+  for b in builds.values():   # (read by _calibrate)
+    b.rules = rules
   per_run = lambda key: opaque_count((rules.get(key[0]).jaxprs if rules.get(
       key[0]) else {}).get(key[2])) or 1
   for b in {id(b): b for b in builds.values()}.values():
@@ -840,7 +843,18 @@ def _concrete(tree, seed=0):
   return jax.tree.map(leaf, tree)
 
 
-def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
+def dynamic_arguments(fn, args, kwargs) -> tuple[tuple, dict]:
+  """The arguments a compiled ``fn`` takes: without those ``jax.jit`` made
+  static (``static_argnums``/``static_argnames``), which it was compiled
+  for."""
+  nums, names = jx.jit_static_arguments(fn)
+  nums = {i % len(args) for i in nums if -len(args) <= i < len(args)}
+  return (tuple(a for i, a in enumerate(args) if i not in nums),
+          {k: v for k, v in kwargs.items() if k not in names})
+
+
+def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20,
+            fn=None) -> dict:
   """Times the compiled step as written (A) and swapped (B) in turn, each
   pair in alternating order, after one warm-up run of each: median and
   min-max seconds of each, and the median of the paired ratios B/A."""
@@ -849,6 +863,7 @@ def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
     raise AuditError("measure=True needs the step to compile as written and "
                      "swapped; see the report's errors")
   a, b = builds["as_written"].compiled, builds[cand].compiled
+  args, kwargs = dynamic_arguments(fn, args, kwargs)
   args, kwargs = _concrete(args), _concrete(kwargs, 1)
   run = lambda c: jax.block_until_ready(c(*args, **kwargs))
   run(a), run(b)
@@ -882,4 +897,4 @@ def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
       summary=(f"{cand} / jax.custom_vjp = {ratio:.3f} (paired, median of "
                f"{pairs}; IQR {lo:.3f}-{hi:.3f}); predicted (roofline) "
                + ("—" if pred is None else f"{pred:.3f}")
-               + ("; DISAGREES" if disagree else "")))
+              ))

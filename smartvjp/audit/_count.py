@@ -107,6 +107,21 @@ def _scaled(c: collections.Counter, n: int) -> collections.Counter:
 
 # -- jaxprs ----------------------------------------------------------------------
 
+def live(jaxpr):
+  """``jaxpr`` without the equations whose results nothing reads (and that
+  have no effect that keeps them): JAX's dead-code elimination, which XLA
+  also applies. A step's jaxpr can hold such an equation: JAX traces a
+  ``custom_vjp``'s ``fwd`` lazily under ``scan``, and a ``custom_vjp``
+  called inside that ``fwd`` is staged, unused, at the top level (seen on
+  jax 0.10.2 and 0.12.1), where it would count one run too many."""
+  try:
+    closed = jx.dce_jaxpr_keep_inputs(jx.ClosedJaxpr(jaxpr, ()),
+                                      [True] * len(jaxpr.outvars))
+  except Exception:   # noqa: BLE001  (a primitive DCE cannot take: count all)
+    return jaxpr
+  return closed.jaxpr
+
+
 @dataclasses.dataclass
 class JaxprCount:
   runs: collections.Counter          # (site, call, role) -> runs per step
@@ -124,7 +139,9 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
   of other jaxprs, ``kind`` one of ``"inline"`` (runs once: ``jit``, remat,
   smartvjp's rules), ``"loop"`` (``label`` is the trip count or ``None``),
   ``"branches"`` (one of them runs) or ``None``. ``name_of(eqn)``: its name
-  stack as a string."""
+  stack as a string. Equations whose results nothing reads are left out
+  first (``live``): they are not runs of the step."""
+  jaxpr = live(jaxpr)
   paths, mult, notes, rematted = {}, {}, [], set()
 
   def body(jaxpr, path, trips) -> collections.Counter:
@@ -315,3 +332,12 @@ def per_site(runs: collections.Counter) -> dict:
   for (site, _, role), n in runs.items():
     out[site][role] += n
   return dict(out)
+
+
+def bounded(compiled: dict, jaxpr: dict) -> dict:
+  """A site's compiled runs per role, each at most its jaxpr's: XLA removes
+  or merges runs, never adds one, so a compiled count above the jaxpr's is
+  one run whose work XLA spread over places the count tells apart (a
+  rule's work in two fusions of differently named contexts)."""
+  return {role: min(n, jaxpr.get(role, n)) for role, n in compiled.items()}
+
