@@ -108,9 +108,8 @@ class Audit:
   def to_html(self, path: str | None = None) -> str:
     """One self-contained HTML page (site table, details, plots drawn by
     matplotlib and embedded as SVG); written to ``path`` too, where given.
-
-    Raises:
-      ImportError: matplotlib is not installed (``pip install matplotlib``).
+    Without matplotlib the page says how to install it in place of the
+    plots (``pip install matplotlib``, or the ``bench`` extra).
     """
     text = _audit_report.html(self.data)
     if path is not None:
@@ -174,6 +173,15 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       (``_analysis.measure``: 20 pairs after a warm-up), and report median,
       min-max and the paired ratio beside the prediction. Needs concrete
       arrays or fills ``ShapeDtypeStruct`` arguments with random values.
+    calibrate: also time each site's rules alone on this device, at the
+      shapes and dtypes traced (``_calibrate``: warm-up, then the median
+      of up to 15 runs, less an empty program's), and predict each site's
+      saving from its runs saved times those times (``predicted[
+      "calibrated"]`` per site, ``calibrated`` for the step), reported
+      before the time model's. Implied by ``measure=True``, which then
+      checks both estimates against the step's measured saving (±25%, or
+      0.3 points of the step below 1.2%, or inside the paired IQR) and,
+      where the leading one disagrees, says so in place of advice.
     configs: the configurations to trace and compile, a subset of
       ``CONFIGS`` starting with ``"as_written"`` (fewer compiles: a cheaper
       audit).
@@ -192,10 +200,13 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   Raises:
     AuditError: ``fn`` does not trace or compile under any configuration
       (the first error is quoted), makes no ``jax.custom_vjp`` or
-      ``smart_custom_vjp`` call, donates arguments, or has a site under
-      ``shard_map``.
-    ValueError: ``configs`` names an unknown configuration, or ``peaks``
-      has a key other than ``flops``, ``bytes``, ``launch``.
+      ``smart_custom_vjp`` call, or donates arguments.
+    ValueError: ``configs`` names an unknown configuration or does not
+      start with ``"as_written"``, or ``peaks`` has a key other than
+      ``flops``, ``bytes``, ``launch``.
+    TypeError: ``measure`` or ``calibrate`` is not a bool, or an argument
+      is a string (bind it with ``functools.partial``: the audit takes no
+      ``static_argnums``).
 
   The audit clears JAX's caches (``jax.clear_caches()``) before and after
   each configuration, so that nothing traced with one is reused by another

@@ -689,12 +689,6 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
     paths = [p for key, ps in ref.jaxpr_count.paths.items() if key[0] == idx
              for p in ps]
     path = max(paths, key=len) if paths else ()
-    if any(lbl[0] in ("shard_map", "xla_pmap") for p in paths for lbl in p):
-      raise AuditError(
-          f"smartvjp.audit: the custom_vjp site {site.name} (called at "
-          f"{calls[0].called_at if calls else '?'}) is inside shard_map or "
-          "pmap; the audit does not count rules under shard_map yet. Audit "
-          "the per-shard function (the body given to shard_map) instead")
     policy_lbl = [lbl[1][1] for lbl in path if lbl[1] and lbl[1][0] == "policy"]
     remat = bool(policy_lbl) or any(
         lbl[1] and lbl[1][0] == "policy" for p in paths for lbl in p)
