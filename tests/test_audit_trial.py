@@ -300,3 +300,50 @@ def test_cli(tmp_path):
   assert missing.returncode == 2
   assert "Traceback" not in missing.stderr
   assert "no script at" in missing.stderr
+
+
+# -- the JSON schema (docs/audit.md's tables) -----------------------------------------
+
+def _schema_tables():
+  """docs/audit.md's two key tables: ``{key: the row's value text}`` for
+  the top level and for each site."""
+  text = open(os.path.join(ROOT, "docs", "audit.md"), encoding="utf-8").read()
+  section = text.split("## The JSON report", 1)[1].split("\n## ", 1)[0]
+  top, site = section.split("Each site:", 1)
+
+  def rows(part):
+    out = {}
+    for line in part.splitlines():
+      cells = line.split("|")
+      if len(cells) < 4 or cells[1].strip() in ("key", "---"):
+        continue
+      for key in cells[1].split("`")[1::2]:
+        out[key] = cells[2]
+    return out
+  return rows(top), rows(site)
+
+
+# objects whose keys are fixed (the others are keyed by configuration,
+# role or rule)
+NESTED_TOP = ("predicted", "measured", "summary", "calibrated", "model")
+NESTED_SITE = ("predicted",)
+
+
+def test_the_emitted_json_has_only_documented_keys():
+  step, args = _scanned(_callback_pair(0.0), True, n=2)
+  report = smartvjp.audit(step, *args, measure=True)
+  data = json.loads(report.to_json())
+  top, site = _schema_tables()
+  extra = sorted(set(data) - set(top))
+  for key in NESTED_TOP:
+    assert key in data, key
+    extra += [f"{key}.{k}" for k in data[key] if f"`{k}`" not in top[key]]
+  for s in data["sites"]:
+    extra += [f"sites[].{k}" for k in s if k not in site]
+    for key in NESTED_SITE:
+      extra += [f"sites[].{key}.{k}" for k in s[key]
+                if f"`{k}`" not in site[key]]
+    extra += [f"sites[].predicted.calibrated.{k}"
+              for k in s["predicted"]["calibrated"]
+              if f"`{k}`" not in site["predicted"]]
+  assert not extra, f"keys emitted but not in docs/audit.md's schema: {extra}"

@@ -118,7 +118,9 @@ def seconds_text(x: float) -> str:
 
 
 def _of_step(share) -> str:
-  return "" if share is None else f" ({share:.1%} of the step)"
+  if share is None:
+    return ""
+  return f" ({0.0 if abs(share) < 5e-4 else share:.1%} of the step)"
 
 
 def _share(r) -> str:
