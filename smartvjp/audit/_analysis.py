@@ -483,10 +483,9 @@ def _site_runs(b: Build, index: int) -> dict | None:
   jaxpr = C.per_site(b.jaxpr_count.runs).get(index, dict.fromkeys(C.ROLES, 0))
   out = {"jaxpr": jaxpr}
   if b.hlo_count is not None:
-    out["compiled"] = C.bounded(C.per_site(b.hlo_count.runs).get(
-        index, dict.fromkeys(C.ROLES, 0)), jaxpr)
-    out["kernel_launches"] = sum(
-        n for (s, _, _), n in b.hlo_count.kernels.items() if s == index)
+    out["compiled"] = C.per_site(b.hlo_count.runs).get(
+        index, dict.fromkeys(C.ROLES, 0))
+    out["kernel_launches"] = b.hlo_count.site_launches.get(index, 0)
   return out
 
 
@@ -680,7 +679,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
     b.loop_cost = {k: b.cost.get(k, 0.0) + fix.get(k, 0.0) for k in b.cost}
     b.loop_notes = sorted(set(notes))
   for c, b in builds.items():
-    launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else 0
+    launches = b.hlo_count.launches if b.hlo_count else 0
     step_seconds[c] = (M.seconds(b.loop_cost, launches, peaks) if peaks
                        else None)
   out_sites = []
@@ -767,7 +766,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
                                 s["index"]))
   step = {}
   for c, b in builds.items():
-    launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else None
+    launches = b.hlo_count.launches if b.hlo_count else None
     step[c] = dict(memory=b.memory, cost=b.cost, cost_loops_scaled=b.loop_cost,
                    kernel_launches=launches,
                    seconds=b.seconds, predicted_seconds=step_seconds[c],
