@@ -152,6 +152,36 @@ def test_a_site_under_shard_map_is_audited():
   assert s["runs"]["smartvjp"]["compiled"]["fwd"] == 3
 
 
+def test_a_site_with_collectives_under_shard_map_is_audited():
+  # ringattention's rules hold collectives: the site is counted; its rules,
+  # traced alone outside the mesh, are reported as not tracing there
+  from jax.sharding import PartitionSpec as P
+  shard_map = getattr(jax, "shard_map", None)
+  if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+  mesh = jax.make_mesh((1,), ("d",))
+
+  @jax.custom_vjp
+  def ring(x):
+    return jax.lax.psum(jnp.sin(x), "d")
+  ring.defvjp(lambda x: (jax.lax.psum(jnp.sin(x), "d"), jnp.cos(x)),
+              lambda c, g: (jax.lax.psum(c * g, "d"),))
+
+  def body(x):
+    return jnp.sum(jax.lax.scan(lambda c, _: (jax.checkpoint(ring)(c), None),
+                                x, None, length=3)[0])
+
+  step = jax.grad(lambda x: shard_map(body, mesh=mesh, in_specs=P(),
+                                      out_specs=P())(x))
+  report = smartvjp.audit(step, jnp.ones(4), calibrate=True,
+                          configs=("as_written", "smartvjp"))
+  (s,) = report.sites
+  assert s["runs"]["as_written"]["compiled"] == dict(f=0, fwd=6, bwd=3,
+                                                     fwd_bwd=0)
+  assert "fwd" in s["rule_errors"]
+  assert "fwd" not in s["predicted"]["calibrated"]["rule_seconds"]
+
+
 @pytest.mark.parametrize("make", [_sin_site, _nested_callback_site])
 def test_a_swap_that_changes_nothing_is_predicted_to_change_nothing(make):
   # netket: swapped step predicted 9% slower where the swap changes nothing

@@ -556,7 +556,8 @@ def _suggestion(site, info) -> str:
             + f" (predicted {share:.1%} of the step saved)")
   return ("no action: XLA already removes the duplicate (JAX-coded rules: "
           "XLA drops the work only the residuals need"
-          + (f"; predicted {share:.1%} of the step" if share else "") + ")")
+          + (f"; predicted {share:.1%} of the step"
+             if share and abs(share) >= 5e-4 else "") + ")")
 
 
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "callback"})
