@@ -378,6 +378,9 @@ def test_cli(tmp_path):
   for where in [site["defined_at"], *site["called_at"]]:
     assert os.path.isabs(where.rsplit(":", 1)[0]), where
   assert str(tmp_path / "a.json") in out.stdout
+  calibrated = _cli("train.py:step", "--calibrate", cwd=tmp_path)
+  assert calibrated.returncode == 0, calibrated.stderr
+  assert "(its rules timed alone)" in calibrated.stdout
   missing = _cli("nowhere.py:step", cwd=tmp_path)
   assert missing.returncode == 2
   assert "Traceback" not in missing.stderr

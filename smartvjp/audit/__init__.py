@@ -175,10 +175,10 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       arrays or fills ``ShapeDtypeStruct`` arguments with random values.
     calibrate: also time each site's rules alone on this device, at the
       shapes and dtypes traced (``_calibrate``: warm-up, then the median
-      of up to 15 runs, less an empty program's), and predict each site's
-      saving from its runs saved times those times (``predicted[
-      "calibrated"]`` per site, ``calibrated`` for the step), reported
-      before the time model's. Implied by ``measure=True``, which then
+      of up to 21 interleaved rounds, less an empty program's), and
+      predict each site's saving from its runs saved times those times
+      (``predicted["calibrated"]`` per site, ``calibrated`` for the
+      step), reported before the time model's. Implied by ``measure=True``, which then
       checks both estimates against the step's measured saving (±25%, or
       0.3 points of the step below 1.2%, or inside the paired IQR) and,
       where the leading one disagrees, says so in place of advice.

@@ -6,7 +6,8 @@ does not run) and ``function`` is audited on the arguments named by
 ``--args`` (a module-level tuple, or a function returning one), else on
 ``<function>_args`` where the script defines it, else with no arguments
 (its defaults). Prints the table; ``--json``/``--html`` write the report;
-``--measure`` times the compiled steps too.
+``--measure`` times the compiled steps too, ``--calibrate`` each site's
+rules alone.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def main(argv=None) -> int:
   parser.add_argument("--html", metavar="PATH", help="write the HTML page")
   parser.add_argument("--measure", action="store_true",
                       help="also time the compiled steps (A/B, interleaved)")
+  parser.add_argument("--calibrate", action="store_true",
+                      help="also time each site's rules alone and predict "
+                      "from those times (implied by --measure)")
   opts = parser.parse_args(argv)
   path, sep, function = opts.target.rpartition(":")
   if not sep or not path:
@@ -62,7 +66,8 @@ def main(argv=None) -> int:
           f"{function}() with no arguments (--args NAME names a module-level "
           "tuple of arguments, or a function returning one)", file=sys.stderr)
   try:
-    report = _audit.audit(ns[function], *args, measure=opts.measure)
+    report = _audit.audit(ns[function], *args, measure=opts.measure,
+                          calibrate=opts.calibrate)
   except (_audit.AuditError, TypeError) as e:
     print(e, file=sys.stderr)
     return 2

@@ -60,36 +60,54 @@ def _inputs(avals, seed: int) -> list:
   return out
 
 
-def median_seconds(fn, args, warmup: int = 2, repeats: int = 15,
-                   budget: float = 0.5) -> float:
-  """Median wall seconds of ``fn(*args)`` to completion, after ``warmup``
-  runs; at most ``repeats`` runs, fewer once ``budget`` seconds are spent
-  (at least 3)."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times, spent = [], 0.0
-  while len(times) < repeats and (len(times) < 3 or spent < budget):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-    spent += times[-1]
-  return statistics.median(times)
+def median_seconds(programs: dict, warmup: int = 2, rounds: int = 21,
+                   budget: float = 1.0) -> dict:
+  """``{name: median wall seconds}`` of each ``(fn, args)`` in
+  ``programs`` run to completion, after ``warmup`` runs of each: in
+  rounds, each program once a round (interleaved, so that a change of the
+  machine's load falls on all of them alike), at most ``rounds`` rounds,
+  fewer once ``budget`` seconds are spent (at least 3)."""
+  for fn, args in programs.values():
+    for _ in range(warmup):
+      jax.block_until_ready(fn(*args))
+  times = {name: [] for name in programs}
+  spent, n = 0.0, 0
+  while n < rounds and (n < 3 or spent < budget):
+    for name, (fn, args) in programs.items():
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - t)
+      spent += times[name][-1]
+    n += 1
+  return {name: statistics.median(v) for name, v in times.items()}
 
 
-def rule_seconds(closed, seed: int = 0) -> dict:
-  """One rule's (a ``ClosedJaxpr``'s) measured seconds per run: its median
-  time alone, less that of an empty program with its inputs and outputs
-  (``{"seconds", "raw", "empty"}``), or ``{"error"}``."""
-  try:
-    args = _inputs(closed.in_avals, seed)
-    fn = jax.jit(jx.jaxpr_as_fun(closed))
-    outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]
-    empty = jax.jit(lambda *a: [jax.numpy.zeros(o.shape, o.dtype)
-                                for o in outs])
-    raw, nothing = median_seconds(fn, args), median_seconds(empty, args)
-  except Exception as e:   # noqa: BLE001  (reported, not raised)
-    return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-  return {"seconds": max(raw - nothing, 0.0), "raw": raw, "empty": nothing}
+def rule_seconds(jaxprs: dict, seed: int = 0) -> dict:
+  """Each rule's (``{role: ClosedJaxpr}``) measured seconds per run, timed
+  together (``median_seconds``): its median alone less that of an empty
+  program with its inputs and outputs (``{"seconds", "raw", "empty"}``),
+  or ``{"error"}`` for a rule that does not compile or run alone."""
+  programs, out = {}, {}
+  for i, (role, closed) in enumerate(jaxprs.items()):
+    try:
+      args = _inputs(closed.in_avals, seed + i)
+      fn = jax.jit(jx.jaxpr_as_fun(closed))
+      outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]
+      empty = jax.jit(lambda *a, outs=outs: [
+          jax.numpy.zeros(o.shape, o.dtype) for o in outs])
+      jax.block_until_ready((fn(*args), empty(*args)))   # compiles
+    except Exception as e:   # noqa: BLE001  (reported, not raised)
+      out[role] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+      continue
+    programs[role], programs[("empty", role)] = (fn, args), (empty, args)
+  if programs:
+    medians = median_seconds(programs)
+    for role in jaxprs:
+      if role in programs:
+        raw, nothing = medians[role], medians[("empty", role)]
+        out[role] = {"seconds": max(raw - nothing, 0.0), "raw": raw,
+                     "empty": nothing}
+  return out
 
 
 def site_estimate(info: dict, timed: dict) -> dict:
@@ -115,6 +133,7 @@ def attach(data: dict, builds: dict, args, kwargs, fn) -> None:
   savings summed, as a share of the step), and, with ``measured``, the
   verdict of each estimate against the measurement. A site is then advised
   only where the estimates agree with the measurement."""
+  t0 = time.perf_counter()
   rules = next(iter(builds.values())).rules if builds else {}
   step = data.get("measured") or {}
   step_seconds = (step.get("seconds", {}).get("as_written") or {}).get(
@@ -126,8 +145,7 @@ def attach(data: dict, builds: dict, args, kwargs, fn) -> None:
   total = 0.0
   for s in data["sites"]:
     r = rules.get(s["index"])
-    timed = {role: rule_seconds(j, seed=i) for i, (role, j) in enumerate(
-        (r.jaxprs if r else {}).items())}
+    timed = rule_seconds(r.jaxprs if r else {}, seed=s["index"])
     est = site_estimate(s, timed)
     est["share_of_step"] = (est["seconds_saved"] / step_seconds
                             if est["seconds_saved"] is not None
@@ -139,7 +157,8 @@ def attach(data: dict, builds: dict, args, kwargs, fn) -> None:
       source="each site's rules timed alone on " + jax.default_backend(),
       seconds_saved=total, share_of_step=share,
       step_seconds=step_seconds,
-      step_seconds_source="measured" if step else "time model")
+      step_seconds_source="measured" if step else "time model",
+      timing_seconds=time.perf_counter() - t0)
   if step:
     verdict(data)
 
