@@ -343,6 +343,32 @@ def test_one_name_and_one_colour_per_configuration():
   assert len(set(_report.COLOURS.values())) == len(_report.COLOURS)
 
 
+def test_plots_show_every_configuration_at_one_point(monkeypatch):
+  # four configurations at one point: each drawn hollow, its own marker,
+  # size and colour, so none hides another; the legend names each once
+  pytest.importorskip("matplotlib")
+  import matplotlib.pyplot as plt
+  step, args = _scanned(_sin_site(), False, n=2)
+  report = smartvjp.audit(step, *args)
+  drawn = []
+  real = plt.Axes.scatter
+
+  def scatter(ax, *a, **k):
+    drawn.append(k)
+    return real(ax, *a, **k)
+  monkeypatch.setattr(plt.Axes, "scatter", scatter)
+  titles = [t for t, _ in _report.plots(report.data)]
+  assert len(titles) == 2
+  configs = report.data["configs"]
+  assert len(drawn) == len(configs) == 4
+  assert len({k["s"] for k in drawn}) == 4
+  assert len({k["marker"] for k in drawn}) == 4
+  assert all(k["facecolors"] == "none" for k in drawn)
+  assert [k["edgecolors"] for k in drawn] == [_report.COLOURS[c]
+                                              for c in configs]
+  assert [k["label"] for k in drawn] == [_report._SHORT[c] for c in configs]
+
+
 # -- the command line ----------------------------------------------------------------
 
 SCRIPT = '''
