@@ -226,6 +226,14 @@ def custom_vjp3_class() -> type | None:
   return cls if isinstance(cls, type) else None
 
 
+def jit_static_arguments(fn) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  """``(static_argnums, static_argnames)`` of a ``jax.jit`` function (a
+  compiled step takes only the others); ``((), ())`` for anything else."""
+  info = getattr(fn, "_jit_info", None)
+  return (tuple(getattr(info, "static_argnums", ()) or ()),
+          tuple(getattr(info, "static_argnames", ()) or ()))
+
+
 def is_jax_private_module(name: str) -> bool:
   """``name`` is one of JAX's private modules."""
   return name == "jax._src" or name.startswith("jax._src.")

@@ -25,20 +25,24 @@ def _package_dir(module):
   return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 
-def _check(a, package):
+def _check(a, package, duplicate_in_jaxpr=True):
   (s,) = [s for s in a.sites if s["defined_at"].startswith(package)]
   assert s["kind"] == "jax.custom_vjp" and not s["opaque"]
   assert all(c.startswith(package) for c in s["called_at"])
   path, line = s["defined_at"].rsplit(":", 1)
   assert os.path.isfile(path) and int(line) > 0
-  # the duplicate is in the jaxpr, and XLA removes it
+  # the duplicate is in the jaxpr (where there is one), and XLA removes it
   aw = s["runs"]["as_written"]
-  assert aw["jaxpr"]["fwd"] > aw["jaxpr"]["bwd"]
+  assert (aw["jaxpr"]["fwd"] > aw["jaxpr"]["bwd"]) == duplicate_in_jaxpr
   assert aw["compiled"]["fwd"] <= aw["compiled"]["bwd"]
-  assert s["suggestion"].startswith("no action: XLA already removes")
   assert abs(s["predicted"]["share_of_step"]) < 0.01
   m = a.measured
   assert m["paired_ratio"] > 0 and m["pairs"] > 0, m
+  # advice only where the estimates agree with the measurement (a noisy
+  # CPU timing of a sub-millisecond step may not)
+  assert s["suggestion"].startswith(
+      "no advice: the estimates" if m["disagrees"]
+      else "no action: XLA already removes"), (s["suggestion"], m["summary"])
   return s
 
 
@@ -55,8 +59,12 @@ def test_optax_scale_gradient_in_a_checkpointed_scan():
 
   a = smartvjp.audit(step, jnp.ones((8, 32)), jnp.full((3, 32, 32), 0.1),
                      measure=True, configs=("as_written", "smartvjp"))
-  s = _check(a, _package_dir(optax))
+  # scale_gradient's fwd saves no residual: the backward pass recomputes
+  # none of it, so fwd runs once a layer. (The jaxpr once held one unread
+  # call more, staged by JAX's lazy trace of fwd under scan: 4 for 3.)
+  s = _check(a, _package_dir(optax), duplicate_in_jaxpr=False)
   assert s["remat"] and "scan(×3)" in s["path"]
+  assert s["runs"]["as_written"]["jaxpr"]["fwd"] == 3
 
 
 def test_jax_cce_fused_cross_entropy_under_checkpoint():

@@ -31,7 +31,10 @@ import sys
 import types
 from typing import Any, Callable, Iterator
 
+import jax
+
 from smartvjp.audit import _analysis as _audit
+from smartvjp.audit import _calibrate
 from smartvjp.audit import _report as _audit_report
 from smartvjp.audit import _trace as _audit_trace
 from smartvjp.audit._analysis import AuditError, SCHEMA
@@ -105,9 +108,8 @@ class Audit:
   def to_html(self, path: str | None = None) -> str:
     """One self-contained HTML page (site table, details, plots drawn by
     matplotlib and embedded as SVG); written to ``path`` too, where given.
-
-    Raises:
-      ImportError: matplotlib is not installed (``pip install matplotlib``).
+    Without matplotlib the page says how to install it in place of the
+    plots (``pip install matplotlib``, or the ``bench`` extra).
     """
     text = _audit_report.html(self.data)
     if path is not None:
@@ -123,7 +125,40 @@ class Audit:
             f"{len(self.sites)} site(s)>")
 
 
+def _name(fn) -> str:
+  return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def check_arguments(fn, args, kwargs, *, configs, measure, calibrate
+                    ) -> None:
+  """Raises on arguments ``audit`` cannot take (see its ``Raises``)."""
+  for name, value in (("measure", measure), ("calibrate", calibrate)):
+    if not isinstance(value, bool):
+      raise TypeError(f"smartvjp.audit: {name} must be True or False, got "
+                      f"{value!r} ({type(value).__name__})")
+  if isinstance(configs, str) or not configs:
+    raise ValueError(f"smartvjp.audit: configs must be a tuple of some of "
+                     f"{CONFIGS}, got {configs!r}")
+  unknown = set(configs) - set(CONFIGS)
+  if unknown or configs[0] != "as_written":
+    raise ValueError(
+        f"smartvjp.audit: configs must be some of {CONFIGS} starting with "
+        f"'as_written' (every saving is measured from it), got {configs!r}")
+  dyn_args, dyn_kwargs = _audit.dynamic_arguments(fn, args, kwargs)
+  leaves = jax.tree_util.tree_leaves_with_path((dyn_args, dyn_kwargs))
+  for path, leaf in leaves:
+    if isinstance(leaf, (str, bytes)):
+      where = jax.tree_util.keystr(path[1:]) if path else ""
+      raise TypeError(
+          f"smartvjp.audit: the argument at {where or '?'} of "
+          f"{_name(fn)} is a {type(leaf).__name__} ({leaf!r}); "
+          "the audit traces its arguments as arrays and takes no "
+          "static_argnums: bind it first, smartvjp.audit(functools."
+          f"partial({_name(fn)}, ...), arrays...)")
+
+
 def audit(fn: Callable, *args: Any, measure: bool = False,
+          calibrate: bool = False,
           configs: tuple[str, ...] = CONFIGS,
           peaks: dict[str, float] | None = None, **kwargs: Any) -> Audit:
   """Audits every custom_vjp site of ``fn(*args, **kwargs)``.
@@ -138,6 +173,15 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       (``_analysis.measure``: 20 pairs after a warm-up), and report median,
       min-max and the paired ratio beside the prediction. Needs concrete
       arrays or fills ``ShapeDtypeStruct`` arguments with random values.
+    calibrate: also time each site's rules alone on this device, at the
+      shapes and dtypes traced (``_calibrate``: warm-up, then the median
+      of up to 21 interleaved rounds, less an empty program's), and
+      predict each site's saving from its runs saved times those times
+      (``predicted["calibrated"]`` per site, ``calibrated`` for the
+      step), reported before the time model's. Implied by ``measure=True``, which then
+      checks both estimates against the step's measured saving (±25%, or
+      0.3 points of the step below 1.2%, or inside the paired IQR) and,
+      where the leading one disagrees, says so in place of advice.
     configs: the configurations to trace and compile, a subset of
       ``CONFIGS`` starting with ``"as_written"`` (fewer compiles: a cheaper
       audit).
@@ -156,22 +200,25 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   Raises:
     AuditError: ``fn`` does not trace or compile under any configuration
       (the first error is quoted), makes no ``jax.custom_vjp`` or
-      ``smart_custom_vjp`` call, donates arguments, or has a site under
-      ``shard_map``.
-    ValueError: ``configs`` names an unknown configuration, or ``peaks``
-      has a key other than ``flops``, ``bytes``, ``launch``.
+      ``smart_custom_vjp`` call, or donates arguments.
+    ValueError: ``configs`` names an unknown configuration or does not
+      start with ``"as_written"``, or ``peaks`` has a key other than
+      ``flops``, ``bytes``, ``launch``.
+    TypeError: ``measure`` or ``calibrate`` is not a bool, or an argument
+      is a string (bind it with ``functools.partial``: the audit takes no
+      ``static_argnums``).
 
   The audit clears JAX's caches (``jax.clear_caches()``) before and after
   each configuration, so that nothing traced with one is reused by another
   or by your program afterwards: functions jitted before it compile again.
   """
-  unknown = set(configs) - set(CONFIGS)
-  if unknown or not configs:
-    raise ValueError(f"smartvjp.audit: configs must be some of {CONFIGS}, "
-                     f"got {configs!r}")
+  check_arguments(fn, args, kwargs, configs=configs, measure=measure,
+                  calibrate=calibrate)
   data, builds = _audit.analyse(fn, args, kwargs, tuple(configs), peaks)
   if measure:
-    data["measured"] = _audit.measure(builds, data, args, kwargs)
+    data["measured"] = _audit.measure(builds, data, args, kwargs, fn=fn)
+  if calibrate or measure:
+    _calibrate.attach(data, builds, args, kwargs, fn)
   return Audit(data, builds)
 
 

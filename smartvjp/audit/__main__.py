@@ -6,12 +6,14 @@ does not run) and ``function`` is audited on the arguments named by
 ``--args`` (a module-level tuple, or a function returning one), else on
 ``<function>_args`` where the script defines it, else with no arguments
 (its defaults). Prints the table; ``--json``/``--html`` write the report;
-``--measure`` times the compiled steps too.
+``--measure`` times the compiled steps too, ``--calibrate`` each site's
+rules alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 
@@ -41,24 +43,39 @@ def main(argv=None) -> int:
   parser.add_argument("--html", metavar="PATH", help="write the HTML page")
   parser.add_argument("--measure", action="store_true",
                       help="also time the compiled steps (A/B, interleaved)")
+  parser.add_argument("--calibrate", action="store_true",
+                      help="also time each site's rules alone and predict "
+                      "from those times (implied by --measure)")
   opts = parser.parse_args(argv)
   path, sep, function = opts.target.rpartition(":")
   if not sep or not path:
     parser.error("target must be path/to/script.py:function")
-  ns = runpy.run_path(path, run_name="__smartvjp_audit__")
+  path = os.path.abspath(path)
+  if not os.path.isfile(path):
+    parser.error(f"no script at {path}")
+  # run under the script's own name (its sites are named after it, not
+  # after the audit), its folder importable as when run directly
+  module = os.path.splitext(os.path.basename(path))[0]
+  sys.path.insert(0, os.path.dirname(path))
+  ns = runpy.run_path(path, run_name=module)
   if function not in ns:
     parser.error(f"{path} defines no {function!r}")
+  args = _arguments(ns, function, opts.args)
+  if not args and opts.args is None:
+    print(f"smartvjp.audit: {path} defines no {function}_args: auditing "
+          f"{function}() with no arguments (--args NAME names a module-level "
+          "tuple of arguments, or a function returning one)", file=sys.stderr)
   try:
-    report = _audit.audit(ns[function], *_arguments(ns, function, opts.args),
-                          measure=opts.measure)
-  except _audit.AuditError as e:
+    report = _audit.audit(ns[function], *args, measure=opts.measure,
+                          calibrate=opts.calibrate)
+  except (_audit.AuditError, TypeError) as e:
     print(e, file=sys.stderr)
     return 2
   print(report.table())
-  if opts.json:
-    report.to_json(opts.json)
-  if opts.html:
-    report.to_html(opts.html)
+  for write, out in ((report.to_json, opts.json), (report.to_html, opts.html)):
+    if out:
+      write(os.path.abspath(out))
+      print(f"wrote {os.path.abspath(out)}")
   return 0
 
 

@@ -115,6 +115,7 @@ class Build:
   calls: dict = dataclasses.field(default_factory=dict)
   loop_cost: dict = dataclasses.field(default_factory=dict)
   loop_notes: list = dataclasses.field(default_factory=list)
+  rules: dict = dataclasses.field(default_factory=dict)   # site -> Rules
 
 
 def _jitted(fn):
@@ -484,8 +485,7 @@ def _site_runs(b: Build, index: int) -> dict | None:
   if b.hlo_count is not None:
     out["compiled"] = C.per_site(b.hlo_count.runs).get(
         index, dict.fromkeys(C.ROLES, 0))
-    out["kernel_launches"] = sum(
-        n for (s, _, _), n in b.hlo_count.kernels.items() if s == index)
+    out["kernel_launches"] = b.hlo_count.site_launches.get(index, 0)
   return out
 
 
@@ -556,7 +556,8 @@ def _suggestion(site, info) -> str:
             + f" (predicted {share:.1%} of the step saved)")
   return ("no action: XLA already removes the duplicate (JAX-coded rules: "
           "XLA drops the work only the residuals need"
-          + (f"; predicted {share:.1%} of the step" if share else "") + ")")
+          + (f"; predicted {share:.1%} of the step"
+             if share and abs(share) >= 5e-4 else "") + ")")
 
 
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "callback"})
@@ -662,6 +663,8 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
   for idx, site in by_index.items():
     calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
     rules[idx] = trace_rules(site, calls[0]) if calls else None
+  for b in builds.values():   # (read by _calibrate)
+    b.rules = rules
   per_run = lambda key: opaque_count((rules.get(key[0]).jaxprs if rules.get(
       key[0]) else {}).get(key[2])) or 1
   for b in {id(b): b for b in builds.values()}.values():
@@ -677,7 +680,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
     b.loop_cost = {k: b.cost.get(k, 0.0) + fix.get(k, 0.0) for k in b.cost}
     b.loop_notes = sorted(set(notes))
   for c, b in builds.items():
-    launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else 0
+    launches = b.hlo_count.launches if b.hlo_count else 0
     step_seconds[c] = (M.seconds(b.loop_cost, launches, peaks) if peaks
                        else None)
   out_sites = []
@@ -686,12 +689,6 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
     paths = [p for key, ps in ref.jaxpr_count.paths.items() if key[0] == idx
              for p in ps]
     path = max(paths, key=len) if paths else ()
-    if any(lbl[0] in ("shard_map", "xla_pmap") for p in paths for lbl in p):
-      raise AuditError(
-          f"smartvjp.audit: the custom_vjp site {site.name} (called at "
-          f"{calls[0].called_at if calls else '?'}) is inside shard_map or "
-          "pmap; the audit does not count rules under shard_map yet. Audit "
-          "the per-shard function (the body given to shard_map) instead")
     policy_lbl = [lbl[1][1] for lbl in path if lbl[1] and lbl[1][0] == "policy"]
     remat = bool(policy_lbl) or any(
         lbl[1] and lbl[1][0] == "policy" for p in paths for lbl in p)
@@ -770,7 +767,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
                                 s["index"]))
   step = {}
   for c, b in builds.items():
-    launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else None
+    launches = b.hlo_count.launches if b.hlo_count else None
     step[c] = dict(memory=b.memory, cost=b.cost, cost_loops_scaled=b.loop_cost,
                    kernel_launches=launches,
                    seconds=b.seconds, predicted_seconds=step_seconds[c],
@@ -840,7 +837,18 @@ def _concrete(tree, seed=0):
   return jax.tree.map(leaf, tree)
 
 
-def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
+def dynamic_arguments(fn, args, kwargs) -> tuple[tuple, dict]:
+  """The arguments a compiled ``fn`` takes: without those ``jax.jit`` made
+  static (``static_argnums``/``static_argnames``), which it was compiled
+  for."""
+  nums, names = jx.jit_static_arguments(fn)
+  nums = {i % len(args) for i in nums if -len(args) <= i < len(args)}
+  return (tuple(a for i, a in enumerate(args) if i not in nums),
+          {k: v for k, v in kwargs.items() if k not in names})
+
+
+def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20,
+            fn=None) -> dict:
   """Times the compiled step as written (A) and swapped (B) in turn, each
   pair in alternating order, after one warm-up run of each: median and
   min-max seconds of each, and the median of the paired ratios B/A."""
@@ -849,6 +857,7 @@ def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
     raise AuditError("measure=True needs the step to compile as written and "
                      "swapped; see the report's errors")
   a, b = builds["as_written"].compiled, builds[cand].compiled
+  args, kwargs = dynamic_arguments(fn, args, kwargs)
   args, kwargs = _concrete(args), _concrete(kwargs, 1)
   run = lambda c: jax.block_until_ready(c(*args, **kwargs))
   run(a), run(b)
@@ -882,4 +891,4 @@ def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20) -> dict:
       summary=(f"{cand} / jax.custom_vjp = {ratio:.3f} (paired, median of "
                f"{pairs}; IQR {lo:.3f}-{hi:.3f}); predicted (roofline) "
                + ("—" if pred is None else f"{pred:.3f}")
-               + ("; DISAGREES" if disagree else "")))
+              ))

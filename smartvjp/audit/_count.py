@@ -58,11 +58,20 @@ def _tags(text: str) -> list[tuple[Key, str]]:
   """Each tag in a name stack, with its context: the stack up to the tag's
   own segment, then the tag, without the transformations wrapped round it
   there (``jvp(<tag>)``, ``transpose(jvp(<tag>))``: a rule's equations and
-  their derivative under higher-order differentiation are one run)."""
-  out = []
-  for m in TAG.finditer(text):
-    start = text.rfind("/", 0, m.start()) + 1
-    out.append(((int(m[1]), int(m[2]), m[3]), text[:start] + m[0]))
+  their derivative under higher-order differentiation are one run). An
+  instruction XLA made of several (a fusion, on jax 0.12) joins their
+  names with ``;`` (jax 0.10 writes the later ones without their
+  prefix): each is read apart, and a rule's tag counts once per
+  instruction, with the first name's context (one instruction is one
+  place, not one per name joined)."""
+  out, keys = [], set()
+  for part in text.split(";"):
+    for m in TAG.finditer(part):
+      key = (int(m[1]), int(m[2]), m[3])
+      if key not in keys:
+        keys.add(key)
+        start = part.rfind("/", 0, m.start()) + 1
+        out.append((key, part[:start] + m[0]))
   return out
 
 
@@ -114,6 +123,31 @@ def _scaled(c: collections.Counter, n: int) -> collections.Counter:
 
 # -- jaxprs ----------------------------------------------------------------------
 
+# a custom_vjp call JAX did not differentiate (after AD, a differentiated
+# call is its rules' equations)
+_UNDIFFERENTIATED = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def read_equations(jaxpr) -> list:
+  """The equations of ``jaxpr`` (one level), without the undifferentiated
+  ``custom_vjp`` calls whose results nothing reads and that have no
+  effects. A step's jaxpr can hold such a call: JAX traces a
+  ``custom_vjp``'s ``fwd`` lazily under ``scan``, and a ``custom_vjp``
+  called inside that ``fwd`` is staged, unread, at the top level (seen on
+  jax 0.10.2 and 0.12.1: netket's and exojax's sites), where it would
+  count one ``fwd`` run too many. Other unread work stays: the forward
+  pass's ``fwd`` under ``jax.grad`` is in the jaxpr, and XLA removing it
+  is what the compiled count shows."""
+  read = {v for v in jaxpr.outvars if isinstance(v, jx.core.Var)}
+  kept = []
+  for eqn in reversed(jaxpr.eqns):
+    if (eqn.primitive.name not in _UNDIFFERENTIATED or eqn.effects
+        or any(v in read for v in eqn.outvars)):
+      kept.append(eqn)
+      read.update(v for v in eqn.invars if isinstance(v, jx.core.Var))
+  return kept[::-1]
+
+
 @dataclasses.dataclass
 class JaxprCount:
   runs: collections.Counter          # (site, call, role) -> runs per step
@@ -131,14 +165,15 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
   of other jaxprs, ``kind`` one of ``"inline"`` (runs once: ``jit``, remat,
   smartvjp's rules), ``"loop"`` (``label`` is the trip count or ``None``),
   ``"branches"`` (one of them runs) or ``None``. ``name_of(eqn)``: its name
-  stack as a string."""
+  stack as a string. Equations whose results nothing reads are left out
+  (``read_equations``): they are not runs of the step."""
   paths, mult, notes, rematted = {}, {}, [], set()
 
   def body(jaxpr, path, trips) -> collections.Counter:
     local, total = _Local(), collections.Counter()
 
     def visit(jaxpr, path, prefix=""):
-      for i, eqn in enumerate(jaxpr.eqns):
+      for i, eqn in enumerate(read_equations(jaxpr)):
         name = prefix + name_of(eqn)
         local.add(name, eqn.primitive.name in OPAQUE_PRIMITIVES)
         for key, _ in _tags(name):
@@ -270,26 +305,39 @@ class HloCount:
   runs: collections.Counter
   kernels: collections.Counter       # (site, call, role) -> custom calls launched
   notes: list
+  # each custom call once, however many rules' tags it carries (a site's
+  # fwd calling the site: one callback tagged f and fwd is one launch)
+  site_launches: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)   # site -> launches
+  launches: int = 0                  # the step's, in any rule
 
 
 def count_hlo(text: str, per_run: Callable[[Key], int]) -> HloCount:
   """Runs (and kernel launches) per step in a compiled module's text."""
   comps, entry = parse_hlo(text)
   notes, launches = [], collections.Counter()
+  site_launches, once = collections.Counter(), [0]
   if entry is None:
     return HloCount(collections.Counter(), launches, ["no ENTRY computation"])
 
-  def body(name, skip, factor) -> collections.Counter:
+  def body(name, skip, factor, inner=None) -> collections.Counter:
+    """Runs in computation ``name`` (its fusions and calls inlined), its
+    loops and branches apart; ``inner`` collects each context seen in a
+    loop or branch body, at any depth."""
     local, total = _Local(), collections.Counter()
+    nested: set = set()
 
     def visit(name, skip):
       for ins in comps.get(name, ()):
         kernel = is_kernel(ins)
         local.add(ins.op_name, kernel, skip)
         if kernel:
-          for key, _ in _tags(ins.op_name):
-            if key not in skip:
-              launches[key] += factor
+          keys = [key for key, _ in _tags(ins.op_name) if key not in skip]
+          for key in keys:
+            launches[key] += factor
+          for site in {key[0] for key in keys}:
+            site_launches[site] += factor
+          once[0] += factor if keys else 0
         # a rule's own loops and branches count as part of its run
         inner_skip = skip | {k for k, _ in _tags(ins.op_name)}
         if ins.opcode in ("fusion", "call", "async-start", "custom-call"):
@@ -304,16 +352,26 @@ def count_hlo(text: str, per_run: Callable[[Key], int]) -> HloCount:
             notes.append(f"while {ins.op_name}: trip count unknown, counted "
                          "once")
           total.update(_scaled(body(ins.callees["body"], inner_skip,
-                                    factor * (n or 1)), n or 1))
+                                    factor * (n or 1), nested), n or 1))
         elif ins.opcode == "conditional":
           names = ins.branches or [ins.callees[k] for k in (
               "true_computation", "false_computation") if k in ins.callees]
-          total.update(_merge_max(body(b, inner_skip, factor) for b in names))
+          total.update(_merge_max(body(b, inner_skip, factor, nested)
+                                  for b in names))
     visit(name, skip)
+    # work XLA hoisted out of a loop (loop-invariant code motion) keeps the
+    # name it had in the body: it is part of the body's runs, not one more
+    for key, contexts in local.contexts.items():
+      if not local.kernels.get(key):
+        contexts -= {c for k, c in nested if k == key}
+    if inner is not None:
+      inner.update((k, c) for k, cs in local.contexts.items() for c in cs)
+      inner.update(nested)
     total.update(local.runs(per_run))
     return total
 
-  return HloCount(body(entry, frozenset(), 1), launches, notes)
+  runs = body(entry, frozenset(), 1)
+  return HloCount(runs, launches, notes, site_launches, once[0])
 
 
 def per_site(runs: collections.Counter) -> dict:

@@ -7,7 +7,7 @@ import html as _html
 import io
 
 _SHORT = {"as_written": "jax.custom_vjp", "optimize_remat": "optimize_remat",
-          "smartvjp": "smartvjp", "smartvjp_fused": "smartvjp+fwd_bwd",
+          "smartvjp": "smartvjp", "smartvjp_fused": "smartvjp_fused",
           "as_is": "as is"}
 
 
@@ -64,12 +64,17 @@ def table(data: dict) -> str:
                    f" {human_bytes(leaf['bytes'])}"
                    + (f" name={leaf['name']!r}" if leaf["name"] else "")
                    + f" ({fates})")
+    cal = s["predicted"].get("calibrated")
+    if cal and cal.get("seconds_saved") is not None:
+      lines.append(f"    predicted saving {seconds_text(cal['seconds_saved'])}"
+                   " per step" + _of_step(cal.get("share_of_step"))
+                   + " (its rules timed alone)")
     saved = s["predicted"].get("seconds_saved")
     if saved is not None:
-      share = s["predicted"].get("share_of_step")
-      lines.append(f"    predicted saving {saved * 1e6:.3g} us per step"
-                   + (f" ({share:.1%} of the step)" if share is not None
-                      else "") + " (roofline of its rules' own costs)")
+      lines.append(f"    {'model' if cal else 'predicted'} saving "
+                   f"{seconds_text(saved)} per step"
+                   + _of_step(s["predicted"].get("share_of_step"))
+                   + " (roofline of its rules' own costs)")
     lines.append(f"    suggestion: {s['suggestion']}")
     for h in s["hazards"]:
       lines.append(f"    hazard: {h}")
@@ -101,6 +106,23 @@ def table(data: dict) -> str:
   return "\n".join(lines)
 
 
+def seconds_text(x: float) -> str:
+  """Seconds for people: ``0 s`` below a nanosecond (a difference of two
+  equal sums can print as -8.47e-16), else in s, ms or µs."""
+  if abs(x) < 1e-9:
+    return "0 s"
+  for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+    if abs(x) >= scale:
+      return f"{x / scale:.3g} {unit}"
+  return f"{x * 1e9:.3g} ns"
+
+
+def _of_step(share) -> str:
+  if share is None:
+    return ""
+  return f" ({0.0 if abs(share) < 5e-4 else share:.1%} of the step)"
+
+
 def _share(r) -> str:
   return "—" if r is None else f"{r:+.1%}"
 
@@ -121,6 +143,17 @@ code{font-size:90%}.warn{color:#a40}details{margin:.3em 0}
 """
 
 
+# one colour and marker per configuration, on every page
+COLOURS = {"as_written": "#1f77b4", "optimize_remat": "#ff7f0e",
+           "smartvjp": "#2ca02c", "smartvjp_fused": "#d62728",
+           "as_is": "#7f7f7f"}
+MARKERS = ("o", "s", "D", "^", "v")
+
+MISSING_MATPLOTLIB = (
+    "the plots need matplotlib, which is not installed: pip install "
+    "matplotlib (or smartvjp's bench extra: pip install \"smartvjp[bench]\")")
+
+
 def _figure_svg(fig) -> str:
   buf = io.BytesIO()
   fig.savefig(buf, format="svg", bbox_inches="tight")
@@ -132,7 +165,7 @@ def plots(data: dict) -> list[tuple[str, str]]:
   """``[(title, data URL of an SVG)]``: residual bytes per site and
   configuration, and step memory against step time (measured, else the
   time model's prediction)."""
-  import matplotlib   # optional dependency: only the HTML page needs it
+  import matplotlib   # optional dependency: only the HTML page's plots
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   configs = data["configs"]
@@ -143,7 +176,7 @@ def plots(data: dict) -> list[tuple[str, str]]:
   for i, c in enumerate(configs):
     xs = [j + i * width for j in range(len(sites))]
     ax.bar(xs, [s["residual_bytes"].get(c, {}).get("written", 0) for s in sites],
-           width, label=f"{_SHORT.get(c, c)} written")
+           width, label=f"{_SHORT.get(c, c)} written", color=COLOURS.get(c))
     ax.bar(xs, [s["residual_bytes"].get(c, {}).get("dropped", 0) for s in sites],
            width, fill=False, hatch="//", edgecolor="k")
   ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sites))])
@@ -151,7 +184,7 @@ def plots(data: dict) -> list[tuple[str, str]]:
                      rotation=15, fontsize=7)
   ax.set_ylabel("residual bytes per step")
   ax.set_title("Residual bytes per site (hatched: written, then dropped)")
-  ax.legend(fontsize=7)
+  ax.legend(fontsize=9)
   out.append(("Residual bytes per site", _figure_svg(fig)))
   plt.close(fig)
   fig, ax = plt.subplots(figsize=(6.4, 3.2))
@@ -159,11 +192,15 @@ def plots(data: dict) -> list[tuple[str, str]]:
   timed = measured.get("seconds", {})
   # measured: the timed configurations by median step time; else every
   # configuration by the time model's seconds
-  for c in (list(timed) if timed else configs):
+  for i, c in enumerate(list(timed) if timed else configs):
     st = data["step"][c]
     x = timed[c]["median"] * 1e3 if timed else (
         st.get("predicted_seconds") or {}).get("total", 0) * 1e3
-    ax.scatter([x], [st["memory"].get("peak", 0)], s=60,
+    # each configuration its own colour (the same on every page) and marker,
+    # hollow and of decreasing size, so that points at one place all show
+    ax.scatter([x], [st["memory"].get("peak", 0)], s=160 - 30 * i,
+               marker=MARKERS[i % len(MARKERS)], facecolors="none",
+               edgecolors=COLOURS.get(c, "k"), linewidths=1.8,
                label=_SHORT.get(c, c))
     if timed:
       ax.errorbar([x], [st["memory"].get("peak", 0)], fmt="none",
@@ -173,7 +210,7 @@ def plots(data: dict) -> list[tuple[str, str]]:
                 else "predicted step time (ms, the audit's time model)")
   ax.set_ylabel("peak memory (bytes)")
   ax.set_title("Step memory against step cost, per configuration")
-  ax.legend(fontsize=7)
+  ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   out.append(("Step memory and cost", _figure_svg(fig)))
   plt.close(fig)
   return out
@@ -210,7 +247,12 @@ def html(data: dict) -> str:
         f"<table><tr><th>residual</th><th>type</th><th>bytes</th><th>name</th>"
         f"<th>fate</th></tr>{leaves}</table>"
         + (f"<ul>{hazards}</ul>" if hazards else "") + "</details>")
-  figs = "".join(f'<img alt="{e(t)}" src="{u}">' for t, u in plots(data))
+  try:
+    figs = "".join(f'<img alt="{e(t)}" src="{u}">' for t, u in plots(data))
+  except ModuleNotFoundError as err:
+    if err.name != "matplotlib" and not str(err.name).startswith("matplotlib."):
+      raise
+    figs = f"<p class=warn>{e(MISSING_MATPLOTLIB)}</p>"
   head = "".join(f"<th>{e(_SHORT.get(c, c))}</th>" for c in configs)
   summary = e(table(data).split("\nstep:\n", 1)[-1])
   return (

@@ -101,7 +101,7 @@ def where_defined(fn) -> str:
     line = inspect.getsourcelines(inner)[1]
   except (TypeError, OSError):
     return "<unknown>"
-  return f"{path}:{line}"
+  return f"{os.path.abspath(path)}:{line}"
 
 
 def _called_at() -> str:

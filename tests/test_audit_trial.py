@@ -1,0 +1,460 @@
+"""The audit on a new user's trial and on five libraries' shapes (issue 63,
+"Why" items 5 and 6): each finding reproduced by a small program of the
+same shape, and the measured estimator (``calibrate=True``)."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import smartvjp
+from smartvjp.audit import _calibrate, _count, _report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sin_site():
+  f = jax.custom_vjp(lambda x: jnp.sin(x))
+  f.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+  return f
+
+
+def _nested_callback_site(delay=0.0):
+  """A host-callback rule whose ``fwd`` calls the site itself (netket's
+  and exojax's shape): JAX traces that ``fwd`` lazily under ``scan`` and
+  stages the inner call, unused, at the top level of the step."""
+  def host(x):
+    time.sleep(delay)
+    return np.asarray(np.sin(x), x.dtype)
+
+  @jax.custom_vjp
+  def hs(x):
+    return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+  hs.defvjp(lambda x: (hs(x), x), lambda x, g: (g * jnp.cos(x),))
+  return hs
+
+
+def _scanned(site, remat, n=4):
+  def loss(ws, x):
+    def body(c, w):
+      layer = lambda c, w: site(c @ w)
+      return (jax.checkpoint(layer) if remat else layer)(c, w), None
+    return jnp.sum(jax.lax.scan(body, x, ws)[0])
+  return jax.jit(jax.grad(loss)), (jnp.ones((n, 8, 8)) * 0.1, jnp.ones((4, 8)))
+
+
+@pytest.mark.parametrize("remat", [True, False])
+def test_a_dead_staged_call_is_not_a_run(remat):
+  # netket/exojax: as-written jaxpr fwd 9 where 8 run (here 5 where 4)
+  step, args = _scanned(_nested_callback_site(), remat)
+  report = smartvjp.audit(step, *args, configs=("as_written", "smartvjp"))
+  runs = report.sites[0]["runs"]["as_written"]
+  assert runs["jaxpr"]["fwd"] == 4 and runs["compiled"]["fwd"] == 4
+  assert runs["jaxpr"]["bwd"] == 4
+
+
+def test_compiled_counts_never_exceed_the_jaxprs():
+  step, args = _scanned(_nested_callback_site(), True)
+  report = smartvjp.audit(step, *args)
+  for s in report.sites:
+    for config, runs in s["runs"].items():
+      for role, n in runs["compiled"].items():
+        assert n <= runs["jaxpr"][role], (s["name"], config, role)
+
+
+def _cross_entropy_site():
+  """A JAX-coded cross-entropy of fjformer's shape: two outputs (the loss
+  and its z-loss term), seven residuals (inputs, a Python float, the
+  softmax's parts) and a constant cotangent for the float."""
+  @jax.custom_vjp
+  def xent(logits, targets, zl):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return (lse - jnp.sum(targets * logits, axis=-1) + zl * lse ** 2,
+            zl * lse ** 2)
+
+  def fwd(logits, targets, zl):
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - m)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    lse = (jnp.log(s) + m)[..., 0]
+    ls = logits - lse[..., None]
+    out = (-jnp.sum(targets * ls, axis=-1) + zl * lse ** 2, zl * lse ** 2)
+    return out, (logits, targets, zl, e, s, ls, lse)
+
+  def bwd(res, g):
+    logits, targets, zl, e, s, ls, lse = res
+    d = (1 + 2 * zl * lse)[..., None] * e / s - targets
+    return g[0][..., None] * d, -g[0][..., None] * ls, jnp.array(0.0)
+  xent.defvjp(fwd, bwd)
+  return xent
+
+
+@pytest.mark.parametrize("argnums", [(0,), (0, 2)])
+def test_work_in_two_fusions_or_hoisted_is_one_run(argnums):
+  # fjformer: compiled bwd 8 where 4 run. XLA joins the names of what it
+  # fuses with ";" (0.10 and 0.12 alike), and hoists loop-invariant work of
+  # bwd out of the loop (under the name it had inside): bwd 8 and 9 for 4
+  site = _cross_entropy_site()
+
+  def loss(w, xs, ts):
+    def body(c, xt):
+      return c + jnp.sum(site(xt[0] @ w, xt[1], 1e-4)[0]), None
+    return jax.lax.scan(body, 0.0, (xs, ts))[0]
+
+  report = smartvjp.audit(
+      jax.grad(jax.checkpoint(loss), argnums=argnums),
+      jnp.ones((16, 32)) * 0.1, jnp.ones((4, 8, 16)),
+      jax.nn.one_hot(jnp.zeros((4, 8), int), 32))
+  (s,) = report.sites
+  for config, runs in s["runs"].items():
+    assert runs["compiled"]["bwd"] == 4, (config, runs)
+    for role, n in runs["compiled"].items():
+      assert n <= runs["jaxpr"][role], (config, role, runs)
+
+
+def test_joined_names_are_one_place():
+  name = ("jit(f)/while/body/svjpaudit_0_0_bwd/mul;"
+          "svjpaudit_0_0_bwd/broadcast_in_dim;broadcast_in_dim")
+  assert _count._tags(name) == [
+      ((0, 0, "bwd"), "jit(f)/while/body/svjpaudit_0_0_bwd")]
+  two = "jit(f)/svjpaudit_0_0_fwd/exp;jit(f)/svjpaudit_1_0_bwd/mul"
+  assert [k for k, _ in _count._tags(two)] == [(0, 0, "fwd"), (1, 0, "bwd")]
+
+
+def test_a_site_under_shard_map_is_audited():
+  # ringattention's sites are under shard_map: audited, not refused
+  from jax.sharding import PartitionSpec as P
+  shard_map = getattr(jax, "shard_map", None)
+  if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+  site, mesh = _sin_site(), jax.make_mesh((1,), ("d",))
+
+  def body(x):
+    y = jax.lax.scan(lambda c, _: (jax.checkpoint(site)(c), None), x, None,
+                     length=3)[0]
+    return jax.lax.psum(jnp.sum(y), "d")
+
+  step = jax.grad(lambda x: shard_map(body, mesh=mesh, in_specs=P(),
+                                      out_specs=P())(x))
+  report = smartvjp.audit(step, jnp.ones(4), configs=("as_written",
+                                                      "smartvjp"))
+  (s,) = report.sites
+  assert "shard_map" in s["path"]
+  assert s["runs"]["as_written"]["jaxpr"] == dict(f=0, fwd=6, bwd=3,
+                                                  fwd_bwd=0)
+  assert s["runs"]["smartvjp"]["compiled"]["fwd"] == 3
+
+
+def test_a_site_with_collectives_under_shard_map_is_audited():
+  # ringattention's rules hold collectives: the site is counted; its rules,
+  # traced alone outside the mesh, are reported as not tracing there
+  from jax.sharding import PartitionSpec as P
+  shard_map = getattr(jax, "shard_map", None)
+  if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+  mesh = jax.make_mesh((1,), ("d",))
+
+  @jax.custom_vjp
+  def ring(x):
+    return jax.lax.psum(jnp.sin(x), "d")
+  ring.defvjp(lambda x: (jax.lax.psum(jnp.sin(x), "d"), jnp.cos(x)),
+              lambda c, g: (jax.lax.psum(c * g, "d"),))
+
+  def body(x):
+    return jnp.sum(jax.lax.scan(lambda c, _: (jax.checkpoint(ring)(c), None),
+                                x, None, length=3)[0])
+
+  step = jax.grad(lambda x: shard_map(body, mesh=mesh, in_specs=P(),
+                                      out_specs=P())(x))
+  report = smartvjp.audit(step, jnp.ones(4), calibrate=True,
+                          configs=("as_written", "smartvjp"))
+  (s,) = report.sites
+  assert s["runs"]["as_written"]["compiled"] == dict(f=0, fwd=6, bwd=3,
+                                                     fwd_bwd=0)
+  assert "fwd" in s["rule_errors"]
+  assert "fwd" not in s["predicted"]["calibrated"]["rule_seconds"]
+
+
+@pytest.mark.parametrize("make", [_sin_site, _nested_callback_site])
+def test_a_swap_that_changes_nothing_is_predicted_to_change_nothing(make):
+  # netket: swapped step predicted 9% slower where the swap changes nothing
+  # XLA keeps (no remat: every configuration runs each rule once a layer).
+  # A site whose fwd calls the site: its one callback carries the tags of
+  # fwd and f, and was priced as two launches (predicted 0.505)
+  n = 8
+  step, args = _scanned(make(), False, n=n)
+  report = smartvjp.audit(step, *args, configs=("as_written", "smartvjp"))
+  ratio = report.predicted["predicted_ratio"]
+  assert ratio is not None and abs(ratio - 1) < 0.02, ratio
+  (s,) = report.sites
+  launches = {c: v["kernel_launches"] for c, v in report.data["step"].items()}
+  want = n if s["opaque"] else 0
+  assert launches == {"as_written": want, "smartvjp": want}
+  assert s["runs"]["as_written"]["kernel_launches"] == want
+
+
+@pytest.mark.parametrize("static", ["argnames", "argnums"])
+def test_measure_with_static_arguments(static):
+  site = _sin_site()
+
+  def step(x, scale=2.0):
+    return jax.grad(lambda x: jnp.sum(jax.checkpoint(site)(x) * scale))(x)
+
+  if static == "argnames":
+    jitted = jax.jit(step, static_argnames=("scale",))
+    report = smartvjp.audit(jitted, jnp.ones(3), scale=3.0, measure=True,
+                            configs=("as_written", "smartvjp"))
+  else:
+    jitted = jax.jit(step, static_argnums=(1,))
+    report = smartvjp.audit(jitted, jnp.ones(3), 3.0, measure=True,
+                            configs=("as_written", "smartvjp"))
+  assert report.measured["pairs"] == 20
+  assert report.measured["paired_ratio"] > 0
+
+
+def test_argument_checks():
+  site = _sin_site()
+  step = lambda x, mode: jax.grad(lambda x: jnp.sum(site(x)))(x)
+  with pytest.raises(TypeError, match="functools.partial"):
+    smartvjp.audit(step, jnp.ones(3), "fast")
+  with pytest.raises(ValueError, match="as_written"):
+    smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
+                   configs=("smartvjp",))
+  with pytest.raises(ValueError, match="as_written"):
+    smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
+                   configs=("smartvjp", "as_written"))
+  with pytest.raises(TypeError, match="measure must be True or False"):
+    smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
+                   measure="yes")
+  with pytest.raises(TypeError, match="calibrate must be True or False"):
+    smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
+                   calibrate=1)
+
+
+# -- the measured estimator ----------------------------------------------------------
+
+@pytest.mark.parametrize("predicted,measured,spread,want", [
+    (0.10, 0.12, None, True),       # within a quarter
+    (0.05, 0.12, None, False),
+    (0.20, 0.12, None, False),
+    (0.004, 0.006, None, True),     # below 1.2%: within 0.3 points
+    (0.0, 0.006, None, False),
+    (0.0, 0.006, (0.002, -0.01), True),   # inside the paired IQR
+    (0.026, 0.23, None, False),     # the user's 0.974 against 0.770
+    (None, 0.1, None, None),
+])
+def test_agrees_table(predicted, measured, spread, want):
+  assert _calibrate.agrees(predicted, measured, spread) is want
+
+
+def _callback_pair(delay):
+  """A site whose ``fwd`` is a host callback taking ``delay`` seconds and
+  whose ``f`` is a cheap one: under remat, as written runs ``fwd`` twice
+  a layer, swapped ``f`` then ``fwd``."""
+  def slow(x):
+    time.sleep(delay)
+    return np.asarray(np.sin(x), x.dtype)
+
+  def quick(x):
+    return np.asarray(np.sin(x), x.dtype)
+
+  def call(fn, x):
+    return jax.pure_callback(fn, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+  site = jax.custom_vjp(lambda x: call(quick, x))
+  site.defvjp(lambda x: (call(slow, x), x), lambda x, g: (g * jnp.cos(x),))
+  return site
+
+
+def test_host_callbacks_priced_from_a_measurement():
+  delay = 0.005
+  step, args = _scanned(_callback_pair(delay), True, n=3)
+  report = smartvjp.audit(step, *args, calibrate=True,
+                          configs=("as_written", "smartvjp"))
+  (s,) = report.sites
+  assert s["opaque"]
+  cal = s["predicted"]["calibrated"]
+  # the callback sleeps `delay`: timed alone it takes at least that
+  assert cal["rule_seconds"]["fwd"]["raw"] >= delay
+  assert cal["rule_seconds"]["fwd"]["seconds"] >= delay / 2
+  runs = s["runs"]
+  saved_fwd = (runs["as_written"]["compiled"]["fwd"]
+               - runs["smartvjp"]["compiled"]["fwd"])
+  assert saved_fwd == 3
+  # three fwd runs saved, three cheap f runs added: at least 3 x delay / 2
+  assert cal["seconds_saved"] >= 3 * delay / 2
+  # the time model alone prices the callback by its launch only
+  assert s["predicted"]["seconds_saved"] < cal["seconds_saved"]
+  assert report.data["calibrated"]["seconds_saved"] == pytest.approx(
+      cal["seconds_saved"])
+  text = report.table()
+  assert "(its rules timed alone)" in text
+  assert text.index("(its rules timed alone)") < text.index("roofline of")
+
+
+def test_verdict_replaces_advice_when_the_estimates_disagree():
+  data = dict(
+      calibrated=dict(share_of_step=0.026),
+      measured=dict(paired_ratio=0.770, paired_ratio_iqr=[0.76, 0.78],
+                    predicted_ratio=0.974, summary="s"),
+      sites=[dict(suggestion="swap: decorate f"),
+             dict(suggestion="none: left as JAX's (refused)")])
+  _calibrate.verdict(data)
+  m = data["measured"]
+  assert m["disagrees"] is True
+  assert m["agrees"] == {"calibrated": False, "model": False}
+  assert data["sites"][0]["suggestion"].startswith("no advice")
+  assert data["sites"][1]["suggestion"].startswith("none:")
+  data["calibrated"]["share_of_step"] = 0.22
+  data["sites"][0]["suggestion"] = "swap: decorate f"
+  _calibrate.verdict(data)
+  assert data["measured"]["disagrees"] is False
+  assert data["sites"][0]["suggestion"] == "swap: decorate f"
+
+
+# -- the report ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("x,want", [(-8.47e-16, "0 s"), (0.0, "0 s"),
+                                    (2.5e-6, "2.5 µs"), (0.0123, "12.3 ms"),
+                                    (1.5, "1.5 s"), (3e-9, "3 ns")])
+def test_seconds_text(x, want):
+  assert _report.seconds_text(x) == want
+
+
+def test_html_without_matplotlib(monkeypatch):
+  step, args = _scanned(_sin_site(), True, n=2)
+  report = smartvjp.audit(step, *args, configs=("as_written", "smartvjp"))
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  page = report.to_html()
+  assert "pip install matplotlib" in page and "smartvjp[bench]" in page
+  assert "<table>" in page
+
+
+def test_one_name_and_one_colour_per_configuration():
+  assert _report._SHORT["smartvjp_fused"] == "smartvjp_fused"
+  assert set(smartvjp.audit.CONFIGS) <= set(_report.COLOURS)
+  assert len(set(_report.COLOURS.values())) == len(_report.COLOURS)
+
+
+def test_plots_show_every_configuration_at_one_point(monkeypatch):
+  # four configurations at one point: each drawn hollow, its own marker,
+  # size and colour, so none hides another; the legend names each once
+  pytest.importorskip("matplotlib")
+  import matplotlib.pyplot as plt
+  step, args = _scanned(_sin_site(), False, n=2)
+  report = smartvjp.audit(step, *args)
+  drawn = []
+  real = plt.Axes.scatter
+
+  def scatter(ax, *a, **k):
+    drawn.append(k)
+    return real(ax, *a, **k)
+  monkeypatch.setattr(plt.Axes, "scatter", scatter)
+  titles = [t for t, _ in _report.plots(report.data)]
+  assert len(titles) == 2
+  configs = report.data["configs"]
+  assert len(drawn) == len(configs) == 4
+  assert len({k["s"] for k in drawn}) == 4
+  assert len({k["marker"] for k in drawn}) == 4
+  assert all(k["facecolors"] == "none" for k in drawn)
+  assert [k["edgecolors"] for k in drawn] == [_report.COLOURS[c]
+                                              for c in configs]
+  assert [k["label"] for k in drawn] == [_report._SHORT[c] for c in configs]
+
+
+# -- the command line ----------------------------------------------------------------
+
+SCRIPT = '''
+import jax, jax.numpy as jnp
+
+@jax.custom_vjp
+def bump(x):
+  return jnp.sin(x)
+bump.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+
+def step(x=jnp.ones(4)):
+  return jax.grad(lambda x: jnp.sum(jax.checkpoint(bump)(x)))(x)
+'''
+
+
+def _cli(*argv, cwd):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, "-m", "smartvjp.audit", *argv],
+                        cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=300)
+
+
+def test_cli(tmp_path):
+  (tmp_path / "train.py").write_text(SCRIPT)
+  out = _cli("train.py:step", "--json", "a.json", cwd=tmp_path)
+  assert out.returncode == 0, out.stderr
+  assert "__smartvjp_audit__" not in out.stdout
+  assert "train.bump" in out.stdout
+  assert "no step_args" in out.stderr and "--args" in out.stderr
+  data = json.loads((tmp_path / "a.json").read_text())
+  site = data["sites"][0]
+  assert site["name"] == "train.bump"
+  for where in [site["defined_at"], *site["called_at"]]:
+    assert os.path.isabs(where.rsplit(":", 1)[0]), where
+  assert str(tmp_path / "a.json") in out.stdout
+  calibrated = _cli("train.py:step", "--calibrate", cwd=tmp_path)
+  assert calibrated.returncode == 0, calibrated.stderr
+  assert "(its rules timed alone)" in calibrated.stdout
+  missing = _cli("nowhere.py:step", cwd=tmp_path)
+  assert missing.returncode == 2
+  assert "Traceback" not in missing.stderr
+  assert "no script at" in missing.stderr
+
+
+# -- the JSON schema (docs/audit.md's tables) -----------------------------------------
+
+def _schema_tables():
+  """docs/audit.md's two key tables: ``{key: the row's value text}`` for
+  the top level and for each site."""
+  text = open(os.path.join(ROOT, "docs", "audit.md"), encoding="utf-8").read()
+  section = text.split("## The JSON report", 1)[1].split("\n## ", 1)[0]
+  top, site = section.split("Each site:", 1)
+
+  def rows(part):
+    out = {}
+    for line in part.splitlines():
+      cells = line.split("|")
+      if len(cells) < 4 or cells[1].strip() in ("key", "---"):
+        continue
+      for key in cells[1].split("`")[1::2]:
+        out[key] = cells[2]
+    return out
+  return rows(top), rows(site)
+
+
+# objects whose keys are fixed (the others are keyed by configuration,
+# role or rule)
+NESTED_TOP = ("predicted", "measured", "summary", "calibrated", "model")
+NESTED_SITE = ("predicted",)
+
+
+def test_the_emitted_json_has_only_documented_keys():
+  step, args = _scanned(_callback_pair(0.0), True, n=2)
+  report = smartvjp.audit(step, *args, measure=True)
+  data = json.loads(report.to_json())
+  top, site = _schema_tables()
+  extra = sorted(set(data) - set(top))
+  for key in NESTED_TOP:
+    assert key in data, key
+    extra += [f"{key}.{k}" for k in data[key] if f"`{k}`" not in top[key]]
+  for s in data["sites"]:
+    extra += [f"sites[].{k}" for k in s if k not in site]
+    for key in NESTED_SITE:
+      extra += [f"sites[].{key}.{k}" for k in s[key]
+                if f"`{k}`" not in site[key]]
+    extra += [f"sites[].predicted.calibrated.{k}"
+              for k in s["predicted"]["calibrated"]
+              if f"`{k}`" not in site["predicted"]]
+  assert not extra, f"keys emitted but not in docs/audit.md's schema: {extra}"
