@@ -274,19 +274,8 @@ def _why_jax(module_name: str, bwd_fun, vjp3: bool = False) -> str:
 
 
 def _jaxprs_in_eqn(eqn):
-  """The jaxprs an equation holds: call, loop and branch bodies, and a
-  high-level primitive's own."""
-  values = list(eqn.params.values())
-  hi = eqn.params.get("_prim")
-  if hi is not None:
-    values += [getattr(hi, "jaxpr", None),
-               getattr(getattr(hi, "traced", None), "jaxpr", None)]
-  for value in values:
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(v, jx.ClosedJaxpr):
-        yield v.jaxpr
-      elif isinstance(v, jx.core.Jaxpr):
-        yield v
+  """The jaxprs an equation holds (the facade's walker)."""
+  return [sub.jaxpr for sub in jx.inner_jaxprs(eqn)]
 
 
 def _behind_jax(fn, depth=3):

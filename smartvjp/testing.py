@@ -133,6 +133,7 @@ def _run(name, counter, *arrays):
 
 count_p = jx.core.Primitive("smartvjp_count")
 count_p.multiple_results = True
+jx.register_opaque_kernel(count_p.name)
 
 count_p.def_impl(lambda *arrays, name, counter: list(
     _run(name, counter, *arrays)))

@@ -84,6 +84,7 @@ def _host(name, fn, *args):
 
 kernel_p = Primitive("test_opaque_kernel")
 kernel_p.multiple_results = True
+_facade.register_opaque_kernel(kernel_p.name)
 
 
 @kernel_p.def_abstract_eval
