@@ -82,7 +82,6 @@ batching = _internals(
 pallas_cost = _internals(
     "pallas_cost", "jax._src.pallas.cost_estimate", "register_cost_rule",
     "cost_estimate_jaxpr", "CostEstimate")
-xla_lib = _internals("xla_lib", "jax._src.lib", "_jax")
 mlir = _internals("mlir", "jax._src.interpreters.mlir", "register_lowering",
                    "lower_fun", "jaxpr_subcomp")
 api_util = _internals("api_util", "jax._src.api_util", "debug_info",
@@ -124,15 +123,6 @@ if _MISSING:
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun  # noqa: E402
 
 
-
-def cost_analysis_on_cpu(lowered) -> dict:
-  """XLA's cost analysis of a lowered program's HLO (before optimisation)
-  by the CPU client: where the program's own platform gives none before
-  compiling (a TPU's PJRT C API). A custom call (a kernel) counts nothing
-  there, or -1 alone."""
-  module = lowered._lowering.hlo().as_hlo_module()
-  return xla_lib._jax.hlo_module_cost_analysis(
-      jax.devices("cpu")[0].client, module)
 
 # -- primitive names ----------------------------------------------------------------
 

@@ -30,10 +30,6 @@ class AuditError(ValueError):
 
 # -- what an equation runs of other jaxprs ------------------------------------------
 
-_SMART_CODE = {P.call_p: P._call_code, P.rule_p: P._rule_code,
-               P.rem_p: P._rem_code}
-
-
 def _policy_name(policy) -> str:
   if policy is None:
     return "nothing_saveable"
@@ -45,52 +41,43 @@ def _policy_name(policy) -> str:
   return f"{type(policy).__name__}({', '.join(map(str, names or ()))})"
 
 
-def _closed(v):
-  if isinstance(v, jx.ClosedJaxpr):
-    return v.jaxpr
-  if isinstance(v, jx.core.Jaxpr):
-    return v
+def _label(eqn):
+  """How ``count_jaxpr`` names what ``eqn`` runs: ``(text, policy)``
+  (``policy``: a checkpoint's, else ``None``), or ``None`` (smartvjp's own
+  primitives, which run their rules inline)."""
+  name = eqn.primitive.name
+  hi = eqn.params.get("_prim")
+  if P.code_of(eqn) is not None:
+    return None
+  if name in ("shard_map", "xla_pmap"):
+    return (name, None)
+  if name in ("remat2", "checkpoint", "remat"):
+    policy = eqn.params.get("policy")
+    return (f"checkpoint({_policy_name(policy)})", ("policy", policy))
+  if hasattr(hi, "policy") and hasattr(hi, "prevent_cse"):
+    # under the remat3 flags (jax 0.11+): a rematerialized region is a
+    # call_hi_primitive whose _prim (RematTraced) holds the policy
+    return (f"checkpoint({_policy_name(hi.policy)})", ("policy", hi.policy))
+  if name in ("pjit", "jit", "closed_call", "core_call"):
+    return (f"jit({eqn.params.get('name', '')})", None)
   return None
 
 
 def sub_jaxprs(eqn):
-  """``(kind, [(jaxpr, label)])`` for ``_count.count_jaxpr``; a label
-  is ``(text, policy)`` (``policy``: a checkpoint's, else ``None``), or
-  for loops ``((text, None), trips)``."""
-  name = eqn.primitive.name
-  code = _SMART_CODE.get(eqn.primitive)
-  if code is not None:
-    return "inline", [(P.live_code(code(**eqn.params)).jaxpr, None)]
-  if name == "scan":
-    n = eqn.params["length"]
-    return "loop", [(eqn.params["jaxpr"].jaxpr, ((f"scan(×{n})", None), n))]
-  if name == "while":
-    return "loop", [(eqn.params["body_jaxpr"].jaxpr, (("while", None), None))]
-  if name == "cond":
-    return "branches", [(b.jaxpr, ("cond", None))
-                        for b in eqn.params["branches"]]
-  if name in ("shard_map", "xla_pmap"):
-    label = (name, None)
-  elif name in ("remat2", "checkpoint", "remat"):
-    policy = eqn.params.get("policy")
-    label = (f"checkpoint({_policy_name(policy)})", ("policy", policy))
-  elif name in ("pjit", "jit", "closed_call", "core_call"):
-    label = (f"jit({eqn.params.get('name', '')})", None)
-  else:
-    label = None
-  hi = eqn.params.get("_prim")
-  if label is None and hasattr(hi, "policy") and hasattr(hi, "prevent_cse"):
-    # under the remat3 flags (jax 0.11+): a rematerialized region is a
-    # call_hi_primitive whose _prim (RematTraced) holds the policy
-    label = (f"checkpoint({_policy_name(hi.policy)})", ("policy", hi.policy))
-  subs = [(j, label) for j in map(_closed, eqn.params.values()) if j is not None]
-  subs += [(j, label) for v in eqn.params.values() if isinstance(v, (tuple, list))
-           for j in map(_closed, v) if j is not None]
-  if hi is not None:
-    subs += [(j, label) for j in map(_closed, (
-        getattr(hi, "jaxpr", None),
-        getattr(getattr(hi, "traced", None), "jaxpr", None))) if j is not None]
-  return ("inline" if subs else None), subs
+  """``(kind, [(jaxpr, label)])`` for ``_count.count_jaxpr``, from the
+  facade's one walker (``jx.inner_jaxprs``); a label is ``(text,
+  policy)`` (``_label``), for loops ``((text, None), trips)``."""
+  subs = jx.inner_jaxprs(eqn)
+  if not subs:
+    return None, []
+  if subs[0].kind == "loop":
+    n = subs[0].trips
+    text = "while" if n is None else f"scan(×{n})"
+    return "loop", [(s.jaxpr, ((text, None), n)) for s in subs]
+  if subs[0].kind == "branch":
+    return "branches", [(s.jaxpr, ("cond", None)) for s in subs]
+  label = _label(eqn)
+  return "inline", [(s.jaxpr, label) for s in subs]
 
 
 def _name_stack(eqn) -> str:
@@ -275,23 +262,17 @@ def trace_rules(site, call) -> Rules:
   return Rules(jaxprs, residuals, res_eqns, num_out, errors)
 
 
-def _primitives(jaxpr, seen=None):
-  seen = set() if seen is None else seen
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for v in eqn.params.values():
-      for j in (v if isinstance(v, (tuple, list)) else (v,)):
-        j = _closed(j)
-        if j is not None and id(j) not in seen:
-          seen.add(id(j))
-          yield from _primitives(j, seen)
+def _primitives(jaxpr):
+  """Every equation of ``jaxpr`` at any depth (the facade's walker)."""
+  return (eqn for eqn, _ in jx.equations(jaxpr))
 
 
 def opaque_count(closed) -> int:
+  """Kernel launches per run of ``closed`` at any depth, loops per trip
+  (the facade's ``kernel_totals``)."""
   if closed is None:
     return 0
-  return sum(e.primitive.name in C.OPAQUE_PRIMITIVES
-             for e in closed.jaxpr.eqns)
+  return int(jx.kernel_totals(closed)["kernels"])
 
 
 _COST_KEYS = ("flops", "transcendentals", "bytes_accessed")
@@ -301,77 +282,78 @@ def _zero() -> dict:
   return dict.fromkeys(_COST_KEYS, 0.0)
 
 
-def _lowered_cost(fn, avals) -> dict:
-  """XLA's ``cost_analysis`` of ``fn`` lowered alone for ``avals`` (before
-  optimisation; no compile); where the platform gives none (a TPU), the
-  CPU client's analysis of the same HLO (a kernel counts nothing there)."""
-  lowered = jax.jit(fn).lower(
-      *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
-  out = _cost(lowered)
-  if not out:
-    c = jx.cost_analysis_on_cpu(lowered)
-    out = {k: max(float(c.get(name, 0.0) or 0.0), 0.0) for k, name in (
-        ("flops", "flops"), ("transcendentals", "transcendentals"),
-        ("bytes_accessed", "bytes accessed"))}
-  return out
+def compiled_trips(hlo: str) -> set:
+  """The trip counts of the ``while`` loops of a compiled program's HLO
+  text (``None`` for one whose count it does not state)."""
+  comps, _ = C.parse_hlo(hlo)
+  return {ins.trips if ins.trips is not None
+          else C.condition_bound(comps, ins.callees.get("condition"))
+          for instrs in comps.values() for ins in instrs
+          if ins.opcode == "while"}
 
 
-def _pallas_adjustment(jaxpr, cache: dict) -> tuple[dict, int]:
-  """Per ``pallas_call`` in ``jaxpr`` (each once, in loops too: the loop
-  correction scales them): its ``cost_estimate`` less what XLA's analysis
-  sees of it lowered alone (a TPU's may read the estimate, a CPU's sees
-  the interpreted kernel or nothing), so that XLA's figure for the whole
-  plus this counts each kernel at its estimate; and how many had none."""
+def _compiled_cost(fn, avals) -> tuple[dict, set]:
+  """``fn`` compiled alone for ``avals``: XLA's ``cost_analysis`` of the
+  compiled program (after fusion, as the step runs it) and its loops'
+  trip counts (``compiled_trips``)."""
+  compiled = jax.jit(fn).lower(
+      *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).compile()
+  return _cost(compiled), compiled_trips(compiled.as_text())
+
+
+def _kernel_adjustment(jaxpr, cache: dict) -> tuple[dict, int]:
+  """Per kernel in ``jaxpr`` stating a cost (``jx.kernel_cost_estimate``;
+  each once, in loops too: the loop correction scales them): its estimate
+  less what XLA's analysis sees of it compiled alone (a compiled kernel
+  is a custom call XLA may count as nothing; an interpreted one is the
+  interpreter's loop), so that XLA's figure for the whole plus this counts
+  each kernel at its estimate; and how many kernels state none."""
   total, missing = _zero(), 0
   for eqn in _primitives(jaxpr):
-    if eqn.primitive.name != "pallas_call":
+    if not jx.is_opaque_kernel(eqn):
       continue
-    est = eqn.params.get("cost_estimate")
+    est = jx.kernel_cost_estimate(eqn)
     if est is None:
-      missing += 1
+      missing += eqn.primitive.name == "pallas_call"
       continue
-    key = ("pallas_call", id(eqn))
-    if key not in cache and not eqn.params.get("interpret"):
-      # a compiled kernel is a custom call: XLA's analysis before compiling
-      # counts nothing of it (-1 alone; probed on a TPU v5e)
-      cache[key] = (eqn, {})
+    key = ("kernel", id(eqn))
     if key not in cache:
       try:
-        seen = _lowered_cost(
+        seen = _compiled_cost(
             lambda *a, e=eqn: e.primitive.bind(*a, **e.params),
-            [v.aval for v in eqn.invars])
+            [v.aval for v in eqn.invars])[0]
       except Exception:   # noqa: BLE001  (then XLA saw nothing of it)
         seen = {}
       cache[key] = (eqn, seen)
     seen = cache[key][1]
     for k in total:
-      total[k] += float(getattr(est, k, 0) or 0) - seen.get(k, 0.0)
+      total[k] += est[k] - seen.get(k, 0.0)
   return total, missing
 
 
 def rule_cost(closed, cache: dict | None = None) -> dict:
-  """A traced jaxpr's own cost, one run (a rule's, or a loop's body):
-  XLA's ``cost_analysis`` of it lowered alone (before optimisation; no
-  compile), each ``pallas_call`` at its own ``cost_estimate``
-  (``_pallas_adjustment``), and its scans scaled by their trip counts
-  (``loop_correction``, kept apart in ``"loops"``)."""
+  """A traced jaxpr's own cost, one run (a rule's, or a loop's body), from
+  compiled programs only: XLA's ``cost_analysis`` of it compiled alone,
+  each kernel at its own cost estimate (``_kernel_adjustment``), and its
+  loops scaled by their trip counts (``loop_correction``, kept apart in
+  ``"loops"``)."""
   cache = {} if cache is None else cache
   if ("rule", id(closed)) in cache:
     return cache[("rule", id(closed))][1]
   try:
-    xla = _lowered_cost(jx.jaxpr_as_fun(closed), closed.in_avals)
+    xla, trips = _compiled_cost(jx.jaxpr_as_fun(closed), closed.in_avals)
     error = None
   except Exception as e:   # noqa: BLE001  (reported, not raised)
-    xla, error = {}, f"{type(e).__name__}: {str(e)[:200]}"
-  pallas, missing = _pallas_adjustment(closed.jaxpr, cache)
+    xla, trips, error = {}, set(), f"{type(e).__name__}: {str(e)[:200]}"
+  pallas, missing = _kernel_adjustment(closed.jaxpr, cache)
   notes: list = []
-  loops = loop_correction(closed.jaxpr, notes, cache)
+  loops = loop_correction(closed.jaxpr, trips, notes, cache)
   out = {k: max(xla.get(k, 0.0) + pallas[k] + loops[k], 0.0)
          for k in _COST_KEYS}
   out["loops"] = loops
   out["source"] = "xla+pallas_estimate" if any(
-      e.primitive.name == "pallas_call" and e.params.get("cost_estimate")
-      for e in _primitives(closed.jaxpr)) else "xla"
+      jx.kernel_cost_estimate(e) for e in _primitives(closed.jaxpr)
+  ) else "xla"
   if missing:
     out["pallas_calls_without_estimate"] = missing
   if error:
@@ -380,29 +362,45 @@ def rule_cost(closed, cache: dict | None = None) -> dict:
   return out
 
 
-def loop_correction(jaxpr, notes: list, cache: dict) -> dict:
-  """What XLA's ``cost_analysis`` leaves out of loops: it counts a
-  ``while`` body once, whatever its trip count (checked in
-  tests/test_audit_model.py). Per scan in ``jaxpr`` (a ``Jaxpr``) of
+def program_cost(closed, compiled_cost: dict, hlo: str, notes: list,
+                 cache: dict) -> dict:
+  """A compiled program's cost with its loops scaled: XLA's
+  ``compiled_cost`` of it plus ``loop_correction`` (``closed``: its jaxpr,
+  ``hlo``: its compiled text)."""
+  if not compiled_cost:
+    return {}
+  fix = loop_correction(closed.jaxpr, compiled_trips(hlo), notes, cache)
+  return {k: compiled_cost.get(k, 0.0) + fix.get(k, 0.0)
+          for k in compiled_cost}
+
+
+def loop_correction(jaxpr, trips: set, notes: list, cache: dict) -> dict:
+  """What XLA's ``cost_analysis`` of a compiled program leaves out of its
+  loops: it counts a ``while`` body once, whatever its trip count (checked
+  in tests/test_audit_model.py). Per scan in ``jaxpr`` (a ``Jaxpr``) of
   length ``n`` unrolled ``u`` times (the ``u`` copies XLA counts), with
-  ``own`` its body's cost (``rule_cost``, its own loops scaled):
-  ``(n - u) * own + u * own["loops"]``."""
+  ``own`` its body's cost compiled alone (``rule_cost``, its own loops
+  scaled): ``(n - u) * own + u * own["loops"]``. ``trips``: the compiled
+  program's loop trip counts (``compiled_trips``); a scan whose loop is not
+  among them was unrolled by XLA, which then counted every copy."""
   total = _zero()
   for eqn in jaxpr.eqns:
+    subs = jx.inner_jaxprs(eqn)
     if eqn.primitive.name == "scan":
-      n, body = eqn.params["length"], eqn.params["jaxpr"]
-      unroll = eqn.params.get("unroll", 1)
-      unroll = n if unroll is True else max(min(int(unroll), n), 1)
-      own = rule_cost(body, cache)
+      n, unroll = subs[0].trips, subs[0].unroll
+      if n // unroll > 1 and n // unroll not in trips:
+        notes.append(f"a scan of {n} is no loop in the compiled program "
+                     "(XLA unrolled it): priced as compiled")
+        continue
+      own = rule_cost(eqn.params["jaxpr"], cache)
       for k in total:
         total[k] += (n - unroll) * own[k] + unroll * own["loops"][k]
       continue
-    kind, subs = sub_jaxprs(eqn)
-    if kind == "loop":   # a while loop: its trip count is not known here
+    if subs and subs[0].kind == "loop":   # a while: trip count not known
       notes.append("a while loop's body is counted once in the step's cost "
                    "(trip count unknown)")
-    parts = [loop_correction(sub, notes, cache) for sub, _ in subs]
-    if kind == "branches" and parts:
+    parts = [loop_correction(s.jaxpr, trips, notes, cache) for s in subs]
+    if subs and subs[0].kind == "branch":
       parts = [max(parts, key=lambda p: p["flops"] + p["bytes_accessed"])]
     for part in parts:
       for k in total:
@@ -503,60 +501,81 @@ def _fate(leaf, eqn, policy, remat, runs, opaque, fused) -> str:
   return "dropped" if opaque and c["fwd"] > c["bwd"] else "recomputed"
 
 
-# a JAX-coded site is worth swapping when its own predicted saving is at
-# least this share of the step (below it, a measurement cannot tell)
-WORTH = 0.01
+# the swap is advised where a site's predicted saving is at least this
+# share of the step; below it a measurement of the step cannot tell it
+# from noise (issue 63: the paired IQR of a TPU step holds 1 below ~0.5%)
+WORTH = 0.005
+
+
+def _ran_fused(runs: dict | None) -> bool:
+  """Whether a configuration's step really ran the fused ``fwd_bwd``."""
+  if not runs:
+    return False
+  return bool(runs.get("compiled", runs["jaxpr"]).get("fwd_bwd"))
+
+
+def _swap_line(site, info, how: str, share) -> str:
+  """The swap's advice: with its fused rule only where the configuration
+  priced really ran it."""
+  fused = _ran_fused(info["runs"].get(info["best_config"]))
+  line = f"swap: {how}" + (" and use its fwd_bwd" if fused else "")
+  aw = info["runs"]["as_written"]
+  sv = info["runs"][info["best_config"]]
+  if info["opaque"]:
+    a_fwd = aw.get("compiled", aw["jaxpr"])["fwd"]
+    s_fwd = sv.get("compiled", sv["jaxpr"])["fwd"]
+    line += (f" (fwd runs {a_fwd} -> {s_fwd} per step, "
+             f"{info['predicted']['launches_saved']} kernel launches fewer, "
+             f"{info['predicted']['dropped_bytes_saved']} bytes of dropped "
+             "residual writes avoided"
+             + (f"; predicted {share:.1%} of the step saved" if share
+                is not None else "") + ")")
+  else:
+    line += f" (predicted {share:.1%} of the step saved)"
+  return line
 
 
 def _suggestion(site, info) -> str:
+  """One line of advice from the numbers: "swap" where the predicted
+  saving is at least ``WORTH`` of the step (without a time model, for a
+  kernel site, where it launches fewer kernels), "no action" where it is
+  within noise; a fused rule only where a configuration ran it."""
   if site.refused is not None:
     return f"none: left as JAX's ({site.refused})"
-  best = info["best_config"]
   aw = info["runs"].get("as_written")
-  sv = info["runs"].get(best)
+  sv = info["runs"].get(info["best_config"])
   library = any(d in info["defined_at"] for d in _LIBRARY_DIRS)
   how = ("wrap the step's first trace in `with smartvjp.swap_custom_vjp("
          "existing=True):` (or load the library with smartvjp.import_swapped)"
          if library else
          f"decorate {info['name']} with smartvjp.smart_custom_vjp (one import)")
   if site.kind == "smart_custom_vjp":
-    if (info["opaque"] and site.fwd_bwd is None and info["remat"]
-        and info["residual_bytes"].get("smartvjp", {}).get("recomputed")):
-      return ("already smart_custom_vjp; add a fused fwd_bwd rule: the "
-              "backward region runs fwd then bwd on residuals it recomputes")
     return "no action: already smart_custom_vjp"
   if aw is None or sv is None:
     return "no suggestion: a configuration did not trace (see errors)"
   if not info["remat"]:
     return ("no action: no jax.checkpoint around this site, so every "
             "configuration runs fwd once and bwd once")
-  launches = info["predicted"]["launches_saved"]
-  if info["opaque"]:
+  share = info["predicted"].get("share_of_step")
+  if share is None and info["opaque"]:   # no time model: the counts say
     a_fwd = aw.get("compiled", aw["jaxpr"])["fwd"]
     s_fwd = sv.get("compiled", sv["jaxpr"])["fwd"]
-    if launches > 0 or s_fwd < a_fwd:
-      dropped = info["predicted"]["dropped_bytes_saved"]
-      extra = (" and use its fwd_bwd" if site.fwd_bwd is not None else "")
-      share = info["predicted"].get("share_of_step")
-      return (f"swap: {how}{extra} (fwd runs {a_fwd} -> {s_fwd} per step, "
-              f"{launches} kernel launches fewer, {dropped} bytes of "
-              "dropped residual writes avoided"
-              + (f"; predicted {share:.1%} of the step saved"
-                 if share is not None else "") + ")")
+    if info["predicted"]["launches_saved"] > 0 or s_fwd < a_fwd:
+      return _swap_line(site, info, how, share)
+  elif share is not None and share >= WORTH:
+    return _swap_line(site, info, how, share)
+  if info["opaque"]:
     named = [r["name"] for r in info["residuals"] if r["name"]
              and r["fate"]["as_written"] != "saved"]
-    if named:
+    if named and share is None:
       return (f"name-based policy: save residual {named[0]!r} with "
               f"jax.checkpoint_policies.save_only_these_names({named[0]!r})")
-    return "no action: the swap launches no fewer kernels here"
-  share = info["predicted"].get("share_of_step")
-  if share is not None and share >= WORTH:
-    return (f"swap: {how}" + (" and use its fwd_bwd" if site.fwd_bwd
-                              is not None else "")
-            + f" (predicted {share:.1%} of the step saved)")
+    return ("no action: the swap's predicted saving is within noise"
+            + (f" ({share:.2%} of the step)" if share is not None else
+               " (it launches no fewer kernels here)"))
   return ("no action: XLA already removes the duplicate (JAX-coded rules: "
           "XLA drops the work only the residuals need"
-          + (f"; predicted {share:.1%} of the step" if share else "") + ")")
+          + (f"; predicted {share:.2%} of the step" if share else "") + ")")
 
 
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "callback"})
@@ -673,8 +692,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
   step_seconds, cost_cache = {}, {}
   for c, b in {id(b): (c, b) for c, b in builds.items()}.values():
     notes: list = []
-    fix = loop_correction(b.closed.jaxpr, notes, cost_cache) if b.cost else {}
-    b.loop_cost = {k: b.cost.get(k, 0.0) + fix.get(k, 0.0) for k in b.cost}
+    b.loop_cost = program_cost(b.closed, b.cost, b.hlo, notes, cost_cache)
     b.loop_notes = sorted(set(notes))
   for c, b in builds.items():
     launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else 0

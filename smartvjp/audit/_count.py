@@ -28,9 +28,6 @@ from smartvjp import _facade as jx
 ROLES = ("f", "fwd", "bwd", "fwd_bwd")
 TAG = re.compile(r"svjpaudit_(\d+)_(\d+)_(fwd_bwd|fwd|bwd|f)(?![\w])")
 
-# primitives whose work XLA cannot split or remove in part
-OPAQUE_PRIMITIVES = jx.KERNEL_PRIMITIVES | {
-    "test_opaque_kernel", "smartvjp_count"}   # the tests' kernel, RunCounter
 # custom calls XLA itself uses for placement and layout, not kernels
 NOT_KERNELS = frozenset({
     "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost",
@@ -133,7 +130,7 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
     def visit(jaxpr, path, prefix=""):
       for i, eqn in enumerate(jaxpr.eqns):
         name = prefix + name_of(eqn)
-        local.add(name, eqn.primitive.name in OPAQUE_PRIMITIVES)
+        local.add(name, jx.is_opaque_kernel(eqn))
         for key, _ in _tags(name):
           seen = paths.setdefault(key[:2], [])
           if tuple(path) not in seen:
@@ -279,10 +276,9 @@ def count_hlo(text: str, per_run: Callable[[Key], int]) -> HloCount:
       for ins in comps.get(name, ()):
         kernel = is_kernel(ins)
         local.add(ins.op_name, kernel, skip)
-        if kernel:
+        if kernel:   # every launch, in a rule's own loops and branches too
           for key, _ in _tags(ins.op_name):
-            if key not in skip:
-              launches[key] += factor
+            launches[key] += factor
         # a rule's own loops and branches count as part of its run
         inner_skip = skip | {k for k, _ in _tags(ins.op_name)}
         if ins.opcode in ("fusion", "call", "async-start", "custom-call"):

@@ -13,7 +13,7 @@ XLA removes or keeps. The configuration says which class the twin is:
 * ``optimize_remat``: ``jax.custom_vjp(...).defvjp(..., optimize_remat=True)``;
 * ``smartvjp``: ``smart_custom_vjp`` with ``fwd`` and ``bwd``;
 * ``smartvjp_fused``: ``smart_custom_vjp`` with ``fwd_bwd`` too, where the
-  site has one;
+  site has one, forced (``defvjp(..., fused=True)``);
 * ``as_is`` (for ``assert_no_duplicate_fwd``): each site with the decorator
   it was made with.
 
@@ -199,7 +199,10 @@ class Recorder:
                   symbolic_zeros=site.symbolic_zeros,
                   generic_batching=site.generic_batching or None,
                   fwd_bwd=_scoped(site.fwd_bwd, name("fwd_bwd"))
-                  if fused else None)
+                  if fused else None,
+                  # smartvjp_fused runs the fused pair wherever it can
+                  fused=True if fused and site.fwd is not None
+                  and self.config == "smartvjp_fused" else None)
     self.twins.add(id(twin))
     self.funs.add(id(fun))
     return twin
