@@ -19,6 +19,7 @@ from smartvjp.audit import _model as M
 from smartvjp.audit import _trace as T
 from smartvjp import _facade as jx
 from smartvjp import _primitive as P
+from smartvjp import _swap
 
 SCHEMA = "smartvjp.audit/1"
 
@@ -634,17 +635,12 @@ def _site_model(info: dict, rules: Rules | None, builds: dict, best: str,
                              if saved is not None and step_seconds else None))
 
 
-def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
-            ) -> tuple[dict, dict]:
-  """Trace and compile ``fn(*args, **kwargs)`` under ``configs``:
-  ``(the report as plain data (schema: docs/audit.md), {config: Build})``.
-  ``peaks``: the time model's overrides (``_model.peaks_for``)."""
-  device = jax.devices()[0]
-  peaks, peaks_source = M.peaks_for(device.device_kind, device.platform, peaks)
-  sites: dict = {}
-  builds: dict = {}
-  errors: dict = {}
-  t0 = time.perf_counter()
+def _build_all(fn, args, kwargs, configs, sites: dict) -> tuple[dict, dict]:
+  """Stage 1: ``({config: Build}, {config: error})``, each configuration
+  traced, lowered and compiled (the compiles at once: XLA compiles without
+  the GIL). ``smartvjp_fused`` is ``smartvjp``'s build where no site has a
+  fused rule."""
+  builds, errors = {}, {}
   for config in configs:
     if config == "smartvjp_fused" and "smartvjp" in builds and sites and not any(
         s.fwd_bwd is not None for s in sites.values()):
@@ -656,14 +652,16 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
       raise
     except Exception as e:   # noqa: BLE001  (reported per configuration)
       errors[config] = f"{type(e).__name__}: {str(e).strip()[:500]}"
-  # XLA compiles without the GIL: the configurations at once
   unique = list({id(b): b for b in builds.values()}.values())
   with concurrent.futures.ThreadPoolExecutor(len(unique) or 1) as pool:
     for b, result in zip(unique, pool.map(_try_compile, unique)):
       if result is not None:
         errors[b.config] = result
         builds = {c: x for c, x in builds.items() if x is not b}
-  name = _fn_name(fn)
+  return builds, errors
+
+
+def _check_found(name: str, builds: dict, errors: dict, sites: dict) -> None:
   if not builds:
     first = next(iter(errors.values()), "")
     raise AuditError(
@@ -675,117 +673,136 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
         "smart_custom_vjp call: nothing to audit (a custom_vjp call that "
         "JAX traced before this process imported smartvjp is found too; "
         "check that the step differentiates the code you meant)")
-  by_index = {s.index: s for s in sites.values()}
-  first_build = next(iter(builds.values()))
+
+
+def _calls(builds: dict, idx: int) -> list:
+  return next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
+
+
+def _count_all(builds: dict, by_index: dict) -> dict:
+  """Stage 2: each site's rules traced alone (``{index: Rules}``), and
+  each build's counts (its kernels' launches per rule run from them)."""
   rules = {}
   for idx, site in by_index.items():
-    calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
+    calls = _calls(builds, idx)
     rules[idx] = trace_rules(site, calls[0]) if calls else None
   per_run = lambda key: opaque_count((rules.get(key[0]).jaxprs if rules.get(
       key[0]) else {}).get(key[2])) or 1
   for b in {id(b): b for b in builds.values()}.values():
     count(b, per_run)
-  remat3 = _remat3()
-  ref = builds.get("as_written", first_build)
-  best_step = ("smartvjp_fused" if "smartvjp_fused" in builds and any(
-      s.fwd_bwd is not None for s in by_index.values()) else "smartvjp")
-  step_seconds, cost_cache = {}, {}
-  for c, b in {id(b): (c, b) for c, b in builds.items()}.values():
+  return rules
+
+
+def _step_seconds(builds: dict, peaks, cache: dict) -> dict:
+  """Stage 3: each build's cost with its loops scaled (``program_cost``)
+  and its predicted seconds (``None`` without peaks)."""
+  for b in {id(b): b for b in builds.values()}.values():
     notes: list = []
-    b.loop_cost = program_cost(b.closed, b.cost, b.hlo, notes, cost_cache)
+    b.loop_cost = program_cost(b.closed, b.cost, b.hlo, notes, cache)
     b.loop_notes = sorted(set(notes))
+  out = {}
   for c, b in builds.items():
     launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else 0
-    step_seconds[c] = (M.seconds(b.loop_cost, launches, peaks) if peaks
-                       else None)
-  out_sites = []
-  for idx, site in sorted(by_index.items()):
-    calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
-    paths = [p for key, ps in ref.jaxpr_count.paths.items() if key[0] == idx
-             for p in ps]
-    path = max(paths, key=len) if paths else ()
-    if any(lbl[0] in ("shard_map", "xla_pmap") for p in paths for lbl in p):
-      raise AuditError(
-          f"smartvjp.audit: the custom_vjp site {site.name} (called at "
-          f"{calls[0].called_at if calls else '?'}) is inside shard_map or "
-          "pmap; the audit does not count rules under shard_map yet. Audit "
-          "the per-shard function (the body given to shard_map) instead")
-    policy_lbl = [lbl[1][1] for lbl in path if lbl[1] and lbl[1][0] == "policy"]
-    remat = bool(policy_lbl) or any(
-        lbl[1] and lbl[1][0] == "policy" for p in paths for lbl in p)
-    # under jax_remat3 checkpoint leaves no equation, only its name stack
-    remat3_only = not remat and any(
-        key[0] == idx for key in ref.jaxpr_count.rematted)
-    remat = remat or remat3_only
-    policy = policy_lbl[-1] if policy_lbl else None
-    mult = sum(ref.jaxpr_count.multiplicity.get((idx, c), 0)
-               for c in range(len(calls))) or len(calls)
-    r = rules[idx]
-    runs = {c: _site_runs(b, idx) for c, b in builds.items()}
-    kernels = max((v.get("kernel_launches", 0) for v in runs.values() if v),
-                  default=0)
-    opaque = bool(kernels) or any(opaque_count(j) for j in (
-        r.jaxprs.values() if r else ()))
-    best = ("smartvjp_fused" if site.fwd_bwd is not None
-            and "smartvjp_fused" in builds else "smartvjp")
-    residuals = []
-    for leaf, eqn in zip(r.residuals if r else (), r.res_eqns if r else ()):
-      leaf = dict(leaf)
-      leaf["fate"] = {c: _fate(leaf, eqn, policy, remat, runs.get(c), opaque,
-                               c == "smartvjp_fused" and site.fwd_bwd is not None)
-                      for c in builds}
-      residuals.append(leaf)
-    totals = {}
-    for c in builds:
-      t = dict.fromkeys(("written", "saved", "dropped", "recomputed"), 0)
-      for leaf in residuals:
-        fate, n = leaf["fate"][c], leaf["bytes"] * mult
-        if fate in ("saved", "offloaded", "dropped"):
-          t["written"] += n
-        if fate in ("saved", "offloaded"):
-          t["saved"] += n
-        elif fate in ("dropped", "recomputed"):
-          t[fate] += n
-      totals[c] = t
-    aw, sv = runs.get("as_written"), runs.get(best)
-    launches_saved = ((aw or {}).get("kernel_launches", 0)
-                      - (sv or {}).get("kernel_launches", 0)) if aw and sv else 0
-    info = dict(
-        index=idx, name=site.name, kind=site.kind,
-        rules={role: T._swap._qualified(getattr(site, role if role != "f"
-                                                else "fun"))
-               for role in C.ROLES if getattr(site, role if role != "f"
-                                              else "fun") is not None},
-        defined_at=site.defined_at,
-        called_at=[c.called_at for c in calls],
-        path=" › ".join(["jit"] + [lbl[0] for lbl in path]
-                        + (["checkpoint(?)"] if remat3_only else [])),
-        multiplicity=mult,
-        policy=("unknown (jax_remat3 leaves no checkpoint equation)"
-                if remat3_only else _policy_name(policy) if remat else None),
-        remat=remat, flags=remat3,
-        conditional=any(lbl[0] == "cond" for p in paths for lbl in p), symbolic_zeros=site.symbolic_zeros,
-        opaque=opaque, best_config=best, runs=runs, residuals=residuals,
-        residual_bytes=totals,
-        predicted=dict(launches_saved=launches_saved,
-                       dropped_bytes_saved=totals.get("as_written", {}).get(
-                           "dropped", 0) - totals.get(best, {}).get(
-                               "dropped", 0)),
-        unavailable=sorted(getattr(site, "unavailable", ())),
-        rule_errors=r.errors if r else {},
-        refused=site.refused,
-        hazards=hazards(site, r, bool(remat3.get("jax_remat3")))
-        if r else [])
-    if peaks:
-      info["predicted"].update(_site_model(
-          info, r, builds, best, peaks,
-          (step_seconds.get("as_written") or {}).get("total"), cost_cache))
-    info["suggestion"] = _suggestion(site, info)
-    out_sites.append(info)
-  out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
-                                -s["predicted"]["launches_saved"],
-                                -s["predicted"]["dropped_bytes_saved"],
-                                s["index"]))
+    out[c] = M.seconds(b.loop_cost, launches, peaks) if peaks else None
+  return out
+
+
+def _site_place(site, calls, ref: Build) -> dict:
+  """Where a site is: its nesting path, checkpoint policy, whether it is
+  rematerialized and how many times per step it is called."""
+  idx = site.index
+  paths = [p for key, ps in ref.jaxpr_count.paths.items() if key[0] == idx
+           for p in ps]
+  path = max(paths, key=len) if paths else ()
+  if any(lbl[0] in ("shard_map", "xla_pmap") for p in paths for lbl in p):
+    raise AuditError(
+        f"smartvjp.audit: the custom_vjp site {site.name} (called at "
+        f"{calls[0].called_at if calls else '?'}) is inside shard_map or "
+        "pmap; the audit does not count rules under shard_map yet. Audit "
+        "the per-shard function (the body given to shard_map) instead")
+  policy_lbl = [lbl[1][1] for lbl in path if lbl[1] and lbl[1][0] == "policy"]
+  remat = bool(policy_lbl) or any(
+      lbl[1] and lbl[1][0] == "policy" for p in paths for lbl in p)
+  # under jax_remat3 checkpoint leaves no equation, only its name stack
+  remat3_only = not remat and any(
+      key[0] == idx for key in ref.jaxpr_count.rematted)
+  policy = policy_lbl[-1] if policy_lbl else None
+  mult = sum(ref.jaxpr_count.multiplicity.get((idx, c), 0)
+             for c in range(len(calls))) or len(calls)
+  return dict(
+      path=" › ".join(["jit"] + [lbl[0] for lbl in path]
+                      + (["checkpoint(?)"] if remat3_only else [])),
+      multiplicity=mult, remat=remat or remat3_only, policy_fn=policy,
+      policy=("unknown (jax_remat3 leaves no checkpoint equation)"
+              if remat3_only else _policy_name(policy)
+              if remat or remat3_only else None),
+      conditional=any(lbl[0] == "cond" for p in paths for lbl in p))
+
+
+def _site_residuals(site, r, place, runs, opaque, builds) -> tuple:
+  """Each residual's fate per configuration, and the bytes per fate."""
+  residuals = []
+  for leaf, eqn in zip(r.residuals if r else (), r.res_eqns if r else ()):
+    leaf = dict(leaf)
+    leaf["fate"] = {c: _fate(leaf, eqn, place["policy_fn"], place["remat"],
+                             runs.get(c), opaque,
+                             c == "smartvjp_fused" and site.fwd_bwd is not None)
+                    for c in builds}
+    residuals.append(leaf)
+  totals = {}
+  for c in builds:
+    t = dict.fromkeys(("written", "saved", "dropped", "recomputed"), 0)
+    for leaf in residuals:
+      fate, n = leaf["fate"][c], leaf["bytes"] * place["multiplicity"]
+      if fate in ("saved", "offloaded", "dropped"):
+        t["written"] += n
+      if fate in ("saved", "offloaded"):
+        t["saved"] += n
+      elif fate in ("dropped", "recomputed"):
+        t[fate] += n
+    totals[c] = t
+  return residuals, totals
+
+
+def _role_fn(site, role):
+  return getattr(site, role if role != "f" else "fun")
+
+
+def _site_info(site, builds: dict, ref: Build, r, remat3: dict) -> dict:
+  """Stage 4, per site: identity, place, counts, residuals, hazards."""
+  idx, calls = site.index, _calls(builds, site.index)
+  place = _site_place(site, calls, ref)
+  runs = {c: _site_runs(b, idx) for c, b in builds.items()}
+  kernels = max((v.get("kernel_launches", 0) for v in runs.values() if v),
+                default=0)
+  opaque = bool(kernels) or any(opaque_count(j) for j in (
+      r.jaxprs.values() if r else ()))
+  best = ("smartvjp_fused" if site.fwd_bwd is not None
+          and "smartvjp_fused" in builds else "smartvjp")
+  residuals, totals = _site_residuals(site, r, place, runs, opaque, builds)
+  aw, sv = runs.get("as_written"), runs.get(best)
+  launches_saved = ((aw or {}).get("kernel_launches", 0)
+                    - (sv or {}).get("kernel_launches", 0)) if aw and sv else 0
+  return dict(
+      index=idx, name=site.name, kind=site.kind,
+      rules={role: _swap.qualified(_role_fn(site, role)) for role in C.ROLES
+             if _role_fn(site, role) is not None},
+      defined_at=site.defined_at, called_at=[c.called_at for c in calls],
+      path=place["path"], multiplicity=place["multiplicity"],
+      policy=place["policy"], remat=place["remat"], flags=remat3,
+      conditional=place["conditional"], symbolic_zeros=site.symbolic_zeros,
+      opaque=opaque, best_config=best, runs=runs, residuals=residuals,
+      residual_bytes=totals,
+      predicted=dict(launches_saved=launches_saved,
+                     dropped_bytes_saved=totals.get("as_written", {}).get(
+                         "dropped", 0) - totals.get(best, {}).get(
+                             "dropped", 0)),
+      unavailable=sorted(getattr(site, "unavailable", ())),
+      rule_errors=r.errors if r else {}, refused=site.refused,
+      hazards=hazards(site, r, bool(remat3.get("jax_remat3"))) if r else [])
+
+
+def _step_report(builds: dict, step_seconds: dict) -> dict:
   step = {}
   for c, b in builds.items():
     launches = sum(b.hlo_count.kernels.values()) if b.hlo_count else None
@@ -795,51 +812,94 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
                    notes=(b.jaxpr_count.notes + (b.hlo_count.notes
                                                  if b.hlo_count else [])
                           + b.loop_notes))
-  predicted = {}
-  if "as_written" in builds and best_step in builds:
-    a, s = step["as_written"], step[best_step]
-    predicted = dict(
-        baseline="as_written", candidate=best_step,
-        memory={k: s["memory"].get(k, 0) - v for k, v in a["memory"].items()},
-        cost={k: s["cost"].get(k, 0) - v for k, v in a["cost"].items()},
-        launches_saved=(a["kernel_launches"] or 0) - (s["kernel_launches"] or 0),
-        bytes_accessed_ratio=(s["cost"].get("bytes_accessed", 0)
-                              / a["cost"]["bytes_accessed"])
-        if a["cost"].get("bytes_accessed") else None,
-        flops_ratio=(s["cost"].get("flops", 0) / a["cost"]["flops"])
-        if a["cost"].get("flops") else None,
-        predicted_ratio=M.ratio(s["predicted_seconds"],
-                                a["predicted_seconds"]),
-        seconds_saved=(a["predicted_seconds"]["total"]
-                       - s["predicted_seconds"]["total"])
-        if peaks else None,
-        sites_seconds_saved=sum(x["predicted"].get("seconds_saved") or 0
-                                for x in out_sites) if peaks else None)
+  return step
+
+
+def _step_predicted(step: dict, best_step: str, out_sites: list,
+                    peaks) -> dict:
+  """Stage 5: the whole step's predicted change, as written to swapped."""
+  if "as_written" not in step or best_step not in step:
+    return {}
+  a, s = step["as_written"], step[best_step]
+  ratio = lambda k: (s["cost"].get(k, 0) / a["cost"][k]
+                     if a["cost"].get(k) else None)
+  return dict(
+      baseline="as_written", candidate=best_step,
+      memory={k: s["memory"].get(k, 0) - v for k, v in a["memory"].items()},
+      cost={k: s["cost"].get(k, 0) - v for k, v in a["cost"].items()},
+      launches_saved=(a["kernel_launches"] or 0) - (s["kernel_launches"] or 0),
+      bytes_accessed_ratio=ratio("bytes_accessed"), flops_ratio=ratio("flops"),
+      predicted_ratio=M.ratio(s["predicted_seconds"], a["predicted_seconds"]),
+      seconds_saved=(a["predicted_seconds"]["total"]
+                     - s["predicted_seconds"]["total"]) if peaks else None,
+      sites_seconds_saved=sum(x["predicted"].get("seconds_saved") or 0
+                              for x in out_sites) if peaks else None)
+
+
+def _summary(out_sites: list, step: dict, builds: dict) -> dict:
   cvjp_saved = sum(s["residual_bytes"].get("as_written", {}).get("saved", 0)
                    for s in out_sites)
   temp = step.get("as_written", {}).get("memory", {}).get("temp")
+  return dict(
+      sites=len(out_sites),
+      kernel_launches={c: v["kernel_launches"] for c, v in step.items()},
+      residual_bytes={c: {k: sum(s["residual_bytes"].get(c, {}).get(k, 0)
+                                 for s in out_sites)
+                          for k in ("written", "saved", "dropped",
+                                    "recomputed")} for c in builds},
+      peak_bytes={c: v["memory"].get("peak") for c, v in step.items()},
+      custom_vjp_saved_share_of_temp=(cvjp_saved / temp) if temp else None)
+
+
+def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
+            ) -> tuple[dict, dict]:
+  """Trace and compile ``fn(*args, **kwargs)`` under ``configs``:
+  ``(the report as plain data (schema: docs/audit.md), {config: Build})``.
+  ``peaks``: the time model's overrides (``_model.peaks_for``). Stages:
+  build, count, price the steps, describe and price each site, the step's
+  prediction."""
+  device = jax.devices()[0]
+  peaks, peaks_source = M.peaks_for(device.device_kind, device.platform, peaks)
+  sites: dict = {}
+  t0 = time.perf_counter()
+  builds, errors = _build_all(fn, args, kwargs, configs, sites)
+  name = _fn_name(fn)
+  _check_found(name, builds, errors, sites)
+  by_index = {s.index: s for s in sites.values()}
+  rules = _count_all(builds, by_index)
+  remat3 = _remat3()
+  ref = builds.get("as_written", next(iter(builds.values())))
+  best_step = ("smartvjp_fused" if "smartvjp_fused" in builds and any(
+      s.fwd_bwd is not None for s in by_index.values()) else "smartvjp")
+  cost_cache: dict = {}
+  step_seconds = _step_seconds(builds, peaks, cost_cache)
+  out_sites = []
+  for idx, site in sorted(by_index.items()):
+    info = _site_info(site, builds, ref, rules[idx], remat3)
+    if peaks:
+      info["predicted"].update(_site_model(
+          info, rules[idx], builds, info["best_config"], peaks,
+          (step_seconds.get("as_written") or {}).get("total"), cost_cache))
+    info["suggestion"] = _suggestion(site, info)
+    out_sites.append(info)
+  out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
+                                -s["predicted"]["launches_saved"],
+                                -s["predicted"]["dropped_bytes_saved"],
+                                s["index"]))
+  step = _step_report(builds, step_seconds)
   seconds = time.perf_counter() - t0
-  one = ref.seconds
   data = dict(
       schema=SCHEMA, function=name, jax_version=jax.__version__,
       backend=jax.default_backend(), flags=remat3,
       configs=list(builds), errors=errors, sites=out_sites, step=step,
-      predicted=predicted,
+      predicted=_step_predicted(step, best_step, out_sites, peaks),
       model=dict(name=M.MODEL, device_kind=device.device_kind, peaks=peaks,
                  peaks_source=peaks_source,
                  notes=_model_notes(jax.default_backend(), out_sites, {
                      i: r.jaxprs for i, r in rules.items() if r})),
-      summary=dict(
-          sites=len(out_sites),
-          kernel_launches={c: v["kernel_launches"] for c, v in step.items()},
-          residual_bytes={c: {k: sum(s["residual_bytes"].get(c, {}).get(k, 0)
-                                     for s in out_sites)
-                              for k in ("written", "saved", "dropped",
-                                        "recomputed")} for c in builds},
-          peak_bytes={c: v["memory"].get("peak") for c, v in step.items()},
-          custom_vjp_saved_share_of_temp=(cvjp_saved / temp) if temp else None),
+      summary=_summary(out_sites, step, builds),
       audit_seconds=seconds,
-      audit_cost_in_compiles=seconds / max(sum(one.values()), 1e-9))
+      audit_cost_in_compiles=seconds / max(sum(ref.seconds.values()), 1e-9))
   return data, builds
 
 

@@ -115,7 +115,7 @@ class JaxprCount:
 
 def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
                 per_run: Callable[[Key], int]) -> JaxprCount:
-  """Runs per step in ``jaxpr`` (a ``jax.extend.core.Jaxpr``).
+  """Runs per step in ``jaxpr`` (a ``jx.core.Jaxpr``).
 
   ``sub_jaxprs(eqn) -> (kind, [(jaxpr, label)...])``: what an equation runs
   of other jaxprs, ``kind`` one of ``"inline"`` (runs once: ``jit``, remat,

@@ -46,7 +46,7 @@ CONFIGS = ("as_written", "optimize_remat", "smartvjp", "smartvjp_fused")
 _SMART_CALL = smart_custom_vjp.__call__
 _VJP3 = jx.custom_vjp3_class()
 # each class's own __call__, captured at import: (class, kind, call)
-_CLASSES = [(_swap.JAX_CUSTOM_VJP, "jax.custom_vjp", _swap._JAX_CALL),
+_CLASSES = [(_swap.JAX_CUSTOM_VJP, "jax.custom_vjp", _swap.JAX_CALL),
             (smart_custom_vjp, "smart_custom_vjp", _SMART_CALL)]
 if _VJP3 is not None:
   _CLASSES.append((_VJP3, "jax.custom_vjp", _VJP3.__call__))
@@ -85,7 +85,7 @@ class Site:
 
   @property
   def name(self) -> str:
-    return _swap._qualified(self.fun)
+    return _swap.qualified(self.fun)
 
   @property
   def defined_at(self) -> str:
@@ -118,7 +118,7 @@ def _abstract(x):
   aval = getattr(x, "aval", None)
   if aval is None:
     try:
-      aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+      aval = jax.typeof(x)
     except TypeError:
       return x
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
@@ -153,7 +153,7 @@ class Recorder:
     if site is None:
       smart = kind == "smart_custom_vjp"
       vjp3 = _VJP3 is not None and isinstance(obj, _VJP3)
-      refused = None if smart or vjp3 else _swap._refusal(obj)
+      refused = None if smart or vjp3 else _swap.refusal(obj)
       if (smart and obj.fwd is None and obj.fwd_bwd is None) or (
           vjp3 and (obj.fwd is None or obj.bwd is None)):
         refused = "no rules (defvjp was not called)"
