@@ -290,3 +290,32 @@ def test_smartvjp_fused_forces_the_fused_pair():
   (s,) = a.sites
   assert s["runs"]["smartvjp_fused"]["jaxpr"]["fwd_bwd"] > 0
   assert s["runs"]["smartvjp"]["jaxpr"]["fwd_bwd"] == 0
+
+
+# -- the audit's size ---------------------------------------------------------------------
+
+def _code_lines(path):
+  """``(code lines, name)`` of each function in a file (its docstring,
+  blank lines and comment lines left out)."""
+  import ast
+  lines = path.read_text().splitlines()
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      body = node.body
+      doc = (len(body) > 1 and isinstance(body[0], ast.Expr)
+             and isinstance(getattr(body[0], "value", None), ast.Constant)
+             and isinstance(body[0].value.value, str))
+      start = body[0].end_lineno if doc else body[0].lineno - 1
+      n = sum(1 for line in lines[start:node.end_lineno]
+              if line.strip() and not line.strip().startswith("#"))
+      out.append((n, f"{path.name}:{node.name}"))
+  return out
+
+
+def test_no_audit_function_is_longer_than_the_cores_longest():
+  import pathlib
+  pkg = pathlib.Path(smartvjp.__file__).parent
+  core = max(n for p in pkg.glob("_*.py") for n, _ in _code_lines(p))
+  audit = max(x for p in (pkg / "audit").glob("*.py") for x in _code_lines(p))
+  assert audit[0] <= core, audit

@@ -45,3 +45,13 @@ __class__
 # _schedule.ScheduledRule.equation: a public field of print_schedule's
 # records (the JaxprEqn), read by their users, not by the package.
 equation
+
+# Primitive.multiple_results (smartvjp's primitives, RunCounter's step):
+# read by JAX's bind and lowering, not by the package.
+from smartvjp._primitive import _SmartPrimitive  # noqa: E402
+_SmartPrimitive.multiple_results
+
+# Audit.predicted: public, the report's prediction (docs/audit.md;
+# tests/test_audit.py reads it).
+from smartvjp.audit import Audit  # noqa: E402
+Audit.predicted
