@@ -252,12 +252,14 @@ def prune(facts: Facts, schedule: Schedule | None, outputs_used: bool,
 class Cost:
   """What a rule (or a pair of them) costs, compared field by field:
   collectives, then operations (XLA's or a Pallas kernel's estimate), then
-  opaque kernels (a callback or kernel no estimate sees into); ``written``,
-  the bytes of the outputs, breaks ties."""
+  opaque kernels (a callback or kernel no estimate sees into), then the
+  bytes the kernels' own estimates access; ``written``, the bytes of the
+  outputs, breaks ties."""
   collectives: int = 0
   flops: float = 0.0
   kernels: int = 0
   written: int = 0
+  kernel_bytes: float = 0.0
 
   def __add__(self, other: "Cost") -> "Cost":
     return Cost(*(a + b for a, b in zip(dataclasses.astuple(self),
@@ -265,7 +267,7 @@ class Cost:
 
   @property
   def work(self) -> tuple:
-    return (self.collectives, self.flops, self.kernels)
+    return (self.collectives, self.flops, self.kernels, self.kernel_bytes)
 
 
 def unfused_schedule(facts: Facts) -> Schedule:

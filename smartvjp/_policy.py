@@ -125,19 +125,10 @@ def _worth_it(known, staged, call) -> bool:
   return cost(twice) <= cost(call.jaxpr.jaxpr.eqns)
 
 
-def _sub_jaxprs(eqn):
-  for v in eqn.params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, jx.ClosedJaxpr):
-        yield x.jaxpr
-      elif hasattr(x, "eqns") and hasattr(x, "outvars"):
-        yield x
-
-
 def is_opaque(eqn) -> bool:
-  """Several outputs JAX cannot look into: part of them costs the whole kernel."""
-  return (eqn.primitive.multiple_results and len(eqn.outvars) > 1
-          and not any(True for _ in _sub_jaxprs(eqn)))
+  """An opaque kernel (the facade's one definition) with several outputs:
+  running it for part of them costs the whole kernel."""
+  return jx.is_opaque_kernel(eqn) and len(eqn.outvars) > 1
 
 
 def _size(aval) -> int:
@@ -145,15 +136,18 @@ def _size(aval) -> int:
 
 
 def cost(eqns) -> float:
-  """A rough operation count; an opaque kernel is unbounded."""
+  """A rough operation count; an opaque kernel is unbounded (loops per
+  trip, a ``while``'s body once, a ``cond``'s costliest branch)."""
   total = 0.0
   for e in eqns:
-    subs = list(_sub_jaxprs(e))
-    if subs:
-      inner = max(cost(j.eqns) for j in subs)
-      total += inner * e.params.get("length", 1)
-    elif is_opaque(e):
+    subs = jx.inner_jaxprs(e)
+    if is_opaque(e):
       return math.inf
+    if subs:
+      branches = [cost(s.jaxpr.eqns) for s in subs if s.kind == "branch"]
+      total += max(branches, default=0.0) + sum(
+          cost(s.jaxpr.eqns) * (s.trips or 1) for s in subs
+          if s.kind != "branch")
     elif jx.checkpoint_name_of(e.primitive, e.params) is not None:
       continue   # checkpoint_name: an identity
     elif e.primitive.name == "dot_general":
@@ -165,52 +159,23 @@ def cost(eqns) -> float:
   return total
 
 
-_NOT_KERNELS = ("split", "optimization_barrier", "smartvjp_rule",
-                "smartvjp_call")
-
-
-def _counted(eqns) -> tuple[int, int, float]:
-  """``(collectives, opaque kernels, the kernels' own estimated
-  operations)`` run, loops counted per trip. A kernel's estimate is its
-  ``cost_estimate`` param (``pallas_call``'s): flops + transcendentals."""
-  collectives = kernels = 0
-  estimated = 0.0
-  for e in eqns:
-    name = e.primitive.name
-    if name in jx.COLLECTIVE_PRIMITIVES:
-      collectives += 1
-    elif name in jx.KERNEL_PRIMITIVES:
-      kernels += 1
-      est = e.params.get("cost_estimate")
-      if est is not None:
-        estimated += est.flops + est.transcendentals
-    else:
-      subs = [_counted(j.eqns) for j in _sub_jaxprs(e)]
-      if (not subs and e.primitive.multiple_results
-          and name not in _NOT_KERNELS):
-        kernels += 1   # a primitive of its own, several results: a kernel
-      elif subs:
-        trips = e.params.get("length", 1)
-        collectives += trips * max(c for c, _, _ in subs)
-        kernels += trips * max(k for _, k, _ in subs)
-        estimated += trips * max(f for _, _, f in subs)
-  return collectives, kernels, estimated
-
-
 def rule_cost(jaxpr) -> _plan.Cost:
   """A traced rule's cost (``jaxpr``: closed): the Pallas cost estimate of
-  its JAX-coded operations plus each kernel's own estimate (a
-  ``pallas_call``'s ``cost_estimate``), its collectives and opaque
-  kernels, and the bytes of its outputs."""
+  its JAX-coded operations plus its kernels' own estimates, its
+  collectives and opaque kernels (all three from the facade's
+  ``kernel_totals``, the audit's reader too), the kernels' estimated bytes,
+  and the bytes of its outputs."""
   try:
     est = jx.pallas_cost.cost_estimate_jaxpr(jaxpr)
     flops = float(est.flops + est.transcendentals)
   except Exception:  # noqa: BLE001 - a primitive it has no rule for
     flops = 0.0
-  collectives, kernels, estimated = _counted(jaxpr.jaxpr.eqns)
+  k = jx.kernel_totals(jaxpr)
   written = sum(_size(a) * getattr(getattr(a, "dtype", None), "itemsize", 0)
                 for a in jaxpr.out_avals)
-  return _plan.Cost(collectives, flops + estimated, kernels, written)
+  return _plan.Cost(int(k["collectives"]),
+                    flops + k["flops"] + k["transcendentals"],
+                    int(k["kernels"]), written, k["bytes_accessed"])
 
 
 # -- facts and answers --------------------------------------------------------------

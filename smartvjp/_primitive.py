@@ -220,6 +220,16 @@ def register_with_logs(prim, fn, collecting, merge) -> None:
   jx.register_transpose_with_logs(prim, fn, collecting, merge)
 
 
+_CODE: dict = {}     # primitive -> its code(**params) (define's)
+
+
+def code_of(eqn) -> Code | None:
+  """What an equation of one of smartvjp's primitives runs (``Code``:
+  its jaxpr, role, inputs), or ``None`` for any other equation."""
+  code = _CODE.get(eqn.primitive)
+  return None if code is None else code(**eqn.params)
+
+
 def define(name: str, *, abstract_eval: Callable, shows: Callable,
            code: Callable | None = None, role: Callable = lambda p: "fun",
            jvp: Callable | str | None = None, bind: Callable | None = None):
@@ -259,6 +269,10 @@ def define(name: str, *, abstract_eval: Callable, shows: Callable,
           flops=c.flops, transcendentals=c.transcendentals,
           bytes_accessed=c.bytes_accessed)
     register(prim, "pallas_cost", pallas_cost)
+    _CODE[prim] = code
+    # the one sub-jaxpr walker (jx.inner_jaxprs) runs the code it runs
+    jx.register_inner_jaxprs(
+        prim, lambda **params: [live_code(code(**params)).jaxpr])
   if bind is not None:
     default = prim.bind
     prim.bind = lambda *args, **params: bind(default, *args, **params)

@@ -70,17 +70,13 @@ def _which(eqn) -> str | None:
 
 
 def _sub_jaxprs(eqn):
-  """``(label, jaxpr)`` per jaxpr in ``eqn``'s params: a ``Jaxpr``, a
-  ``ClosedJaxpr``, or an object holding one as ``.jaxpr`` (under
-  ``jax_remat3``, the ``RematTraced`` of a ``call_hi_primitive``)."""
-  for value in eqn.params.values():
-    for sub in value if isinstance(value, (tuple, list)) else (value,):
-      label = eqn.primitive.name
-      if not isinstance(sub, (jx.ClosedJaxpr, jx.core.Jaxpr)):
-        label, sub = type(sub).__name__, getattr(sub, "jaxpr", None)
-      sub = sub.jaxpr if isinstance(sub, jx.ClosedJaxpr) else sub
-      if isinstance(sub, jx.core.Jaxpr):
-        yield label, sub
+  """``(label, Inner)`` per jaxpr ``eqn`` runs (the facade's walker,
+  ``jx.inner_jaxprs``): labelled by the primitive, or under ``jax_remat3``
+  by the high-level primitive's type (``RematTraced``)."""
+  hi = eqn.params.get("_prim")
+  label = type(hi).__name__ if hi is not None else eqn.primitive.name
+  for sub in jx.inner_jaxprs(eqn):
+    yield label, sub
 
 
 def rule_equations(jaxpr, where: tuple[str, ...] = (),
@@ -103,11 +99,10 @@ def rule_equations(jaxpr, where: tuple[str, ...] = (),
       continue
     if eqn.primitive.name.startswith("smartvjp_"):
       continue   # smartvjp_count: RunCounter's step, not a rule
-    name = eqn.primitive.name
-    inner = (None if repeats is None or name == "while" else
-             repeats * eqn.params["length"] if name == "scan" else repeats)
     for label, sub in _sub_jaxprs(eqn):
-      found.extend(rule_equations(sub, (*where, label), inner))
+      inner = (None if repeats is None or sub.trips is None
+               else repeats * sub.trips)
+      found.extend(rule_equations(sub.jaxpr, (*where, label), inner))
   return found
 
 

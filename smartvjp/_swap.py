@@ -178,7 +178,7 @@ def _user_fun(fun):
   return fun
 
 
-def _qualified(fun, name=None) -> str:
+def qualified(fun, name=None) -> str:
   """``"<module>.<name>"`` of a user's function (``name``: JAX's record of
   it, when ``fun`` is another rule of the same call)."""
   inner = _user_fun(fun)
@@ -274,19 +274,8 @@ def _why_jax(module_name: str, bwd_fun, vjp3: bool = False) -> str:
 
 
 def _jaxprs_in_eqn(eqn):
-  """The jaxprs an equation holds: call, loop and branch bodies, and a
-  high-level primitive's own."""
-  values = list(eqn.params.values())
-  hi = eqn.params.get("_prim")
-  if hi is not None:
-    values += [getattr(hi, "jaxpr", None),
-               getattr(getattr(hi, "traced", None), "jaxpr", None)]
-  for value in values:
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(v, jx.ClosedJaxpr):
-        yield v.jaxpr
-      elif isinstance(v, jx.core.Jaxpr):
-        yield v
+  """The jaxprs an equation holds (the facade's walker)."""
+  return [sub.jaxpr for sub in jx.inner_jaxprs(eqn)]
 
 
 def _behind_jax(fn, depth=3):
@@ -338,7 +327,7 @@ def _walk(jaxpr, found: dict, why: dict, seen: set):
   for eqn in jaxpr.eqns:
     if eqn.primitive in _SMART_PRIMITIVES:   # differentiated: jvp, lin, ...
       call = eqn.params["call"]
-      found.setdefault(_qualified(call.rules.fun), True)
+      found.setdefault(qualified(call.rules.fun), True)
       if call.jaxpr is not None and id(call.jaxpr) not in seen:
         seen.add(id(call.jaxpr))
         _walk(call.jaxpr.jaxpr, found, why, seen)
@@ -346,7 +335,7 @@ def _walk(jaxpr, found: dict, why: dict, seen: set):
     parts = _custom_vjp_call_parts(eqn)
     if parts is not None:
       f_name, bwd = parts
-      name = _qualified(bwd, f_name)
+      name = qualified(bwd, f_name)
       found[name] = False
       why.setdefault(name, _why_jax(getattr(bwd, "__module__", None) or "",
                                     bwd, eqn.params.get("_prim") is not None))
@@ -612,14 +601,14 @@ _patch_lock = threading.RLock()
 _patch_depth = 0
 _patch_saved: tuple = ()
 _calls_depth = 0
-_JAX_CALL = JAX_CUSTOM_VJP.__call__   # JAX's own, captured at import
+JAX_CALL = JAX_CUSTOM_VJP.__call__   # JAX's own, captured at import
 
 # jax.custom_vjp function -> (its fwd, its bwd, the smart_custom_vjp twin
 # with those rules): a twin is remade when defvjp gave other rules
 _twins: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _refusal(fn) -> str | None:
+def refusal(fn) -> str | None:
   """Why ``fn`` (a ``jax.custom_vjp`` function) runs as JAX's inside
   ``swap_custom_vjp(existing=True)``, or None where it runs as smartvjp's."""
   if getattr(fn, "fwd", None) is None or getattr(fn, "bwd", None) is None:
@@ -642,8 +631,8 @@ def _twin(fn):
   function), or ``None`` where ``fn`` is to run as JAX's: no rules yet, rules
   of a kind smartvjp does not take from it (``defvjp_with_logs``,
   ``defvjp_with_accums``, ``defremat``), or made by JAX's own APIs in its
-  private modules (``_refusal`` says which; ``swap_report`` repeats it)."""
-  why = _refusal(fn)
+  private modules (``refusal`` says which; ``swap_report`` repeats it)."""
+  why = refusal(fn)
   if why is not None:
     note_refused(fn, why)
     return None
@@ -662,7 +651,7 @@ def _call_as_smart(self, *args, **kwargs):
   """``jax.custom_vjp.__call__`` inside ``swap_custom_vjp(existing=True)``."""
   twin = _twin(self)
   if twin is None:
-    return _JAX_CALL(self, *args, **kwargs)
+    return JAX_CALL(self, *args, **kwargs)
   return twin(*args, **kwargs)
 
 
@@ -806,7 +795,7 @@ def swap_custom_vjp(*, existing: bool = False) -> Iterator[None]:
       if existing:
         _calls_depth -= 1
         if _calls_depth == 0:
-          JAX_CUSTOM_VJP.__call__ = _JAX_CALL
+          JAX_CUSTOM_VJP.__call__ = JAX_CALL
       _patch_depth -= 1
       if _patch_depth == 0:
         # for swap_report: what a block imported, whose later run-time

@@ -154,8 +154,12 @@ def test_site_identity_residuals_and_suggestion(ad_mode):
     assert leaf["fate"]["as_written"] == "dropped"
     assert s["residual_bytes"]["as_written"] == {
         "written": 48, "saved": 0, "dropped": 48, "recomputed": 0}
-    assert s["suggestion"].startswith("swap: decorate kernels.f")
-    assert "fwd runs 8 -> 4" in s["suggestion"]
+    # fwd runs 8 -> 4, but f is a kernel too: 12 launches either way, and
+    # the callbacks' work is priced at nothing on CPU: within noise
+    assert s["runs"]["as_written"]["compiled"]["fwd"] == 8
+    assert s["runs"]["smartvjp"]["compiled"]["fwd"] == 4
+    assert s["suggestion"].startswith("no action: the swap's predicted "
+                                      "saving is within noise")
 
 
 def _remat3_equation():

@@ -103,7 +103,8 @@ def test_xla_counts_a_loop_body_once_and_the_audit_corrects_it():
                                                              rel=1e-3)
   closed = jax.make_jaxpr(_scan_step(5))(x)
   notes = []
-  fix = A.loop_correction(closed.jaxpr, notes, {})
+  trips = A.compiled_trips(_scan_step(5).lower(x).compile().as_text())
+  fix = A.loop_correction(closed.jaxpr, trips, notes, {})
   # four more bodies' worth (2*8*64*64 flops each), nothing else
   assert fix["flops"] == pytest.approx(4 * 2 * 8 * 64 * 64, rel=0.01)
   assert not notes
@@ -141,10 +142,11 @@ def _layer(act, dact):
 def test_site_predictions_sum_to_the_step_prediction():
   """Two sites in a scanned, checkpointed body, with fused rules that skip
   a 256x256x256 matmul per run: each site's own predicted saving (runs
-  saved per rule times the rule's own cost, lowered alone) and the whole
-  step's (the two compiled steps' costs, loops scaled) agree within 5%:
-  the rules lowered alone are costed before XLA's optimisation and without
-  their neighbours (fusion changes bytes accessed; flops dominate here)."""
+  saved per rule times the rule's own cost, compiled alone) and the whole
+  step's (the two compiled steps' costs, loops scaled) agree within 15%
+  (the tolerance held to on the TPU): the flops agree, the bytes do not
+  (a rule compiled alone reads and writes what fuses with its neighbours
+  in the step: here the rules say 2 MB saved, the steps 0.15 MB more)."""
   big = _layer(jnp.sin, jnp.cos)
   small = _layer(jnp.tanh, lambda h: 1 - jnp.tanh(h) ** 2)
 
@@ -169,7 +171,7 @@ def test_site_predictions_sum_to_the_step_prediction():
   assert a.sites[0]["predicted"]["rule_cost"]["fwd"]["flops"] \
       > 2 * 256 ** 3
   assert p["sites_seconds_saved"] == pytest.approx(sum(saved))
-  assert p["seconds_saved"] == pytest.approx(sum(saved), rel=0.05)
+  assert p["seconds_saved"] == pytest.approx(sum(saved), rel=0.15)
   assert p["predicted_ratio"] < 1
   st = a.data["step"]["as_written"]
   assert st["cost_loops_scaled"]["flops"] > 2.5 * st["cost"]["flops"]
@@ -222,17 +224,6 @@ def test_a_pallas_call_counts_at_its_own_cost_estimate():
   looped = A.rule_cost(jax.make_jaxpr(lambda x: jax.lax.scan(
       lambda c, _: (call(c) @ w, None), x, None, length=4)[0])(x))
   assert looped["flops"] == pytest.approx(4 * (1e9 + matmul), rel=1e-3)
-
-
-def test_cost_of_a_lowered_program_where_the_platform_gives_none():
-  """A TPU gives no cost analysis before compiling: the audit asks the CPU
-  client about the same HLO (on a CPU, both answers agree)."""
-  from smartvjp import _facade as jx
-  lowered = jax.jit(lambda x: jnp.sin(x) @ x).lower(jnp.ones((16, 16)))
-  want = A._cost(lowered)
-  got = jx.cost_analysis_on_cpu(lowered)
-  assert want["flops"] == got["flops"] == 2 * 16 ** 3
-  assert want["bytes_accessed"] == got["bytes accessed"] > 0
 
 
 def test_a_pallas_call_without_an_estimate_is_named_in_the_notes():

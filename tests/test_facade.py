@@ -53,7 +53,7 @@ def _uses(alias_names):
   """``(alias, name)`` of every use of a declared namespace: ``alias.name``
   in ``_facade.py``, ``jx.alias.name`` in the other modules."""
   used = set()
-  for path in sorted(PKG.glob("*.py")):
+  for path in sorted(PKG.rglob("*.py")):
     prefix = r"\b" if path.name == "_facade.py" else r"\bjx\."
     for alias, name in re.findall(rf"{prefix}([a-z_]+)\.([A-Za-z_]\w*)",
                                   path.read_text()):
@@ -88,7 +88,7 @@ def test_namespaces_hold_only_declared_names():
 
 
 def test_no_other_module_reaches_into_jax_internals():
-  for path in sorted(PKG.glob("*.py")):
+  for path in sorted(PKG.rglob("*.py")):
     if path.name == "_facade.py":
       continue
     text = path.read_text()
@@ -99,14 +99,28 @@ def test_no_other_module_reaches_into_jax_internals():
 
 
 def test_no_module_imports_another_modules_private_names():
-  for path in sorted(PKG.glob("*.py")):
+  for path in sorted(PKG.rglob("*.py")):
     for m in re.finditer(r"from smartvjp\.\w+ import \(([^)]*)\)|"
                          r"from smartvjp\.\w+ import ([^\n(]*)",
                          path.read_text()):
       names = (m.group(1) or m.group(2)).replace("\n", " ").split(",")
-      private = [n.strip().split(" as ")[0] for n in names
-                 if n.strip().startswith("_")]
+      package = PKG / m.group(0).split()[1].split(".", 1)[1]
+      private = [n for n in (n.strip().split(" as ")[0] for n in names)
+                 if n.startswith("_")
+                 and not (package / (n + ".py")).exists()]   # a module
       assert not private, (path.name, private)
+
+
+def test_no_module_reads_another_modules_private_names():
+  """``_swap.qualified``, not ``_swap._qualified``: a module reads only
+  the public names of the smartvjp modules it imports (the audit too)."""
+  for path in sorted(PKG.rglob("*.py")):
+    text = path.read_text()
+    aliases = [a or m for m, a in re.findall(
+        r"from smartvjp(?:\.audit)? import (_\w+)(?: as (\w+))?", text)]
+    for alias in aliases:
+      used = re.findall(rf"\b{alias}\.(_\w+)", text)
+      assert not used, (path.name, alias, used)
 
 
 def test_adapters_follow_the_installed_conventions():

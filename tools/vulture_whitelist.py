@@ -45,3 +45,9 @@ __class__
 # _schedule.ScheduledRule.equation: a public field of print_schedule's
 # records (the JaxprEqn), read by their users, not by the package.
 equation
+
+# Primitive.multiple_results (smartvjp's primitives, RunCounter's step):
+# read by JAX's bind and lowering, not by the package.
+from smartvjp._primitive import _SmartPrimitive  # noqa: E402
+_SmartPrimitive.multiple_results
+

@@ -19,6 +19,7 @@ from smartvjp.audit import _model as M
 from smartvjp.audit import _trace as T
 from smartvjp import _facade as jx
 from smartvjp import _primitive as P
+from smartvjp import _swap
 
 SCHEMA = "smartvjp.audit/1"
 
@@ -29,10 +30,6 @@ class AuditError(ValueError):
 
 
 # -- what an equation runs of other jaxprs ------------------------------------------
-
-_SMART_CODE = {P.call_p: P._call_code, P.rule_p: P._rule_code,
-               P.rem_p: P._rem_code}
-
 
 def _policy_name(policy) -> str:
   if policy is None:
@@ -45,52 +42,43 @@ def _policy_name(policy) -> str:
   return f"{type(policy).__name__}({', '.join(map(str, names or ()))})"
 
 
-def _closed(v):
-  if isinstance(v, jx.ClosedJaxpr):
-    return v.jaxpr
-  if isinstance(v, jx.core.Jaxpr):
-    return v
+def _label(eqn):
+  """How ``count_jaxpr`` names what ``eqn`` runs: ``(text, policy)``
+  (``policy``: a checkpoint's, else ``None``), or ``None`` (smartvjp's own
+  primitives, which run their rules inline)."""
+  name = eqn.primitive.name
+  hi = eqn.params.get("_prim")
+  if P.code_of(eqn) is not None:
+    return None
+  if name in ("shard_map", "xla_pmap"):
+    return (name, None)
+  if name in ("remat2", "checkpoint", "remat"):
+    policy = eqn.params.get("policy")
+    return (f"checkpoint({_policy_name(policy)})", ("policy", policy))
+  if hasattr(hi, "policy") and hasattr(hi, "prevent_cse"):
+    # under the remat3 flags (jax 0.11+): a rematerialized region is a
+    # call_hi_primitive whose _prim (RematTraced) holds the policy
+    return (f"checkpoint({_policy_name(hi.policy)})", ("policy", hi.policy))
+  if name in ("pjit", "jit", "closed_call", "core_call"):
+    return (f"jit({eqn.params.get('name', '')})", None)
   return None
 
 
 def sub_jaxprs(eqn):
-  """``(kind, [(jaxpr, label)])`` for ``_count.count_jaxpr``; a label
-  is ``(text, policy)`` (``policy``: a checkpoint's, else ``None``), or
-  for loops ``((text, None), trips)``."""
-  name = eqn.primitive.name
-  code = _SMART_CODE.get(eqn.primitive)
-  if code is not None:
-    return "inline", [(P.live_code(code(**eqn.params)).jaxpr, None)]
-  if name == "scan":
-    n = eqn.params["length"]
-    return "loop", [(eqn.params["jaxpr"].jaxpr, ((f"scan(×{n})", None), n))]
-  if name == "while":
-    return "loop", [(eqn.params["body_jaxpr"].jaxpr, (("while", None), None))]
-  if name == "cond":
-    return "branches", [(b.jaxpr, ("cond", None))
-                        for b in eqn.params["branches"]]
-  if name in ("shard_map", "xla_pmap"):
-    label = (name, None)
-  elif name in ("remat2", "checkpoint", "remat"):
-    policy = eqn.params.get("policy")
-    label = (f"checkpoint({_policy_name(policy)})", ("policy", policy))
-  elif name in ("pjit", "jit", "closed_call", "core_call"):
-    label = (f"jit({eqn.params.get('name', '')})", None)
-  else:
-    label = None
-  hi = eqn.params.get("_prim")
-  if label is None and hasattr(hi, "policy") and hasattr(hi, "prevent_cse"):
-    # under the remat3 flags (jax 0.11+): a rematerialized region is a
-    # call_hi_primitive whose _prim (RematTraced) holds the policy
-    label = (f"checkpoint({_policy_name(hi.policy)})", ("policy", hi.policy))
-  subs = [(j, label) for j in map(_closed, eqn.params.values()) if j is not None]
-  subs += [(j, label) for v in eqn.params.values() if isinstance(v, (tuple, list))
-           for j in map(_closed, v) if j is not None]
-  if hi is not None:
-    subs += [(j, label) for j in map(_closed, (
-        getattr(hi, "jaxpr", None),
-        getattr(getattr(hi, "traced", None), "jaxpr", None))) if j is not None]
-  return ("inline" if subs else None), subs
+  """``(kind, [(jaxpr, label)])`` for ``_count.count_jaxpr``, from the
+  facade's one walker (``jx.inner_jaxprs``); a label is ``(text,
+  policy)`` (``_label``), for loops ``((text, None), trips)``."""
+  subs = jx.inner_jaxprs(eqn)
+  if not subs:
+    return None, []
+  if subs[0].kind == "loop":
+    n = subs[0].trips
+    text = "while" if n is None else f"scan(×{n})"
+    return "loop", [(s.jaxpr, ((text, None), n)) for s in subs]
+  if subs[0].kind == "branch":
+    return "branches", [(s.jaxpr, ("cond", None)) for s in subs]
+  label = _label(eqn)
+  return "inline", [(s.jaxpr, label) for s in subs]
 
 
 def _name_stack(eqn) -> str:
@@ -276,23 +264,17 @@ def trace_rules(site, call) -> Rules:
   return Rules(jaxprs, residuals, res_eqns, num_out, errors)
 
 
-def _primitives(jaxpr, seen=None):
-  seen = set() if seen is None else seen
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for v in eqn.params.values():
-      for j in (v if isinstance(v, (tuple, list)) else (v,)):
-        j = _closed(j)
-        if j is not None and id(j) not in seen:
-          seen.add(id(j))
-          yield from _primitives(j, seen)
+def _primitives(jaxpr):
+  """Every equation of ``jaxpr`` at any depth (the facade's walker)."""
+  return (eqn for eqn, _ in jx.equations(jaxpr))
 
 
 def opaque_count(closed) -> int:
+  """Kernel launches per run of ``closed`` at any depth, loops per trip
+  (the facade's ``kernel_totals``)."""
   if closed is None:
     return 0
-  return sum(e.primitive.name in C.OPAQUE_PRIMITIVES
-             for e in closed.jaxpr.eqns)
+  return int(jx.kernel_totals(closed)["kernels"])
 
 
 _COST_KEYS = ("flops", "transcendentals", "bytes_accessed")
@@ -302,77 +284,78 @@ def _zero() -> dict:
   return dict.fromkeys(_COST_KEYS, 0.0)
 
 
-def _lowered_cost(fn, avals) -> dict:
-  """XLA's ``cost_analysis`` of ``fn`` lowered alone for ``avals`` (before
-  optimisation; no compile); where the platform gives none (a TPU), the
-  CPU client's analysis of the same HLO (a kernel counts nothing there)."""
-  lowered = jax.jit(fn).lower(
-      *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
-  out = _cost(lowered)
-  if not out:
-    c = jx.cost_analysis_on_cpu(lowered)
-    out = {k: max(float(c.get(name, 0.0) or 0.0), 0.0) for k, name in (
-        ("flops", "flops"), ("transcendentals", "transcendentals"),
-        ("bytes_accessed", "bytes accessed"))}
-  return out
+def compiled_trips(hlo: str) -> set:
+  """The trip counts of the ``while`` loops of a compiled program's HLO
+  text (``None`` for one whose count it does not state)."""
+  comps, _ = C.parse_hlo(hlo)
+  return {ins.trips if ins.trips is not None
+          else C.condition_bound(comps, ins.callees.get("condition"))
+          for instrs in comps.values() for ins in instrs
+          if ins.opcode == "while"}
 
 
-def _pallas_adjustment(jaxpr, cache: dict) -> tuple[dict, int]:
-  """Per ``pallas_call`` in ``jaxpr`` (each once, in loops too: the loop
-  correction scales them): its ``cost_estimate`` less what XLA's analysis
-  sees of it lowered alone (a TPU's may read the estimate, a CPU's sees
-  the interpreted kernel or nothing), so that XLA's figure for the whole
-  plus this counts each kernel at its estimate; and how many had none."""
+def _compiled_cost(fn, avals) -> tuple[dict, set]:
+  """``fn`` compiled alone for ``avals``: XLA's ``cost_analysis`` of the
+  compiled program (after fusion, as the step runs it) and its loops'
+  trip counts (``compiled_trips``)."""
+  compiled = jax.jit(fn).lower(
+      *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).compile()
+  return _cost(compiled), compiled_trips(compiled.as_text())
+
+
+def _kernel_adjustment(jaxpr, cache: dict) -> tuple[dict, int]:
+  """Per kernel in ``jaxpr`` stating a cost (``jx.kernel_cost_estimate``;
+  each once, in loops too: the loop correction scales them): its estimate
+  less what XLA's analysis sees of it compiled alone (a compiled kernel
+  is a custom call XLA may count as nothing; an interpreted one is the
+  interpreter's loop), so that XLA's figure for the whole plus this counts
+  each kernel at its estimate; and how many kernels state none."""
   total, missing = _zero(), 0
   for eqn in _primitives(jaxpr):
-    if eqn.primitive.name != "pallas_call":
+    if not jx.is_opaque_kernel(eqn):
       continue
-    est = eqn.params.get("cost_estimate")
+    est = jx.kernel_cost_estimate(eqn)
     if est is None:
-      missing += 1
+      missing += eqn.primitive.name == "pallas_call"
       continue
-    key = ("pallas_call", id(eqn))
-    if key not in cache and not eqn.params.get("interpret"):
-      # a compiled kernel is a custom call: XLA's analysis before compiling
-      # counts nothing of it (-1 alone; probed on a TPU v5e)
-      cache[key] = (eqn, {})
+    key = ("kernel", id(eqn))
     if key not in cache:
       try:
-        seen = _lowered_cost(
+        seen = _compiled_cost(
             lambda *a, e=eqn: e.primitive.bind(*a, **e.params),
-            [v.aval for v in eqn.invars])
+            [v.aval for v in eqn.invars])[0]
       except Exception:   # noqa: BLE001  (then XLA saw nothing of it)
         seen = {}
       cache[key] = (eqn, seen)
     seen = cache[key][1]
     for k in total:
-      total[k] += float(getattr(est, k, 0) or 0) - seen.get(k, 0.0)
+      total[k] += est[k] - seen.get(k, 0.0)
   return total, missing
 
 
 def rule_cost(closed, cache: dict | None = None) -> dict:
-  """A traced jaxpr's own cost, one run (a rule's, or a loop's body):
-  XLA's ``cost_analysis`` of it lowered alone (before optimisation; no
-  compile), each ``pallas_call`` at its own ``cost_estimate``
-  (``_pallas_adjustment``), and its scans scaled by their trip counts
-  (``loop_correction``, kept apart in ``"loops"``)."""
+  """A traced jaxpr's own cost, one run (a rule's, or a loop's body), from
+  compiled programs only: XLA's ``cost_analysis`` of it compiled alone,
+  each kernel at its own cost estimate (``_kernel_adjustment``), and its
+  loops scaled by their trip counts (``loop_correction``, kept apart in
+  ``"loops"``)."""
   cache = {} if cache is None else cache
   if ("rule", id(closed)) in cache:
     return cache[("rule", id(closed))][1]
   try:
-    xla = _lowered_cost(jx.jaxpr_as_fun(closed), closed.in_avals)
+    xla, trips = _compiled_cost(jx.jaxpr_as_fun(closed), closed.in_avals)
     error = None
   except Exception as e:   # noqa: BLE001  (reported, not raised)
-    xla, error = {}, f"{type(e).__name__}: {str(e)[:200]}"
-  pallas, missing = _pallas_adjustment(closed.jaxpr, cache)
+    xla, trips, error = {}, set(), f"{type(e).__name__}: {str(e)[:200]}"
+  pallas, missing = _kernel_adjustment(closed.jaxpr, cache)
   notes: list = []
-  loops = loop_correction(closed.jaxpr, notes, cache)
+  loops = loop_correction(closed.jaxpr, trips, notes, cache)
   out = {k: max(xla.get(k, 0.0) + pallas[k] + loops[k], 0.0)
          for k in _COST_KEYS}
   out["loops"] = loops
   out["source"] = "xla+pallas_estimate" if any(
-      e.primitive.name == "pallas_call" and e.params.get("cost_estimate")
-      for e in _primitives(closed.jaxpr)) else "xla"
+      jx.kernel_cost_estimate(e) for e in _primitives(closed.jaxpr)
+  ) else "xla"
   if missing:
     out["pallas_calls_without_estimate"] = missing
   if error:
@@ -381,29 +364,45 @@ def rule_cost(closed, cache: dict | None = None) -> dict:
   return out
 
 
-def loop_correction(jaxpr, notes: list, cache: dict) -> dict:
-  """What XLA's ``cost_analysis`` leaves out of loops: it counts a
-  ``while`` body once, whatever its trip count (checked in
-  tests/test_audit_model.py). Per scan in ``jaxpr`` (a ``Jaxpr``) of
+def program_cost(closed, compiled_cost: dict, hlo: str, notes: list,
+                 cache: dict) -> dict:
+  """A compiled program's cost with its loops scaled: XLA's
+  ``compiled_cost`` of it plus ``loop_correction`` (``closed``: its jaxpr,
+  ``hlo``: its compiled text)."""
+  if not compiled_cost:
+    return {}
+  fix = loop_correction(closed.jaxpr, compiled_trips(hlo), notes, cache)
+  return {k: compiled_cost.get(k, 0.0) + fix.get(k, 0.0)
+          for k in compiled_cost}
+
+
+def loop_correction(jaxpr, trips: set, notes: list, cache: dict) -> dict:
+  """What XLA's ``cost_analysis`` of a compiled program leaves out of its
+  loops: it counts a ``while`` body once, whatever its trip count (checked
+  in tests/test_audit_model.py). Per scan in ``jaxpr`` (a ``Jaxpr``) of
   length ``n`` unrolled ``u`` times (the ``u`` copies XLA counts), with
-  ``own`` its body's cost (``rule_cost``, its own loops scaled):
-  ``(n - u) * own + u * own["loops"]``."""
+  ``own`` its body's cost compiled alone (``rule_cost``, its own loops
+  scaled): ``(n - u) * own + u * own["loops"]``. ``trips``: the compiled
+  program's loop trip counts (``compiled_trips``); a scan whose loop is not
+  among them was unrolled by XLA, which then counted every copy."""
   total = _zero()
   for eqn in jaxpr.eqns:
+    subs = jx.inner_jaxprs(eqn)
     if eqn.primitive.name == "scan":
-      n, body = eqn.params["length"], eqn.params["jaxpr"]
-      unroll = eqn.params.get("unroll", 1)
-      unroll = n if unroll is True else max(min(int(unroll), n), 1)
-      own = rule_cost(body, cache)
+      n, unroll = subs[0].trips, subs[0].unroll
+      if n // unroll > 1 and n // unroll not in trips:
+        notes.append(f"a scan of {n} is no loop in the compiled program "
+                     "(XLA unrolled it): priced as compiled")
+        continue
+      own = rule_cost(eqn.params["jaxpr"], cache)
       for k in total:
         total[k] += (n - unroll) * own[k] + unroll * own["loops"][k]
       continue
-    kind, subs = sub_jaxprs(eqn)
-    if kind == "loop":   # a while loop: its trip count is not known here
+    if subs and subs[0].kind == "loop":   # a while: trip count not known
       notes.append("a while loop's body is counted once in the step's cost "
                    "(trip count unknown)")
-    parts = [loop_correction(sub, notes, cache) for sub, _ in subs]
-    if kind == "branches" and parts:
+    parts = [loop_correction(s.jaxpr, trips, notes, cache) for s in subs]
+    if subs and subs[0].kind == "branch":
       parts = [max(parts, key=lambda p: p["flops"] + p["bytes_accessed"])]
     for part in parts:
       for k in total:
@@ -503,61 +502,82 @@ def _fate(leaf, eqn, policy, remat, runs, opaque, fused) -> str:
   return "dropped" if opaque and c["fwd"] > c["bwd"] else "recomputed"
 
 
-# a JAX-coded site is worth swapping when its own predicted saving is at
-# least this share of the step (below it, a measurement cannot tell)
-WORTH = 0.01
+# the swap is advised where a site's predicted saving is at least this
+# share of the step; below it a measurement of the step cannot tell it
+# from noise (issue 63: the paired IQR of a TPU step holds 1 below ~0.5%)
+WORTH = 0.005
+
+
+def _ran_fused(runs: dict | None) -> bool:
+  """Whether a configuration's step really ran the fused ``fwd_bwd``."""
+  if not runs:
+    return False
+  return bool(runs.get("compiled", runs["jaxpr"]).get("fwd_bwd"))
+
+
+def _swap_line(site, info, how: str, share) -> str:
+  """The swap's advice: with its fused rule only where the configuration
+  priced really ran it."""
+  fused = _ran_fused(info["runs"].get(info["best_config"]))
+  line = f"swap: {how}" + (" and use its fwd_bwd" if fused else "")
+  aw = info["runs"]["as_written"]
+  sv = info["runs"][info["best_config"]]
+  if info["opaque"]:
+    a_fwd = aw.get("compiled", aw["jaxpr"])["fwd"]
+    s_fwd = sv.get("compiled", sv["jaxpr"])["fwd"]
+    line += (f" (fwd runs {a_fwd} -> {s_fwd} per step, "
+             f"{info['predicted']['launches_saved']} kernel launches fewer, "
+             f"{info['predicted']['dropped_bytes_saved']} bytes of dropped "
+             "residual writes avoided"
+             + (f"; predicted {share:.1%} of the step saved" if share
+                is not None else "") + ")")
+  else:
+    line += f" (predicted {share:.1%} of the step saved)"
+  return line
 
 
 def _suggestion(site, info) -> str:
+  """One line of advice from the numbers: "swap" where the predicted
+  saving is at least ``WORTH`` of the step (without a time model, for a
+  kernel site, where it launches fewer kernels), "no action" where it is
+  within noise; a fused rule only where a configuration ran it."""
   if site.refused is not None:
     return f"none: left as JAX's ({site.refused})"
-  best = info["best_config"]
   aw = info["runs"].get("as_written")
-  sv = info["runs"].get(best)
+  sv = info["runs"].get(info["best_config"])
   library = any(d in info["defined_at"] for d in _LIBRARY_DIRS)
   how = ("wrap the step's first trace in `with smartvjp.swap_custom_vjp("
          "existing=True):` (or load the library with smartvjp.import_swapped)"
          if library else
          f"decorate {info['name']} with smartvjp.smart_custom_vjp (one import)")
   if site.kind == "smart_custom_vjp":
-    if (info["opaque"] and site.fwd_bwd is None and info["remat"]
-        and info["residual_bytes"].get("smartvjp", {}).get("recomputed")):
-      return ("already smart_custom_vjp; add a fused fwd_bwd rule: the "
-              "backward region runs fwd then bwd on residuals it recomputes")
     return "no action: already smart_custom_vjp"
   if aw is None or sv is None:
     return "no suggestion: a configuration did not trace (see errors)"
   if not info["remat"]:
     return ("no action: no jax.checkpoint around this site, so every "
             "configuration runs fwd once and bwd once")
-  launches = info["predicted"]["launches_saved"]
-  if info["opaque"]:
+  share = info["predicted"].get("share_of_step")
+  if share is None and info["opaque"]:   # no time model: the counts say
     a_fwd = aw.get("compiled", aw["jaxpr"])["fwd"]
     s_fwd = sv.get("compiled", sv["jaxpr"])["fwd"]
-    if launches > 0 or s_fwd < a_fwd:
-      dropped = info["predicted"]["dropped_bytes_saved"]
-      extra = (" and use its fwd_bwd" if site.fwd_bwd is not None else "")
-      share = info["predicted"].get("share_of_step")
-      return (f"swap: {how}{extra} (fwd runs {a_fwd} -> {s_fwd} per step, "
-              f"{launches} kernel launches fewer, {dropped} bytes of "
-              "dropped residual writes avoided"
-              + (f"; predicted {share:.1%} of the step saved"
-                 if share is not None else "") + ")")
+    if info["predicted"]["launches_saved"] > 0 or s_fwd < a_fwd:
+      return _swap_line(site, info, how, share)
+  elif share is not None and share >= WORTH:
+    return _swap_line(site, info, how, share)
+  if info["opaque"]:
     named = [r["name"] for r in info["residuals"] if r["name"]
              and r["fate"]["as_written"] != "saved"]
-    if named:
+    if named and share is None:
       return (f"name-based policy: save residual {named[0]!r} with "
               f"jax.checkpoint_policies.save_only_these_names({named[0]!r})")
-    return "no action: the swap launches no fewer kernels here"
-  share = info["predicted"].get("share_of_step")
-  if share is not None and share >= WORTH:
-    return (f"swap: {how}" + (" and use its fwd_bwd" if site.fwd_bwd
-                              is not None else "")
-            + f" (predicted {share:.1%} of the step saved)")
+    return ("no action: the swap's predicted saving is within noise"
+            + (f" ({share:.2%} of the step)" if share is not None else
+               " (it launches no fewer kernels here)"))
   return ("no action: XLA already removes the duplicate (JAX-coded rules: "
           "XLA drops the work only the residuals need"
-          + (f"; predicted {share:.1%} of the step"
-             if share and abs(share) >= 5e-4 else "") + ")")
+          + (f"; predicted {share:.2%} of the step"
+             if share and abs(share) >= 5e-5 else "") + ")")
 
 
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "callback"})
@@ -616,17 +636,12 @@ def _site_model(info: dict, rules: Rules | None, builds: dict, best: str,
                              if saved is not None and step_seconds else None))
 
 
-def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
-            ) -> tuple[dict, dict]:
-  """Trace and compile ``fn(*args, **kwargs)`` under ``configs``:
-  ``(the report as plain data (schema: docs/audit.md), {config: Build})``.
-  ``peaks``: the time model's overrides (``_model.peaks_for``)."""
-  device = jax.devices()[0]
-  peaks, peaks_source = M.peaks_for(device.device_kind, device.platform, peaks)
-  sites: dict = {}
-  builds: dict = {}
-  errors: dict = {}
-  t0 = time.perf_counter()
+def _build_all(fn, args, kwargs, configs, sites: dict) -> tuple[dict, dict]:
+  """Stage 1: ``({config: Build}, {config: error})``, each configuration
+  traced, lowered and compiled (the compiles at once: XLA compiles without
+  the GIL). ``smartvjp_fused`` is ``smartvjp``'s build where no site has a
+  fused rule."""
+  builds, errors = {}, {}
   for config in configs:
     if config == "smartvjp_fused" and "smartvjp" in builds and sites and not any(
         s.fwd_bwd is not None for s in sites.values()):
@@ -638,14 +653,16 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
       raise
     except Exception as e:   # noqa: BLE001  (reported per configuration)
       errors[config] = f"{type(e).__name__}: {str(e).strip()[:500]}"
-  # XLA compiles without the GIL: the configurations at once
   unique = list({id(b): b for b in builds.values()}.values())
   with concurrent.futures.ThreadPoolExecutor(len(unique) or 1) as pool:
     for b, result in zip(unique, pool.map(_try_compile, unique)):
       if result is not None:
         errors[b.config] = result
         builds = {c: x for c, x in builds.items() if x is not b}
-  name = _fn_name(fn)
+  return builds, errors
+
+
+def _check_found(name: str, builds: dict, errors: dict, sites: dict) -> None:
   if not builds:
     first = next(iter(errors.values()), "")
     raise AuditError(
@@ -657,11 +674,18 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
         "smart_custom_vjp call: nothing to audit (a custom_vjp call that "
         "JAX traced before this process imported smartvjp is found too; "
         "check that the step differentiates the code you meant)")
-  by_index = {s.index: s for s in sites.values()}
-  first_build = next(iter(builds.values()))
+
+
+def _calls(builds: dict, idx: int) -> list:
+  return next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
+
+
+def _count_all(builds: dict, by_index: dict) -> dict:
+  """Stage 2: each site's rules traced alone (``{index: Rules}``), and
+  each build's counts (its kernels' launches per rule run from them)."""
   rules = {}
   for idx, site in by_index.items():
-    calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
+    calls = _calls(builds, idx)
     rules[idx] = trace_rules(site, calls[0]) if calls else None
   for b in builds.values():   # (read by _calibrate)
     b.rules = rules
@@ -669,102 +693,113 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
       key[0]) else {}).get(key[2])) or 1
   for b in {id(b): b for b in builds.values()}.values():
     count(b, per_run)
-  remat3 = _remat3()
-  ref = builds.get("as_written", first_build)
-  best_step = ("smartvjp_fused" if "smartvjp_fused" in builds and any(
-      s.fwd_bwd is not None for s in by_index.values()) else "smartvjp")
-  step_seconds, cost_cache = {}, {}
-  for c, b in {id(b): (c, b) for c, b in builds.items()}.values():
+  return rules
+
+
+def _step_seconds(builds: dict, peaks, cache: dict) -> dict:
+  """Stage 3: each build's cost with its loops scaled (``program_cost``)
+  and its predicted seconds (``None`` without peaks)."""
+  for b in {id(b): b for b in builds.values()}.values():
     notes: list = []
-    fix = loop_correction(b.closed.jaxpr, notes, cost_cache) if b.cost else {}
-    b.loop_cost = {k: b.cost.get(k, 0.0) + fix.get(k, 0.0) for k in b.cost}
+    b.loop_cost = program_cost(b.closed, b.cost, b.hlo, notes, cache)
     b.loop_notes = sorted(set(notes))
+  out = {}
   for c, b in builds.items():
     launches = b.hlo_count.launches if b.hlo_count else 0
-    step_seconds[c] = (M.seconds(b.loop_cost, launches, peaks) if peaks
-                       else None)
-  out_sites = []
-  for idx, site in sorted(by_index.items()):
-    calls = next((b.calls[idx] for b in builds.values() if idx in b.calls), [])
-    paths = [p for key, ps in ref.jaxpr_count.paths.items() if key[0] == idx
-             for p in ps]
-    path = max(paths, key=len) if paths else ()
-    policy_lbl = [lbl[1][1] for lbl in path if lbl[1] and lbl[1][0] == "policy"]
-    remat = bool(policy_lbl) or any(
-        lbl[1] and lbl[1][0] == "policy" for p in paths for lbl in p)
-    # under jax_remat3 checkpoint leaves no equation, only its name stack
-    remat3_only = not remat and any(
-        key[0] == idx for key in ref.jaxpr_count.rematted)
-    remat = remat or remat3_only
-    policy = policy_lbl[-1] if policy_lbl else None
-    mult = sum(ref.jaxpr_count.multiplicity.get((idx, c), 0)
-               for c in range(len(calls))) or len(calls)
-    r = rules[idx]
-    runs = {c: _site_runs(b, idx) for c, b in builds.items()}
-    kernels = max((v.get("kernel_launches", 0) for v in runs.values() if v),
-                  default=0)
-    opaque = bool(kernels) or any(opaque_count(j) for j in (
-        r.jaxprs.values() if r else ()))
-    best = ("smartvjp_fused" if site.fwd_bwd is not None
-            and "smartvjp_fused" in builds else "smartvjp")
-    residuals = []
-    for leaf, eqn in zip(r.residuals if r else (), r.res_eqns if r else ()):
-      leaf = dict(leaf)
-      leaf["fate"] = {c: _fate(leaf, eqn, policy, remat, runs.get(c), opaque,
-                               c == "smartvjp_fused" and site.fwd_bwd is not None)
-                      for c in builds}
-      residuals.append(leaf)
-    totals = {}
-    for c in builds:
-      t = dict.fromkeys(("written", "saved", "dropped", "recomputed"), 0)
-      for leaf in residuals:
-        fate, n = leaf["fate"][c], leaf["bytes"] * mult
-        if fate in ("saved", "offloaded", "dropped"):
-          t["written"] += n
-        if fate in ("saved", "offloaded"):
-          t["saved"] += n
-        elif fate in ("dropped", "recomputed"):
-          t[fate] += n
-      totals[c] = t
-    aw, sv = runs.get("as_written"), runs.get(best)
-    launches_saved = ((aw or {}).get("kernel_launches", 0)
-                      - (sv or {}).get("kernel_launches", 0)) if aw and sv else 0
-    info = dict(
-        index=idx, name=site.name, kind=site.kind,
-        rules={role: T._swap._qualified(getattr(site, role if role != "f"
-                                                else "fun"))
-               for role in C.ROLES if getattr(site, role if role != "f"
-                                              else "fun") is not None},
-        defined_at=site.defined_at,
-        called_at=[c.called_at for c in calls],
-        path=" › ".join(["jit"] + [lbl[0] for lbl in path]
-                        + (["checkpoint(?)"] if remat3_only else [])),
-        multiplicity=mult,
-        policy=("unknown (jax_remat3 leaves no checkpoint equation)"
-                if remat3_only else _policy_name(policy) if remat else None),
-        remat=remat, flags=remat3,
-        conditional=any(lbl[0] == "cond" for p in paths for lbl in p), symbolic_zeros=site.symbolic_zeros,
-        opaque=opaque, best_config=best, runs=runs, residuals=residuals,
-        residual_bytes=totals,
-        predicted=dict(launches_saved=launches_saved,
-                       dropped_bytes_saved=totals.get("as_written", {}).get(
-                           "dropped", 0) - totals.get(best, {}).get(
-                               "dropped", 0)),
-        unavailable=sorted(getattr(site, "unavailable", ())),
-        rule_errors=r.errors if r else {},
-        refused=site.refused,
-        hazards=hazards(site, r, bool(remat3.get("jax_remat3")))
-        if r else [])
-    if peaks:
-      info["predicted"].update(_site_model(
-          info, r, builds, best, peaks,
-          (step_seconds.get("as_written") or {}).get("total"), cost_cache))
-    info["suggestion"] = _suggestion(site, info)
-    out_sites.append(info)
-  out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
-                                -s["predicted"]["launches_saved"],
-                                -s["predicted"]["dropped_bytes_saved"],
-                                s["index"]))
+    out[c] = M.seconds(b.loop_cost, launches, peaks) if peaks else None
+  return out
+
+
+def _site_place(site, calls, ref: Build) -> dict:
+  """Where a site is: its nesting path, checkpoint policy, whether it is
+  rematerialized and how many times per step it is called."""
+  idx = site.index
+  paths = [p for key, ps in ref.jaxpr_count.paths.items() if key[0] == idx
+           for p in ps]
+  path = max(paths, key=len) if paths else ()
+  policy_lbl = [lbl[1][1] for lbl in path if lbl[1] and lbl[1][0] == "policy"]
+  remat = bool(policy_lbl) or any(
+      lbl[1] and lbl[1][0] == "policy" for p in paths for lbl in p)
+  # under jax_remat3 checkpoint leaves no equation, only its name stack
+  remat3_only = not remat and any(
+      key[0] == idx for key in ref.jaxpr_count.rematted)
+  policy = policy_lbl[-1] if policy_lbl else None
+  mult = sum(ref.jaxpr_count.multiplicity.get((idx, c), 0)
+             for c in range(len(calls))) or len(calls)
+  return dict(
+      path=" › ".join(["jit"] + [lbl[0] for lbl in path]
+                      + (["checkpoint(?)"] if remat3_only else [])),
+      multiplicity=mult, remat=remat or remat3_only, policy_fn=policy,
+      policy=("unknown (jax_remat3 leaves no checkpoint equation)"
+              if remat3_only else _policy_name(policy)
+              if remat or remat3_only else None),
+      conditional=any(lbl[0] == "cond" for p in paths for lbl in p))
+
+
+def _site_residuals(site, r, place, runs, opaque, builds) -> tuple:
+  """Each residual's fate per configuration, and the bytes per fate."""
+  residuals = []
+  for leaf, eqn in zip(r.residuals if r else (), r.res_eqns if r else ()):
+    leaf = dict(leaf)
+    leaf["fate"] = {c: _fate(leaf, eqn, place["policy_fn"], place["remat"],
+                             runs.get(c), opaque,
+                             c == "smartvjp_fused" and site.fwd_bwd is not None)
+                    for c in builds}
+    residuals.append(leaf)
+  totals = {}
+  for c in builds:
+    t = dict.fromkeys(("written", "saved", "dropped", "recomputed"), 0)
+    for leaf in residuals:
+      fate, n = leaf["fate"][c], leaf["bytes"] * place["multiplicity"]
+      if fate in ("saved", "offloaded", "dropped"):
+        t["written"] += n
+      if fate in ("saved", "offloaded"):
+        t["saved"] += n
+      elif fate in ("dropped", "recomputed"):
+        t[fate] += n
+    totals[c] = t
+  return residuals, totals
+
+
+def _role_fn(site, role):
+  return getattr(site, role if role != "f" else "fun")
+
+
+def _site_info(site, builds: dict, ref: Build, r, remat3: dict) -> dict:
+  """Stage 4, per site: identity, place, counts, residuals, hazards."""
+  idx, calls = site.index, _calls(builds, site.index)
+  place = _site_place(site, calls, ref)
+  runs = {c: _site_runs(b, idx) for c, b in builds.items()}
+  kernels = max((v.get("kernel_launches", 0) for v in runs.values() if v),
+                default=0)
+  opaque = bool(kernels) or any(opaque_count(j) for j in (
+      r.jaxprs.values() if r else ()))
+  best = ("smartvjp_fused" if site.fwd_bwd is not None
+          and "smartvjp_fused" in builds else "smartvjp")
+  residuals, totals = _site_residuals(site, r, place, runs, opaque, builds)
+  aw, sv = runs.get("as_written"), runs.get(best)
+  launches_saved = ((aw or {}).get("kernel_launches", 0)
+                    - (sv or {}).get("kernel_launches", 0)) if aw and sv else 0
+  return dict(
+      index=idx, name=site.name, kind=site.kind,
+      rules={role: _swap.qualified(_role_fn(site, role)) for role in C.ROLES
+             if _role_fn(site, role) is not None},
+      defined_at=site.defined_at, called_at=[c.called_at for c in calls],
+      path=place["path"], multiplicity=place["multiplicity"],
+      policy=place["policy"], remat=place["remat"], flags=remat3,
+      conditional=place["conditional"], symbolic_zeros=site.symbolic_zeros,
+      opaque=opaque, best_config=best, runs=runs, residuals=residuals,
+      residual_bytes=totals,
+      predicted=dict(launches_saved=launches_saved,
+                     dropped_bytes_saved=totals.get("as_written", {}).get(
+                         "dropped", 0) - totals.get(best, {}).get(
+                             "dropped", 0)),
+      unavailable=sorted(getattr(site, "unavailable", ())),
+      rule_errors=r.errors if r else {}, refused=site.refused,
+      hazards=hazards(site, r, bool(remat3.get("jax_remat3"))) if r else [])
+
+
+def _step_report(builds: dict, step_seconds: dict) -> dict:
   step = {}
   for c, b in builds.items():
     launches = b.hlo_count.launches if b.hlo_count else None
@@ -774,51 +809,94 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
                    notes=(b.jaxpr_count.notes + (b.hlo_count.notes
                                                  if b.hlo_count else [])
                           + b.loop_notes))
-  predicted = {}
-  if "as_written" in builds and best_step in builds:
-    a, s = step["as_written"], step[best_step]
-    predicted = dict(
-        baseline="as_written", candidate=best_step,
-        memory={k: s["memory"].get(k, 0) - v for k, v in a["memory"].items()},
-        cost={k: s["cost"].get(k, 0) - v for k, v in a["cost"].items()},
-        launches_saved=(a["kernel_launches"] or 0) - (s["kernel_launches"] or 0),
-        bytes_accessed_ratio=(s["cost"].get("bytes_accessed", 0)
-                              / a["cost"]["bytes_accessed"])
-        if a["cost"].get("bytes_accessed") else None,
-        flops_ratio=(s["cost"].get("flops", 0) / a["cost"]["flops"])
-        if a["cost"].get("flops") else None,
-        predicted_ratio=M.ratio(s["predicted_seconds"],
-                                a["predicted_seconds"]),
-        seconds_saved=(a["predicted_seconds"]["total"]
-                       - s["predicted_seconds"]["total"])
-        if peaks else None,
-        sites_seconds_saved=sum(x["predicted"].get("seconds_saved") or 0
-                                for x in out_sites) if peaks else None)
+  return step
+
+
+def _step_predicted(step: dict, best_step: str, out_sites: list,
+                    peaks) -> dict:
+  """Stage 5: the whole step's predicted change, as written to swapped."""
+  if "as_written" not in step or best_step not in step:
+    return {}
+  a, s = step["as_written"], step[best_step]
+  ratio = lambda k: (s["cost"].get(k, 0) / a["cost"][k]
+                     if a["cost"].get(k) else None)
+  return dict(
+      baseline="as_written", candidate=best_step,
+      memory={k: s["memory"].get(k, 0) - v for k, v in a["memory"].items()},
+      cost={k: s["cost"].get(k, 0) - v for k, v in a["cost"].items()},
+      launches_saved=(a["kernel_launches"] or 0) - (s["kernel_launches"] or 0),
+      bytes_accessed_ratio=ratio("bytes_accessed"), flops_ratio=ratio("flops"),
+      predicted_ratio=M.ratio(s["predicted_seconds"], a["predicted_seconds"]),
+      seconds_saved=(a["predicted_seconds"]["total"]
+                     - s["predicted_seconds"]["total"]) if peaks else None,
+      sites_seconds_saved=sum(x["predicted"].get("seconds_saved") or 0
+                              for x in out_sites) if peaks else None)
+
+
+def _summary(out_sites: list, step: dict, builds: dict) -> dict:
   cvjp_saved = sum(s["residual_bytes"].get("as_written", {}).get("saved", 0)
                    for s in out_sites)
   temp = step.get("as_written", {}).get("memory", {}).get("temp")
+  return dict(
+      sites=len(out_sites),
+      kernel_launches={c: v["kernel_launches"] for c, v in step.items()},
+      residual_bytes={c: {k: sum(s["residual_bytes"].get(c, {}).get(k, 0)
+                                 for s in out_sites)
+                          for k in ("written", "saved", "dropped",
+                                    "recomputed")} for c in builds},
+      peak_bytes={c: v["memory"].get("peak") for c, v in step.items()},
+      custom_vjp_saved_share_of_temp=(cvjp_saved / temp) if temp else None)
+
+
+def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
+            ) -> tuple[dict, dict]:
+  """Trace and compile ``fn(*args, **kwargs)`` under ``configs``:
+  ``(the report as plain data (schema: docs/audit.md), {config: Build})``.
+  ``peaks``: the time model's overrides (``_model.peaks_for``). Stages:
+  build, count, price the steps, describe and price each site, the step's
+  prediction."""
+  device = jax.devices()[0]
+  peaks, peaks_source = M.peaks_for(device.device_kind, device.platform, peaks)
+  sites: dict = {}
+  t0 = time.perf_counter()
+  builds, errors = _build_all(fn, args, kwargs, configs, sites)
+  name = _fn_name(fn)
+  _check_found(name, builds, errors, sites)
+  by_index = {s.index: s for s in sites.values()}
+  rules = _count_all(builds, by_index)
+  remat3 = _remat3()
+  ref = builds.get("as_written", next(iter(builds.values())))
+  best_step = ("smartvjp_fused" if "smartvjp_fused" in builds and any(
+      s.fwd_bwd is not None for s in by_index.values()) else "smartvjp")
+  cost_cache: dict = {}
+  step_seconds = _step_seconds(builds, peaks, cost_cache)
+  out_sites = []
+  for idx, site in sorted(by_index.items()):
+    info = _site_info(site, builds, ref, rules[idx], remat3)
+    if peaks:
+      info["predicted"].update(_site_model(
+          info, rules[idx], builds, info["best_config"], peaks,
+          (step_seconds.get("as_written") or {}).get("total"), cost_cache))
+    info["suggestion"] = _suggestion(site, info)
+    out_sites.append(info)
+  out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
+                                -s["predicted"]["launches_saved"],
+                                -s["predicted"]["dropped_bytes_saved"],
+                                s["index"]))
+  step = _step_report(builds, step_seconds)
   seconds = time.perf_counter() - t0
-  one = ref.seconds
   data = dict(
       schema=SCHEMA, function=name, jax_version=jax.__version__,
       backend=jax.default_backend(), flags=remat3,
       configs=list(builds), errors=errors, sites=out_sites, step=step,
-      predicted=predicted,
+      predicted=_step_predicted(step, best_step, out_sites, peaks),
       model=dict(name=M.MODEL, device_kind=device.device_kind, peaks=peaks,
                  peaks_source=peaks_source,
                  notes=_model_notes(jax.default_backend(), out_sites, {
                      i: r.jaxprs for i, r in rules.items() if r})),
-      summary=dict(
-          sites=len(out_sites),
-          kernel_launches={c: v["kernel_launches"] for c, v in step.items()},
-          residual_bytes={c: {k: sum(s["residual_bytes"].get(c, {}).get(k, 0)
-                                     for s in out_sites)
-                              for k in ("written", "saved", "dropped",
-                                        "recomputed")} for c in builds},
-          peak_bytes={c: v["memory"].get("peak") for c, v in step.items()},
-          custom_vjp_saved_share_of_temp=(cvjp_saved / temp) if temp else None),
+      summary=_summary(out_sites, step, builds),
       audit_seconds=seconds,
-      audit_cost_in_compiles=seconds / max(sum(one.values()), 1e-9))
+      audit_cost_in_compiles=seconds / max(sum(ref.seconds.values()), 1e-9))
   return data, builds
 
 

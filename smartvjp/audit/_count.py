@@ -28,16 +28,6 @@ from smartvjp import _facade as jx
 ROLES = ("f", "fwd", "bwd", "fwd_bwd")
 TAG = re.compile(r"svjpaudit_(\d+)_(\d+)_(fwd_bwd|fwd|bwd|f)(?![\w])")
 
-# primitives whose work XLA cannot split or remove in part; one defined
-# outside JAX (RunCounter's step, a test's kernel) is added beside its
-# definition by declare_opaque
-OPAQUE_PRIMITIVES = set(jx.KERNEL_PRIMITIVES)
-
-
-def declare_opaque(prim) -> None:
-  """Counts ``prim`` (a ``jax.extend.core.Primitive``) as an opaque kernel
-  in the audit's jaxpr counts, as a ``pallas_call`` is."""
-  OPAQUE_PRIMITIVES.add(prim.name)
 # custom calls XLA itself uses for placement and layout, not kernels
 NOT_KERNELS = frozenset({
     "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost",
@@ -159,7 +149,7 @@ class JaxprCount:
 
 def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
                 per_run: Callable[[Key], int]) -> JaxprCount:
-  """Runs per step in ``jaxpr`` (a ``jax.extend.core.Jaxpr``).
+  """Runs per step in ``jaxpr`` (a ``jx.core.Jaxpr``).
 
   ``sub_jaxprs(eqn) -> (kind, [(jaxpr, label)...])``: what an equation runs
   of other jaxprs, ``kind`` one of ``"inline"`` (runs once: ``jit``, remat,
@@ -175,7 +165,7 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
     def visit(jaxpr, path, prefix=""):
       for i, eqn in enumerate(read_equations(jaxpr)):
         name = prefix + name_of(eqn)
-        local.add(name, eqn.primitive.name in OPAQUE_PRIMITIVES)
+        local.add(name, jx.is_opaque_kernel(eqn))
         for key, _ in _tags(name):
           seen = paths.setdefault(key[:2], [])
           if tuple(path) not in seen:
@@ -332,7 +322,8 @@ def count_hlo(text: str, per_run: Callable[[Key], int]) -> HloCount:
         kernel = is_kernel(ins)
         local.add(ins.op_name, kernel, skip)
         if kernel:
-          keys = [key for key, _ in _tags(ins.op_name) if key not in skip]
+          # every launch, in a rule's own loops and branches too
+          keys = [key for key, _ in _tags(ins.op_name)]
           for key in keys:
             launches[key] += factor
           for site in {key[0] for key in keys}:

@@ -13,7 +13,7 @@ XLA removes or keeps. The configuration says which class the twin is:
 * ``optimize_remat``: ``jax.custom_vjp(...).defvjp(..., optimize_remat=True)``;
 * ``smartvjp``: ``smart_custom_vjp`` with ``fwd`` and ``bwd``;
 * ``smartvjp_fused``: ``smart_custom_vjp`` with ``fwd_bwd`` too, where the
-  site has one;
+  site has one, forced (``defvjp(..., fused=True)``);
 * ``as_is`` (for ``assert_no_duplicate_fwd``): each site with the decorator
   it was made with.
 
@@ -46,7 +46,7 @@ CONFIGS = ("as_written", "optimize_remat", "smartvjp", "smartvjp_fused")
 _SMART_CALL = smart_custom_vjp.__call__
 _VJP3 = jx.custom_vjp3_class()
 # each class's own __call__, captured at import: (class, kind, call)
-_CLASSES = [(_swap.JAX_CUSTOM_VJP, "jax.custom_vjp", _swap._JAX_CALL),
+_CLASSES = [(_swap.JAX_CUSTOM_VJP, "jax.custom_vjp", _swap.JAX_CALL),
             (smart_custom_vjp, "smart_custom_vjp", _SMART_CALL)]
 if _VJP3 is not None:
   _CLASSES.append((_VJP3, "jax.custom_vjp", _VJP3.__call__))
@@ -85,7 +85,7 @@ class Site:
 
   @property
   def name(self) -> str:
-    return _swap._qualified(self.fun)
+    return _swap.qualified(self.fun)
 
   @property
   def defined_at(self) -> str:
@@ -118,7 +118,7 @@ def _abstract(x):
   aval = getattr(x, "aval", None)
   if aval is None:
     try:
-      aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+      aval = jax.typeof(x)
     except TypeError:
       return x
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
@@ -153,7 +153,7 @@ class Recorder:
     if site is None:
       smart = kind == "smart_custom_vjp"
       vjp3 = _VJP3 is not None and isinstance(obj, _VJP3)
-      refused = None if smart or vjp3 else _swap._refusal(obj)
+      refused = None if smart or vjp3 else _swap.refusal(obj)
       if (smart and obj.fwd is None and obj.fwd_bwd is None) or (
           vjp3 and (obj.fwd is None or obj.bwd is None)):
         refused = "no rules (defvjp was not called)"
@@ -199,7 +199,10 @@ class Recorder:
                   symbolic_zeros=site.symbolic_zeros,
                   generic_batching=site.generic_batching or None,
                   fwd_bwd=_scoped(site.fwd_bwd, name("fwd_bwd"))
-                  if fused else None)
+                  if fused else None,
+                  # smartvjp_fused runs the fused pair wherever it can
+                  fused=True if fused and site.fwd is not None
+                  and self.config == "smartvjp_fused" else None)
     self.twins.add(id(twin))
     self.funs.add(id(fun))
     return twin
