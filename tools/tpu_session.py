@@ -24,7 +24,11 @@ Parts (``--parts``; by default the first four, in this order):
 * ``megablox``: ``tools/megablox_tpu.py``: JAX's megablox ``gmm`` swapped,
   its compiled program against the shipped one (``megablox_tpu.json``);
 * ``figure``: ``design/upstream/tpu_figure.py``: the accelerator figure of
-  ``design/upstream.md`` (``tpu_figure.json``).
+  ``design/upstream.md`` (``tpu_figure.json``);
+* ``audit``: ``benchmarks/audit_tpu.py``: ``smartvjp.audit`` with
+  ``measure=True`` on the stacks and the LM, predicted against measured
+  savings (``audit_tpu.json``; ``--extra "audit=--budget S"`` stops
+  starting audits after S seconds).
 
 Run (through the device tool, from the repository root):
     SMARTVJP_COMMIT=<commit> python3 tools/tpu_session.py --out "$OUT"
@@ -53,6 +57,7 @@ PARTS = {
     "profile": ("benchmarks/accel_profile.py", "accel_profile.json"),
     "megablox": ("tools/megablox_tpu.py", None),   # writes $OUT/megablox_tpu.json
     "figure": ("design/upstream/tpu_figure.py", "tpu_figure.json"),
+    "audit": ("benchmarks/audit_tpu.py", "audit_tpu.json"),
 }
 DEFAULT_PARTS = ("tiles", "mlp", "lm", "attention")
 
