@@ -190,7 +190,7 @@ def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   if fwd is None:
     if any(type(ct) is not jx.ad_util.Zero for ct in cts):
       check_f_output_invariance(call)   # the cotangent has f's type here
-    cts_in = ex.run_fwd_bwd(call, args[:n], in_nz, cts_out)
+    cts_in = ex.checked_fwd_bwd(call, args[:n], in_nz, cts_out)
   else:
     try:
       cts_in = ex.run_bwd(call, fwd,
