@@ -7,7 +7,10 @@ with a "plain" decorator that ignores the rules (the un-customized function).
 
 Results are compared leaf by leaf (tree structure, shapes, dtypes, values with
 rtol 1e-5) and by exception type.  Where ``jax.custom_vjp`` raises, smartvjp's
-result is compared with the plain function's.
+result is compared with the plain function's; where the plain function raises
+what ``jax.custom_vjp`` raises (JAX refuses the program itself), smartvjp
+computing or refusing a rule with its own error is "smart better: ...", not
+DIFF: a verdict starting with DIFF is always a difference to look at.
 
 Usage (one worker process, results appended as JSON lines)::
 
@@ -1042,25 +1045,43 @@ def check(seed, flags, place="any"):
     else:
         rp = _run_one(src, "plain")
         res["plain"] = rp[0] if rp[0] == "ok" else "err:%s:%s" % (rp[1], rp[2])
-        if rs[0] == "err" and _same_exc(rs, rj):
-            res["verdict"] = "same"
-        elif rs[0] == "err" and (FORWARD_MODE_REFUSAL in rj[2]
-                                 or meta["outer"] in ("jvp", "linearize")):
-            # forward mode, where smartvjp goes beyond jax.custom_vjp: it
-            # reports what it finds wrong (a rule's output, an opaque rule);
-            # listed for review, not a drop-in difference
-            res["verdict"] = "beyond (forward mode): smart raises %s" % rs[1]
-        elif rs[0] == "err":
-            res["verdict"] = "DIFF exc types %s vs jax %s" % (rs[1], rj[1])
-        elif rp[0] == "err":
-            res["verdict"] = "DIFF smart ok, jax and plain raise"
-        elif not meta["exact"]:
-            res["verdict"] = "unchecked (jax raises, rule not exact)"
-        else:
-            d = _cmp(rs, rp)
-            res["verdict"] = ("same-as-plain" if d is None
-                              else "DIFF vs plain: " + d)
+        res["verdict"] = verdict_where_jax_raises(meta, rj, rs, rp)
     return res
+
+
+# Where JAX itself refuses the program (the plain function, without the
+# rules, raises what jax.custom_vjp raises: JAX's pvary ValueError inside
+# shard_map(check_vma=True) on jax 0.10.2), smartvjp computing, or refusing
+# a rule that is wrong on purpose with its own error, is not a drop-in
+# difference: labelled apart, so that DIFF always means one to look at.
+SMART_COMPUTES = "smart better: computes where jax and plain raise"
+SMART_REFUSES_RULE = "smart better: refuses the rule where jax and plain raise"
+
+
+def verdict_where_jax_raises(meta, rj, rs, rp):
+    """The verdict where jax.custom_vjp raises (``rj``): ``rs``, ``rp`` are
+    smartvjp's and the plain function's results (``_run_one``'s tuples)."""
+    if rs[0] == "err" and _same_exc(rs, rj):
+        return "same"
+    if rs[0] == "err" and (FORWARD_MODE_REFUSAL in rj[2]
+                           or meta["outer"] in ("jvp", "linearize")):
+        # forward mode, where smartvjp goes beyond jax.custom_vjp: it
+        # reports what it finds wrong (a rule's output, an opaque rule);
+        # listed for review, not a drop-in difference
+        return "beyond (forward mode): smart raises %s" % rs[1]
+    jax_refuses_program = rp[0] == "err" and _same_exc(rp, rj)
+    if rs[0] == "err":
+        if jax_refuses_program and "smart_custom_vjp" in rs[2]:
+            return "%s %s" % (SMART_REFUSES_RULE, rj[1])
+        return "DIFF exc types %s vs jax %s" % (rs[1], rj[1])
+    if rp[0] == "err":
+        if jax_refuses_program:
+            return "%s %s" % (SMART_COMPUTES, rj[1])
+        return "DIFF smart ok, jax raises %s, plain raises %s" % (rj[1], rp[1])
+    if not meta["exact"]:
+        return "unchecked (jax raises, rule not exact)"
+    d = _cmp(rs, rp)
+    return "same-as-plain" if d is None else "DIFF vs plain: " + d
 
 
 def _differs(src):
