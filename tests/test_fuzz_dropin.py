@@ -55,6 +55,17 @@ def test_random_programs_inside_shard_map_agree(tmp_path):
   assert not bad, bad
 
 
+def test_ring_attention_family_agrees(tmp_path):
+  """Issue 65 item 7's shape (``--family ring``): ring attention's rules
+  (psum, axis_index, ppermute, dot_generals, an inner jax.checkpoint) in
+  shard_map over 2 devices, checkpointed and wrapped."""
+  results = _fuzz(tmp_path, "--seed", "0", "--count", "4", "--family", "ring")
+  assert [r["rule"][:14] for r in results] == ["ring_attention"] * 4
+  bad = _disagreeing(results)
+  assert not bad, bad
+  assert all("bitwise" in r for r in results if r["verdict"] == "same")
+
+
 # Programs the fuzzer once found differing, kept as regressions: (seed,
 # place). 300520: inside shard_map, a vmapped hvp of a stop_gradient'ed call
 # given only fwd_bwd, whose cotangent for an invariant input would vary (JAX
