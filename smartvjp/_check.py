@@ -159,8 +159,7 @@ def maybe_check_fused(call, fused_cts, unfused_cts) -> None:
   """``fwd_bwd``'s input cotangents against ``bwd``'s after ``fwd``, leaf
   by leaf where either is nonzero (integer inputs, with no cotangent,
   skipped)."""
-  mode, _, _ = _settings()
-  if mode == "off":
+  if _settings()[0] == "off":
     return
   pairs = [(i, a, b) for i, (a, b, aval) in enumerate(
                zip(fused_cts, unfused_cts, call.in_avals))

@@ -35,13 +35,10 @@ def untraceable_in_forward_mode(rules, which: str, applies: bool = True):
   forward-mode ``TypeError`` naming ``jvp=``, raised from the rule's error.
   Our own checks of a rule's result pass through; so does everything where
   ``applies`` is false (where ``jax.custom_vjp`` traces the rule too)."""
-  if not applies:
-    yield
-    return
   try:
     yield
   except Exception as e:  # noqa: BLE001 - re-raised with context below
-    if raised_by_smartvjp(e):
+    if not applies or raised_by_smartvjp(e):
       raise
     role = "f" if which == "fun" else which
     fix = (f"it also traces {role} where a forward rule is given, to know "

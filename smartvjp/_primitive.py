@@ -402,9 +402,8 @@ def _rule_role(params) -> str:
 def _bind_named(default, *args, **params):
   """A named residual leaves ``fwd``'s equation through ``checkpoint_name``,
   as from ``jax.custom_vjp``'s inlined ``fwd``, so outer policies see it.
-  In an eager ``shard_map``, which compiles each primitive it meets alone,
-  the rule's code is evaluated equation by equation, as ``jax.custom_vjp``'s
-  inlined rules are (XLA would fuse the whole rule: other roundings)."""
+  An eager ``shard_map`` compiles each primitive alone: there the rule's code
+  runs equation by equation, as ``jax.custom_vjp``'s inlined rules do."""
   if isinstance(jx.core.trace_ctx.trace, jx.shard_map.ShardMapTrace):
     return rule_p.impl(*args, **params)
   outs = default(*args, **params)
