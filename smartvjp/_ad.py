@@ -4,9 +4,6 @@ of ``g -> bwd(res, g)``)."""
 
 from __future__ import annotations
 
-import functools
-import os
-
 import jax
 from jax.errors import UnexpectedTracerError
 
@@ -19,7 +16,9 @@ from smartvjp._checks import (
     blame_fwd, check_aliased_refs, check_f_output_invariance,
     check_fwd_output_invariance, check_fwd_output_types)
 from smartvjp._cache import made_where_differentiated
-from smartvjp._forward import tangents_only
+from smartvjp._forward import (
+    forward_mode_error_type, raised_by_smartvjp, tangents_only,
+    untraceable_in_forward_mode)
 from smartvjp._primitive import (
     call_p, define_evaluation, forward_role, jvp_p, lin_out_avals, lin_p,
     register, register_with_logs, rem_p, rule_jvp, rule_p,
@@ -72,7 +71,10 @@ def _call_jvp(primals_in, tangents, *, call):
   if not any(in_nz):
     return call_p.bind(*f_consts, *primals, call=call), call.expand_tangents([])
   check_aliased_refs(call, primals)
-  fwd, fwd_consts = call.fwd_for(in_nz)
+  # on values, where jax.custom_vjp would not trace fwd (under jit it does)
+  with untraceable_in_forward_mode(call.rules, "fwd", not any(
+      isinstance(p, jx.core.Tracer) for p in primals)):
+    fwd, fwd_consts = call.fwd_for(in_nz)
   check_fwd_output_types(call, fwd)   # f and fwd may both run (remat)
   nz_tangents = [t for t, nz in zip(arg_tangents, in_nz) if nz]
   outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,
@@ -191,7 +193,7 @@ def _lin_transpose(cts, *args, call, fwd, in_nz, reload):
   if fwd is None:
     if any(type(ct) is not jx.ad_util.Zero for ct in cts):
       check_f_output_invariance(call)   # the cotangent has f's type here
-    cts_in = ex.run_fwd_bwd(call, args[:n], in_nz, cts_out)
+    cts_in = ex.checked_fwd_bwd(call, args[:n], in_nz, cts_out)
   else:
     try:
       cts_in = ex.run_bwd(call, fwd,
@@ -221,7 +223,7 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
     try:
       cts = cotangent_map(call.expand_tangents(nz_cts))
     except Exception as e:  # noqa: BLE001 - our check of its result, as is
-      if _raised_by_smartvjp(e):
+      if raised_by_smartvjp(e):
         rule_failed.append(e)
       raise
     return [jx.ad.instantiate_zeros(c) for c in _nz_inputs(cts, in_nz)]
@@ -234,7 +236,7 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
       raise   # the rule returned bad cotangents: our error naming it
     # else JAX could not transpose it, or the rule could not be traced for
     # it (NumPy on the cotangent): the transposition was our choice
-    raise _not_transposable_error(type(e))(
+    raise forward_mode_error_type(type(e))(
         f"forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) "
         f"of smart_custom_vjp function {call.name} needs a {which} rule "
         f"({call.rules.rule_name(which)}) that JAX can transpose in its "
@@ -244,32 +246,6 @@ def _transpose_cotangent_map(call, which, cotangent_map, in_nz, nz_tangents,
         f"instead: {call.name}.defvjp(..., jvp=rule), with rule(primals, "
         f"tangents) -> (primal_out, tangent_out) as for jax.custom_jvp; "
         f"forward mode then runs it and never transposes {which}.") from e
-
-
-def _raised_by_smartvjp(e: BaseException) -> bool:
-  """Raised in smartvjp's own code (a check of a rule's result), not
-  inside the user's rule or what it called."""
-  tb = e.__traceback__
-  while tb is not None and tb.tb_next is not None:
-    tb = tb.tb_next
-  return tb is not None and os.path.dirname(
-      os.path.abspath(tb.tb_frame.f_code.co_filename)) == _PACKAGE_DIR
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-@functools.cache
-def _not_transposable_error(cause: type) -> type:
-  """A ``TypeError`` (``jax.custom_vjp``'s for forward mode) that is also
-  the transposition's own error type (what it raises where it
-  differentiates the rule instead)."""
-  if issubclass(TypeError, cause) or issubclass(cause, TypeError):
-    return TypeError
-  try:
-    return type("NotTransposableError", (TypeError, cause), {})
-  except TypeError:   # base classes whose instance layouts conflict
-    return TypeError
 
 
 def lin_forward(*args, call, fwd, in_nz, reload):

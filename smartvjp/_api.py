@@ -214,7 +214,10 @@ class smart_custom_vjp:
         what ``bwd`` returns, recomputing what it needs from the arguments
         (all in their places). Used in the rematerialized backward region
         instead of ``fwd`` + ``bwd``, and everywhere when ``fwd`` and ``bwd``
-        are not given.
+        are not given. It must return what ``bwd(fwd(*args)[1], g)``
+        returns: a ``fwd_bwd`` that disagrees changes the gradient under
+        ``jax.checkpoint`` only; ``smartvjp.check_primals`` compares the
+        two where ``fwd_bwd`` runs and all three are given.
       jvp: optional forward rule ``jvp(*nondiff_args, primals, tangents) ->
         (primal_out, tangent_out)``, with the signature of a
         ``jax.custom_jvp`` rule: ``primals`` and ``tangents`` are tuples of

@@ -1,5 +1,6 @@
 """Opt-in numerics check (``check_primals``): under remat the forward pass
-uses ``f``'s value and the backward region ``fwd``'s, so they had better
+uses ``f``'s value and the backward region ``fwd``'s (or ``fwd_bwd``'s
+cotangents in place of ``bwd``'s after ``fwd``), so they had better
 agree."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from smartvjp import _facade as jx
 
 option = jx.define_string_option(
     "smartvjp_check_primals",
-    "Compare f's and fwd's primal outputs where both run (remat): "
+    "Compare f's and fwd's primal outputs where both run (remat), and "
+    "fwd_bwd's cotangents with bwd's after fwd where fwd_bwd runs: "
     "'warn' or 'raise', optionally followed by ':rtol:atol'.")
 
 
@@ -33,7 +35,8 @@ def _settings():
 
 
 class PrimalMismatchError(ValueError):
-  """``f`` and ``fwd`` disagree on the primal output beyond the tolerance.
+  """``f`` and ``fwd`` disagree on the primal output beyond the tolerance
+  (or ``fwd_bwd`` and ``bwd`` after ``fwd`` on a cotangent).
 
   Raised by the ``check_primals("raise")`` check when the computation runs
   eagerly; under ``jit`` JAX raises its own runtime error
@@ -55,7 +58,13 @@ class check_primals(contextlib.ContextDecorator):
   that saves ``fwd``'s residuals, ``fwd`` alone runs (as with
   ``jax.custom_vjp``) and ``f`` is never used, so a ``fwd`` that is wrong
   there is not reported; when ``fwd``'s residuals are all inputs, ``fwd``
-  does not run. Eagerly (no ``jit``) ``"raise"`` raises
+  does not run. Where a call also has a fused ``fwd_bwd`` and the backward
+  region runs it, the check also runs ``fwd`` then ``bwd`` there and
+  compares ``fwd_bwd(*args, g)`` with ``bwd(fwd(*args)[1], g)``, cotangent
+  leaf by leaf, with the same tolerances and mode: a ``fwd_bwd`` that
+  disagrees (say, one written with ``bwd``'s signature by mistake) would
+  otherwise change the gradient under ``jax.checkpoint`` only, silently.
+  Eagerly (no ``jit``) ``"raise"`` raises
   ``PrimalMismatchError`` itself, without JAX's log of a failed callback.
   The setting is read when a program is traced, and is part of JAX's trace
   context, so a jitted function retraces when it changes. The same check can be turned on globally with
@@ -134,23 +143,54 @@ jx.quiet_callback_failures(PrimalMismatchError)
 
 
 def maybe_check(call, f_outputs: Callable, fwd_outs) -> None:
+  """Under remat, ``f``'s primal outputs (``f_outputs()``, run only where
+  the check is set) against ``fwd``'s, compared on the host."""
   mode, rtol, atol = _settings()
   if mode == "off":
     return
-  f_outs = f_outputs()
   names = (call.name, call.rules.rule_name("fwd"))
+  _compare(lambda i: (
+      f"f ({names[0]}) and fwd ({names[1]}) disagree at primal output leaf "
+      f"{i}"), "Under remat the forward pass used f's value and the backward "
+      "pass fwd's.", f_outputs(), fwd_outs)
 
-  def compare(f_vals, fwd_vals):
-    for i, (a, b) in enumerate(zip(f_vals, fwd_vals)):
+
+def maybe_check_fused(call, fused_cts, unfused_cts) -> None:
+  """``fwd_bwd``'s input cotangents against ``bwd``'s after ``fwd``, leaf
+  by leaf where either is nonzero (integer inputs, with no cotangent,
+  skipped)."""
+  if _settings()[0] == "off":
+    return
+  pairs = [(i, a, b) for i, (a, b, aval) in enumerate(
+               zip(fused_cts, unfused_cts, call.in_avals))
+           if aval.to_tangent_aval().dtype != jx.dtypes.float0
+           and not (type(a) is type(b) is jx.ad_util.Zero)]
+  names = (call.rules.rule_name("fwd_bwd"), call.rules.rule_name("bwd"),
+           call.rules.rule_name("fwd"))
+  where = [i for i, _, _ in pairs]
+  _compare(lambda k: (
+      f"fwd_bwd ({names[0]}) and bwd ({names[1]}) after fwd ({names[2]}) "
+      f"disagree at the cotangent of input leaf {where[k]} of "
+      f"{call.name}"), "Under remat the backward pass used fwd_bwd; without "
+      "it, fwd and bwd run, so the gradient depends on jax.checkpoint.",
+      [jx.ad.instantiate_zeros(a) for _, a, _ in pairs],
+      [jx.ad.instantiate_zeros(b) for _, _, b in pairs])
+
+
+def _compare(what: Callable, why: str, left, right) -> None:
+  """Compares two lists of arrays on the host (``jax.debug.callback``),
+  raising or warning as the setting says; ``what(i)`` names leaf ``i``."""
+  mode, rtol, atol = _settings()
+
+  def compare(left_vals, right_vals):
+    for i, (a, b) in enumerate(zip(left_vals, right_vals)):
       kind = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) \
           else np.float64
       a, b = np.asarray(a, kind), np.asarray(b, kind)
       if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
-        msg = (f"smartvjp check_primals: f ({names[0]}) and fwd ({names[1]}) "
-               f"disagree at primal output leaf {i}: max abs difference "
-               f"{np.max(np.abs(a - b)):.3g} (rtol={rtol}, atol={atol}). Under "
-               "remat the forward pass used f's value and the backward pass "
-               "fwd's.")
+        msg = (f"smartvjp check_primals: {what(i)}: max abs difference "
+               f"{np.max(np.abs(a - b)):.3g} (rtol={rtol}, atol={atol}). "
+               f"{why}")
         if mode == "raise":
           raise PrimalMismatchError(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=1)
@@ -159,5 +199,5 @@ def maybe_check(call, f_outputs: Callable, fwd_outs) -> None:
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       return jax.random.key_data(x)
     return x
-  jax.debug.callback(compare, [comparable(x) for x in f_outs],
-                     [comparable(x) for x in fwd_outs])
+  jax.debug.callback(compare, [comparable(x) for x in left],
+                     [comparable(x) for x in right])

@@ -160,6 +160,23 @@ def run_fwd_bwd(call, primals, in_nz, cts_out) -> list:
                     list(primals), _prepare_cts(call, cts_out))
 
 
+def checked_fwd_bwd(call, primals, in_nz, cts_out) -> list:
+  """``fwd_bwd``'s cotangents; where ``check_primals`` is set and ``fwd``
+  and ``bwd`` are given too, compared with ``bwd(fwd(*args)[1], g)`` (what
+  runs without remat), which then also runs."""
+  cts_in = run_fwd_bwd(call, primals, in_nz, cts_out)
+  if not (_check.option.value and call.rules.fwd is not None
+          and call.rules.bwd is not None):
+    return cts_in
+  fwd, fwd_consts = call.fwd_for(in_nz)
+  fwd_inputs = [*fwd_consts, *primals]
+  outs = rule_p.bind(*fwd_inputs, **fwd_params(call, fwd))
+  unfused = run_bwd(call, fwd, fwd.assemble_residuals(
+      fwd_inputs, outs[call.num_outs:]), cts_out)
+  _check.maybe_check_fused(call, cts_in, unfused)
+  return cts_in
+
+
 def traced_backward_rules(call, fwd, in_nz):
   """``(bwd's jaxpr, fwd_bwd's jaxpr)`` as the backward pass will bind them
   (nonzero cotangents), traced once and kept with them."""

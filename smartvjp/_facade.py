@@ -104,6 +104,7 @@ ad_util = _internals("ad_util", "jax._src.ad_util", "Zero", "SymbolicZero")
 dtypes = _internals("dtypes", "jax._src.dtypes", "float0")
 util = _internals("util", "jax._src.util", "weakref_cache_key_types")
 remat = _internals("remat", "jax._src.interpreters.remat", "rules")
+shard_map = _internals("shard_map", "jax._src.shard_map", "ShardMapTrace")
 traceback_util = _internals("traceback_util", "jax._src.traceback_util",
                              "register_exclusion")
 source_info_util = _internals(

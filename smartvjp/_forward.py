@@ -6,7 +6,10 @@ linear map gets the primals it needs as residuals after ``fwd``'s own
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import os
 from typing import Callable
 
 import jax
@@ -16,6 +19,68 @@ from jax import tree_util
 from smartvjp import _facade as jx
 from smartvjp._checks import (
     describe_tree, function_name, leaf_paths, rule_error, zero_tangent)
+
+
+def forward_mode_on_call() -> bool:
+  """``jax.jvp`` (``jax.jacfwd``) applied directly to the call, eagerly or
+  under ``jit``: there ``jax.custom_vjp`` refuses before tracing ``f``, so
+  an ``f`` that cannot be traced must not surface its own error."""
+  return isinstance(jx.core.trace_ctx.trace, jx.ad.JVPTrace)
+
+
+@contextlib.contextmanager
+def untraceable_in_forward_mode(rules, which: str, applies: bool = True):
+  """Forward mode traces ``which`` (``"fun"``, ``"fwd"``); where it cannot
+  be traced on values JAX refuses to differentiate (NumPy in the rule), the
+  forward-mode ``TypeError`` naming ``jvp=``, raised from the rule's error.
+  Our own checks of a rule's result pass through; so does everything where
+  ``applies`` is false (where ``jax.custom_vjp`` traces the rule too)."""
+  try:
+    yield
+  except Exception as e:  # noqa: BLE001 - re-raised with context below
+    if not applies or raised_by_smartvjp(e):
+      raise
+    role = "f" if which == "fun" else which
+    fix = (f"it also traces {role} where a forward rule is given, to know "
+           f"the call's outputs: make {role} traceable" if rules.jvp is not None
+           else f"where a rule cannot be (NumPy, a library's eager "
+           f"wrapper), give a forward rule: {rules.name}.defvjp(..., "
+           f"jvp=rule), with rule(primals, tangents) -> (primal_out, "
+           f"tangent_out) as for jax.custom_jvp")
+    raise forward_mode_error_type(type(e))(
+        f"forward-mode differentiation (jax.jvp, jax.jacfwd) of "
+        f"smart_custom_vjp function {rules.name} traces its {role} "
+        f"({rules.rule_name(which)}), which JAX could not trace on these "
+        f"values (JAX said: {type(e).__name__}: "
+        f"{str(e).splitlines()[0].rstrip('. ') if str(e) else ''}). "
+        f"jax.custom_vjp refuses forward mode outright; smartvjp runs it "
+        f"through rules written in JAX; {fix}.") from e
+
+
+def raised_by_smartvjp(e: BaseException) -> bool:
+  """Raised in smartvjp's own code (a check of a rule's result), not
+  inside the user's rule or what it called."""
+  tb = e.__traceback__
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return tb is not None and os.path.dirname(
+      os.path.abspath(tb.tb_frame.f_code.co_filename)) == _PACKAGE_DIR
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.cache
+def forward_mode_error_type(cause: type) -> type:
+  """A ``TypeError`` (``jax.custom_vjp``'s for forward mode) that is also
+  the rule's own error type (what ``jax.custom_vjp`` raises where it does
+  trace the rule)."""
+  if issubclass(TypeError, cause) or issubclass(cause, TypeError):
+    return TypeError
+  try:
+    return type("NotTransposableError", (TypeError, cause), {})
+  except TypeError:   # base classes whose instance layouts conflict
+    return TypeError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -414,7 +414,11 @@ def _rule_role(params) -> str:
 
 def _bind_named(default, *args, **params):
   """A named residual leaves ``fwd``'s equation through ``checkpoint_name``,
-  as from ``jax.custom_vjp``'s inlined ``fwd``, so outer policies see it."""
+  as from ``jax.custom_vjp``'s inlined ``fwd``, so outer policies see it.
+  An eager ``shard_map`` compiles each primitive alone: there the rule's code
+  runs equation by equation, as ``jax.custom_vjp``'s inlined rules do."""
+  if isinstance(jx.core.trace_ctx.trace, jx.shard_map.ShardMapTrace):
+    return rule_p.impl(*args, **params)
   outs = default(*args, **params)
   if params["which"] != "fwd" or params.get("jaxpr") is not None:
     return outs

@@ -21,6 +21,7 @@ from smartvjp import _vmap
 from smartvjp._cache import batching, differentiated_where_made
 from smartvjp._checks import (
     check_aliased_arguments, check_f_output, check_jax_leaves)
+from smartvjp._forward import forward_mode_on_call, untraceable_in_forward_mode
 from smartvjp._primitive import call_p, register
 from smartvjp._spec import (
     EagerClosureError, eager_fwd, linearized_call, trace_call, untraced)
@@ -78,7 +79,8 @@ def _call_process(bind, leaves, call) -> list:
   outs = _vmap_of_linearized(call, leaves)
   if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
     return outs
-  spec, consts = _traced(call)
+  with untraceable_in_forward_mode(rules, "fun", forward_mode_on_call()):
+    spec, consts = _traced(call)
   call.out_tree = spec.out_tree
   # differentiated now, by the current trace (as opposed to staged and
   # differentiated later): the two refuse a closure with different errors

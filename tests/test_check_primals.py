@@ -133,3 +133,134 @@ def test_only_where_remat_runs_both(caplog):
     with pytest.raises(smartvjp.PrimalMismatchError, match="disagree"):
       jax.grad(lambda x: jnp.sum(jax.checkpoint(wrong)(x) ** 2))(X)
   assert "callback" not in caplog.text
+
+
+def _with_fused(fused):
+  """f = sin with fwd/bwd right, and the given fwd_bwd."""
+  @smart_custom_vjp
+  def sin_fused(x, w):
+    return jnp.sin(x) * w
+
+  def sin_fwd(x, w):
+    return jnp.sin(x) * w, (jnp.cos(x), jnp.sin(x), w)
+
+  def sin_bwd(res, g):
+    c, s, w = res
+    return c * w * g, jnp.sum(s * g)
+
+  sin_fused.defvjp(sin_fwd, sin_bwd, fwd_bwd=fused)
+  return sin_fused
+
+
+def _right_fused(x, w, g):
+  return jnp.cos(x) * w * g, jnp.sum(jnp.sin(x) * g)
+
+
+def _sin_bwd(c, g):
+  return (c * g * 0.5,)
+
+
+def _one_input(fused):
+  """f = sin, fwd saving 2 cos(x), bwd(c, g) = c g / 2 (exactly cos(x) g,
+  at a cost that makes the schedule pick fwd_bwd on either path), and the
+  given fwd_bwd."""
+  @smart_custom_vjp
+  def sine(x):
+    return jnp.sin(x)
+
+  sine.defvjp(lambda x: (jnp.sin(x), 2 * jnp.cos(x)), _sin_bwd,
+              fwd_bwd=fused)
+  return sine
+
+
+def _one_input_grad(F, jit=True, remat=True):
+  body = jax.checkpoint(F) if remat else F
+  grad = jax.grad(lambda x: jnp.sum(body(x) ** 2))
+  return (jax.jit(grad) if jit else grad)(X)
+
+
+def _fused_grad(F, jit=True, remat=True):
+  body = jax.checkpoint(F) if remat else F
+  grad = jax.grad(lambda x, w: jnp.sum(body(x, w) ** 2), argnums=(0, 1))
+  return (jax.jit(grad) if jit else grad)(X, jnp.float32(1.5))
+
+
+def _unfused_grad():
+  return _fused_grad(_with_fused(None), remat=False)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_fwd_bwd_is_checked_against_bwd_after_fwd(ad_mode, jit):
+  """Issue 65 item 2: a fwd_bwd written with bwd's signature by mistake
+  changes the gradient under jax.checkpoint only, silently; check_primals
+  compares it with bwd(fwd(*args)[1], g), raising (under jit, JAX's runtime
+  error carrying our message) or warning, with its tolerances."""
+  del ad_mode
+  wrong = _one_input(_sin_bwd)   # fwd_bwd(x, g) given bwd(c, g): c is x
+  got = _one_input_grad(wrong, jit)
+  want = _one_input_grad(_one_input(None), remat=False)
+  np.testing.assert_allclose(want, 2 * np.sin(X) * np.cos(X), rtol=1e-5)
+  assert not np.allclose(got, want)   # the silent wrong gradient
+  np.testing.assert_allclose(   # without remat, fwd and bwd run: right
+      _one_input_grad(wrong, jit, remat=False), want, rtol=1e-6)
+  with smartvjp.check_primals("raise"):
+    with pytest.raises(Exception, match=(
+        r"fwd_bwd \(_sin_bwd\) and bwd \(_sin_bwd\) after fwd "
+        r"\(<lambda>\) disagree at the cotangent of input leaf 0 of "
+        r"sine")) as e:
+      jax.block_until_ready(_one_input_grad(wrong, jit))
+      jax.effects_barrier()
+  if not jit:
+    assert type(e.value) is smartvjp.PrimalMismatchError
+  with smartvjp.check_primals("warn"):
+    with warnings.catch_warnings(record=True) as w:
+      warnings.simplefilter("always")
+      seen = jax.block_until_ready(_one_input_grad(wrong, jit))
+      jax.effects_barrier()
+  assert any("input leaf 0" in str(x.message) for x in w)
+  # the check only observes: the gradient is still fwd_bwd's
+  np.testing.assert_array_equal(seen, got)
+  # fwd_bwd may be off by less than the tolerances
+  off = _one_input(lambda x, g: (jnp.cos(x) * g + 1e-3,))
+  with smartvjp.check_primals("raise", rtol=0.0, atol=1e-2):
+    jax.block_until_ready(_one_input_grad(off, jit))
+    jax.effects_barrier()
+  with smartvjp.check_primals("raise", rtol=0.0, atol=1e-4):
+    with pytest.raises(Exception, match="input leaf 0"):
+      jax.block_until_ready(_one_input_grad(off, jit))
+      jax.effects_barrier()
+
+
+def test_a_right_fwd_bwd_passes_and_the_global_setting_checks_it(ad_mode):
+  """Two inputs, the second's cotangent wrong; only where fwd_bwd runs (under
+  the remat3 flags this call's schedule runs fwd and bwd instead, and the
+  gradient is right)."""
+  del ad_mode
+  right = _with_fused(_right_fused)
+  with smartvjp.check_primals("raise"):
+    got = _fused_grad(right)
+    jax.effects_barrier()
+  np.testing.assert_allclose(got[0], _unfused_grad()[0], rtol=1e-6)
+  wrong = _with_fused(lambda x, w, g: (jnp.cos(x) * w * g, jnp.sum(g)))
+  runs_fused = not np.allclose(_fused_grad(wrong)[1], _unfused_grad()[1])
+  try:
+    jax.config.update("smartvjp_check_primals", "raise:0:1e-6")
+    if runs_fused:
+      with pytest.raises(Exception, match="input leaf 1 of sin_fused"):
+        jax.block_until_ready(_fused_grad(wrong))
+        jax.effects_barrier()
+    else:
+      jax.block_until_ready(_fused_grad(wrong))
+      jax.effects_barrier()
+  finally:
+    jax.config.update("smartvjp_check_primals", None)
+  assert runs_fused or jax.config.read("jax_remat3")
+
+
+def test_fwd_bwd_alone_has_nothing_to_check_against():
+  F = smart_custom_vjp(lambda x: jnp.sin(x))
+  F.defvjp(fwd_bwd=lambda x, g: (jnp.cos(x) * g,))
+  with smartvjp.check_primals("raise"):
+    g = jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x)))(X)
+    jax.effects_barrier()
+  np.testing.assert_allclose(g, jnp.cos(X), rtol=1e-6)

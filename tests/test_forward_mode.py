@@ -166,3 +166,95 @@ def test_untraceable_bwd_in_forward_mode_is_our_type_error(jit, raising):
   assert ("ValueError: the library refuses" if raising
           else "TracerArrayConversionError") in str(ours.value)
   assert isinstance(ours.value, ValueError) == raising
+
+
+def _numpy_fn(raising, calls):
+  def numpy_sin(x):
+    calls.append(type(x))
+    if raising and isinstance(x, jax.core.Tracer):
+      raise ValueError("the library refuses a traced array")
+    return jnp.asarray(np.sin(np.asarray(x)))
+  return numpy_sin
+
+
+def _jax_sin(x):
+  return jnp.sin(x)
+
+
+@pytest.mark.parametrize("raising", [False, True], ids=["numpy", "raises"])
+@pytest.mark.parametrize("which", ["f", "fwd", "both"])
+@pytest.mark.parametrize("how", ["jvp", "jacfwd"])
+def test_untraceable_f_or_fwd_in_forward_mode_is_our_type_error(
+    ad_mode, how, which, raising):
+  """Issue 65 item 1: eager forward mode of a call whose f (or fwd) runs
+  NumPy (an eager black-box wrapper) raises the TypeError type
+  jax.custom_vjp raises, naming the rule and jvp=, not the
+  TracerArrayConversionError (or the library's error) from inside it;
+  reverse mode still works eagerly, as with jax.custom_vjp (which under
+  jax_custom_vjp3 traces f first: its error is then f's tracing error, a
+  TypeError too, and its eager grad fails where smartvjp's works)."""
+  traces_f = ad_mode == "remat3" and which != "fwd"
+  calls = []
+  npf = _numpy_fn(raising, calls)
+  f = npf if which in ("f", "both") else _jax_sin
+  fwd_f = npf if which in ("fwd", "both") else _jax_sin
+  bwd = lambda x, g: (jnp.cos(x) * g,)
+  ref, F = (m(f) for m in (jax.custom_vjp, smart_custom_vjp))
+  for G in (ref, F):
+    G.defvjp(lambda x: (fwd_f(x), x), bwd)
+  want = jnp.cos(X) if traces_f else jax.grad(lambda x: jnp.sum(ref(x)))(X)
+  np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(F(x)))(X), want,
+                             rtol=1e-6)
+  run = ((lambda G: jax.jvp(G, (X,), (X,))) if how == "jvp"
+         else (lambda G: jax.jacfwd(G)(X)))
+  with pytest.raises(Exception) as theirs:
+    run(ref)
+  # JAX's own error, where it traced f first: ours is also caught by it
+  assert type(theirs.value) is TypeError or traces_f and (
+      isinstance(theirs.value, (TypeError, ValueError) if raising
+                 else jax.errors.TracerArrayConversionError))
+  del calls[:]
+  with pytest.raises(TypeError, match=r"jvp=rule") as ours:
+    run(F)
+  message = str(ours.value)
+  assert "forward-mode differentiation" in message
+  name = "f (numpy_sin)" if which != "fwd" else "fwd (<lambda>)"
+  assert f"traces its {name}" in message
+  assert ("ValueError: the library refuses" if raising
+          else "TracerArrayConversionError") in message
+  assert not isinstance(ours.value, jax.errors.TracerArrayConversionError)
+  assert isinstance(ours.value, ValueError) == raising
+  # the rule ran on tracers only: nothing ran on the values
+  assert calls and all(issubclass(t, jax.core.Tracer) for t in calls)
+
+
+def test_untraceable_f_with_a_forward_rule_says_f_must_trace():
+  """A forward rule given: the message does not ask for one."""
+  F = smart_custom_vjp(_numpy_fn(False, []))
+  F.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (jnp.cos(x) * g,),
+           jvp=lambda p, t: (jnp.sin(p[0]), jnp.cos(p[0]) * t[0]))
+  with pytest.raises(TypeError, match="make f traceable") as ours:
+    jax.jvp(F, (X,), (X,))
+  assert "jvp=rule" not in str(ours.value)
+
+
+@pytest.mark.parametrize("which", ["f", "fwd"])
+def test_untraceable_rule_under_jit_is_jax_custom_vjp_s_error(ad_mode, which):
+  """Under jit, jax.custom_vjp's forward mode refuses before tracing f (its
+  TypeError; ours names jvp=), but traces fwd (the tracing error, as is)."""
+  npf = _numpy_fn(False, [])
+  f, fwd_f = (npf, _jax_sin) if which == "f" else (_jax_sin, npf)
+  errors = []
+  for make in (jax.custom_vjp, smart_custom_vjp):
+    G = make(f)
+    G.defvjp(lambda x: (fwd_f(x), x), lambda x, g: (jnp.cos(x) * g,))
+    with pytest.raises(TypeError) as e:
+      jax.jit(lambda x, G=G: jax.jvp(G, (x,), (x,)))(X)
+    errors.append(e.value)
+  theirs, ours = errors
+  assert (type(ours) is TypeError) == (which == "f")
+  if which == "f" and ad_mode == "default":
+    assert type(theirs) is TypeError
+    assert "jvp=rule" in str(ours)
+  elif which == "fwd":
+    assert type(theirs) is type(ours) is jax.errors.TracerArrayConversionError

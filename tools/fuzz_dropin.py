@@ -7,7 +7,10 @@ with a "plain" decorator that ignores the rules (the un-customized function).
 
 Results are compared leaf by leaf (tree structure, shapes, dtypes, values with
 rtol 1e-5) and by exception type.  Where ``jax.custom_vjp`` raises, smartvjp's
-result is compared with the plain function's.
+result is compared with the plain function's; where the plain function raises
+what ``jax.custom_vjp`` raises (JAX refuses the program itself), smartvjp
+computing or refusing a rule with its own error is "smart better: ...", not
+DIFF: a verdict starting with DIFF is always a difference to look at.
 
 Usage (one worker process, results appended as JSON lines)::
 
@@ -640,7 +643,80 @@ for _dt in ("bfloat16", "float16"):
     RULES_56["low_precision_" + _dt] = dict(args=["f"], exact=False,
                                             src=_LOW % _dt)
 
-FAMILY = "classic"   # or "residue56" (--family)
+# --------------------------------------------------------------------------
+# Issue 65's ring shape (``--family ring``): ring attention as ringattention
+# 0.1.2 writes it (not its code): a custom_vjp run inside shard_map over 2
+# devices whose fwd and bwd each scan the ring (psum of a constant for its
+# size, axis_index, ppermute of the blocks, dot_generals) around an inner
+# jax.checkpoint; checkpointed once with a policy, then wrapped as usual.
+# --------------------------------------------------------------------------
+
+RULES_RING = {}
+
+_RING = '''
+def _ring_perm(n):
+    return [(j, (j + 1) %% n) for j in range(n)]
+def _ring_block(q, k, v, carry):
+    @partial(jax.checkpoint, prevent_cse=False%(policy)s)
+    def block(carry, k, v):
+        num, den, m = carry
+        s = jnp.einsum("qd,kd->qk", q, k) / 2.0
+        m_new = lax.stop_gradient(jnp.maximum(m, s.max(-1)))
+        e = jnp.exp(s - m_new[:, None])
+        corr = jnp.exp(m - m_new)
+        return (num * corr[:, None] + jnp.einsum("qk,kd->qd", e, v),
+                den * corr + e.sum(-1), m_new)
+    return block(carry, k, v)
+def F_fwd(q, k, v):
+    n = lax.psum(1, "r")
+    def body(c, idx):
+        num, den, m, k, v = c
+        del idx   # the block's source is (axis_index - idx) %% n
+        num, den, m = _ring_block(q, k, v, (num, den, m))
+        k, v = (lax.ppermute(x, "r", _ring_perm(n)) for x in (k, v))
+        return (num, den, m, k, v), lax.axis_index("r")
+    init = (jnp.zeros_like(q), jnp.zeros(q.shape[:1], q.dtype),
+            jnp.full(q.shape[:1], -jnp.inf, q.dtype), k, v)
+    (num, den, m, _, _), _ = lax.scan(body, init, jnp.arange(2))
+    out = num / den[:, None]
+    return out, (out, q, k, v, den, m)
+@DEC
+def F(q, k, v):
+    return F_fwd(q, k, v)[0]
+def F_bwd(res, g):
+    out, q, k, v, den, m = res
+    n = lax.psum(1, "r")
+    dl_part = jnp.sum(g * out, -1)
+    def body(c, idx):
+        dq, dk, dv, k, v = c
+        @partial(jax.checkpoint, prevent_cse=False%(policy)s)
+        def block(dq, k, v):
+            s = jnp.einsum("qd,kd->qk", q, k) / 2.0
+            p = jnp.exp(s - m[:, None]) / den[:, None]
+            dl = (jnp.einsum("qd,kd->qk", g, v) - dl_part[:, None]) * p
+            return (dq + jnp.einsum("qk,kd->qd", dl, k) / 2.0,
+                    jnp.einsum("qk,qd->kd", dl, q) / 2.0,
+                    jnp.einsum("qk,qd->kd", p, g))
+        dq, dk_part, dv_part = block(dq, k, v)
+        dk, dv = dk + dk_part, dv + dv_part
+        k, v, dk, dv = (lax.ppermute(x, "r", _ring_perm(n))
+                        for x in (k, v, dk, dv))
+        return (dq, dk, dv, k, v), None
+    zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+    (dq, dk, dv, _, _), _ = lax.scan(body, (*zeros, k, v), jnp.arange(2))
+    return dq, dk, dv
+DEFVJP(F, F_fwd, F_bwd)
+def apply(G, q, k, v):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("r",))
+    return jax.shard_map(G, mesh=mesh, in_specs=(P("r"),) * 3,
+                         out_specs=P("r"), check_vma=False)(q, k, v)
+'''
+for _name, _pol in (("", ""), ("_dots", ", policy=jax.checkpoint_policies."
+                                        "dots_saveable")):
+    RULES_RING["ring_attention" + _name] = dict(
+        args=["m", "m", "m"], exact=True, src=_RING % dict(policy=_pol))
+
+FAMILY = "classic"   # or "residue56", "ring" (--family)
 
 
 POLICIES = [
@@ -721,9 +797,10 @@ def gen_program(seed, flags, place="any"):
     import numpy as np
     rng = random.Random(seed)
     nrng = np.random.RandomState(seed)
-    if FAMILY == "residue56":
-        rule = rng.choice(sorted(RULES_56))
-        spec = RULES_56[rule]
+    if FAMILY in ("residue56", "ring"):
+        table = RULES_56 if FAMILY == "residue56" else RULES_RING
+        rule = rng.choice(sorted(table))
+        spec = table[rule]
     else:
         rule = rng.choice(sorted(RULES) + ["extras"] * 4)
         spec = RULES[rule] if rule != "extras" else extras_rule(rng)
@@ -753,7 +830,7 @@ def gen_program(seed, flags, place="any"):
     # ---- inner wrappers -------------------------------------------------
     lines = ["h = lambda *xs: apply(F, *xs)"]
     tags = []
-    if FAMILY == "residue56":   # every policy, and JAX's test's save-all
+    if FAMILY in ("residue56", "ring"):   # every policy, and JAX's save-all
         pol = rng.choice(POLICIES + ["lambda *_, **__: True"])
         tags.append("ckpt[%s]" % pol.split(".")[-1][:30])
         lines.append("h = jax.checkpoint(h, policy=%s)" % pol)
@@ -808,7 +885,9 @@ def gen_program(seed, flags, place="any"):
               "linearize", "hessian", "gradgrad", "vmap_grad",
               "grad_vmap", "shard_map", "shard_map_in", "jacrev",
               "gradgrad_ckpt", "grad_aux", "hvp", "jacfwd_jacrev", "vmap_hvp"]
-    if place == "shard_map":   # the program is inside one shard_map already
+    if place == "shard_map" or FAMILY == "ring":
+        # the program is inside one shard_map already (the ring's own, over
+        # 2 devices: another over 4 would not nest)
         outers = [o for o in outers if o not in (
             "vmap_grad", "grad_vmap", "shard_map", "shard_map_in")]
     outer = rng.choice(outers)
@@ -1031,6 +1110,9 @@ def check(seed, flags, place="any"):
     elif rj[0] == "ok":
         d = _cmp(rs, rj)
         res["verdict"] = "same" if d is None else "DIFF vs jax: " + d
+        if d is None:   # within rtol 1e-5; also recorded: bit for bit?
+            res["bitwise"] = all(a.tobytes() == b.tobytes()
+                                 for a, b in zip(rs[2], rj[2]))
         if d is not None and rs[0] == "ok" and meta["exact"]:
             # is jax.custom_vjp the one that is wrong? (its rules are exact:
             # the plain function is the reference too)
@@ -1042,25 +1124,43 @@ def check(seed, flags, place="any"):
     else:
         rp = _run_one(src, "plain")
         res["plain"] = rp[0] if rp[0] == "ok" else "err:%s:%s" % (rp[1], rp[2])
-        if rs[0] == "err" and _same_exc(rs, rj):
-            res["verdict"] = "same"
-        elif rs[0] == "err" and (FORWARD_MODE_REFUSAL in rj[2]
-                                 or meta["outer"] in ("jvp", "linearize")):
-            # forward mode, where smartvjp goes beyond jax.custom_vjp: it
-            # reports what it finds wrong (a rule's output, an opaque rule);
-            # listed for review, not a drop-in difference
-            res["verdict"] = "beyond (forward mode): smart raises %s" % rs[1]
-        elif rs[0] == "err":
-            res["verdict"] = "DIFF exc types %s vs jax %s" % (rs[1], rj[1])
-        elif rp[0] == "err":
-            res["verdict"] = "DIFF smart ok, jax and plain raise"
-        elif not meta["exact"]:
-            res["verdict"] = "unchecked (jax raises, rule not exact)"
-        else:
-            d = _cmp(rs, rp)
-            res["verdict"] = ("same-as-plain" if d is None
-                              else "DIFF vs plain: " + d)
+        res["verdict"] = verdict_where_jax_raises(meta, rj, rs, rp)
     return res
+
+
+# Where JAX itself refuses the program (the plain function, without the
+# rules, raises what jax.custom_vjp raises: JAX's pvary ValueError inside
+# shard_map(check_vma=True) on jax 0.10.2), smartvjp computing, or refusing
+# a rule that is wrong on purpose with its own error, is not a drop-in
+# difference: labelled apart, so that DIFF always means one to look at.
+SMART_COMPUTES = "smart better: computes where jax and plain raise"
+SMART_REFUSES_RULE = "smart better: refuses the rule where jax and plain raise"
+
+
+def verdict_where_jax_raises(meta, rj, rs, rp):
+    """The verdict where jax.custom_vjp raises (``rj``): ``rs``, ``rp`` are
+    smartvjp's and the plain function's results (``_run_one``'s tuples)."""
+    if rs[0] == "err" and _same_exc(rs, rj):
+        return "same"
+    if rs[0] == "err" and (FORWARD_MODE_REFUSAL in rj[2]
+                           or meta["outer"] in ("jvp", "linearize")):
+        # forward mode, where smartvjp goes beyond jax.custom_vjp: it
+        # reports what it finds wrong (a rule's output, an opaque rule);
+        # listed for review, not a drop-in difference
+        return "beyond (forward mode): smart raises %s" % rs[1]
+    jax_refuses_program = rp[0] == "err" and _same_exc(rp, rj)
+    if rs[0] == "err":
+        if jax_refuses_program and "smart_custom_vjp" in rs[2]:
+            return "%s %s" % (SMART_REFUSES_RULE, rj[1])
+        return "DIFF exc types %s vs jax %s" % (rs[1], rj[1])
+    if rp[0] == "err":
+        if jax_refuses_program:
+            return "%s %s" % (SMART_COMPUTES, rj[1])
+        return "DIFF smart ok, jax raises %s, plain raises %s" % (rj[1], rp[1])
+    if not meta["exact"]:
+        return "unchecked (jax raises, rule not exact)"
+    d = _cmp(rs, rp)
+    return "same-as-plain" if d is None else "DIFF vs plain: " + d
 
 
 def _differs(src):
@@ -1100,12 +1200,17 @@ def main():
                    help="drop wrappers of this seed's program while the discrepancy stays")
     p.add_argument("--place", choices=("any", "shard_map"), default="any",
                    help="shard_map: every program inside shard_map(check_vma=True)")
-    p.add_argument("--family", choices=("classic", "residue56"), default="classic",
-                   help="residue56: issue 56's shapes (effects without outputs, "
+    p.add_argument("--family", choices=("classic", "residue56", "ring"),
+                   default="classic",
+                   help="ring: issue 65's ring attention in shard_map over 2 "
+                   "devices (--place any only); "
+                   "residue56: issue 56's shapes (effects without outputs, "
                    "named residuals in nested calls, low precision), checkpointed")
     a = p.parse_args()
     global FAMILY
     FAMILY = a.family
+    if FAMILY == "ring" and a.place != "any":
+        p.error("--family ring runs its own shard_map: --place any only")
     if a.minimize is not None:
         import jax
         if a.flags:
