@@ -18,7 +18,7 @@ from smartvjp._checks import (
 from smartvjp._cache import made_where_differentiated
 from smartvjp._forward import (
     forward_mode_error_type, raised_by_smartvjp, tangents_only,
-    untraceable_in_forward_mode)
+    forward_mode_refusal)
 from smartvjp._primitive import (
     call_p, define_evaluation, forward_role, jvp_p, lin_out_avals, lin_p,
     register, register_with_logs, rem_p, rule_jvp, rule_p,
@@ -71,10 +71,15 @@ def _call_jvp(primals_in, tangents, *, call):
   if not any(in_nz):
     return call_p.bind(*f_consts, *primals, call=call), call.expand_tangents([])
   check_aliased_refs(call, primals)
-  # on values, where jax.custom_vjp would not trace fwd (under jit it does)
-  with untraceable_in_forward_mode(call.rules, "fwd", not any(
-      isinstance(p, jx.core.Tracer) for p in primals)):
+  try:
     fwd, fwd_consts = call.fwd_for(in_nz)
+  except Exception as e:  # noqa: BLE001 - forward mode's refusal, or as is
+    # on values, where jax.custom_vjp would not trace fwd (under jit it does)
+    refusal = forward_mode_refusal(e, call.rules, "fwd", not any(
+        isinstance(p, jx.core.Tracer) for p in primals))
+    if refusal is None:
+      raise
+    raise refusal from e
   check_fwd_output_types(call, fwd)   # f and fwd may both run (remat)
   nz_tangents = [t for t, nz in zip(arg_tangents, in_nz) if nz]
   outs = jvp_p.bind(*f_consts, *fwd_consts, *primals, *nz_tangents,

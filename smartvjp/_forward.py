@@ -6,7 +6,6 @@ linear map gets the primals it needs as residuals after ``fwd``'s own
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -28,33 +27,32 @@ def forward_mode_on_call() -> bool:
   return isinstance(jx.core.trace_ctx.trace, jx.ad.JVPTrace)
 
 
-@contextlib.contextmanager
-def untraceable_in_forward_mode(rules, which: str, applies: bool = True):
-  """Forward mode traces ``which`` (``"fun"``, ``"fwd"``); where it cannot
-  be traced on values JAX refuses to differentiate (NumPy in the rule), the
-  forward-mode ``TypeError`` naming ``jvp=``, raised from the rule's error.
-  Our own checks of a rule's result pass through; so does everything where
-  ``applies`` is false (where ``jax.custom_vjp`` traces the rule too)."""
-  try:
-    yield
-  except Exception as e:  # noqa: BLE001 - re-raised with context below
-    if not applies or raised_by_smartvjp(e):
-      raise
-    role = "f" if which == "fun" else which
-    fix = (f"it also traces {role} where a forward rule is given, to know "
-           f"the call's outputs: make {role} traceable" if rules.jvp is not None
-           else f"where a rule cannot be (NumPy, a library's eager "
-           f"wrapper), give a forward rule: {rules.name}.defvjp(..., "
-           f"jvp=rule), with rule(primals, tangents) -> (primal_out, "
-           f"tangent_out) as for jax.custom_jvp")
-    raise forward_mode_error_type(type(e))(
-        f"forward-mode differentiation (jax.jvp, jax.jacfwd) of "
-        f"smart_custom_vjp function {rules.name} traces its {role} "
-        f"({rules.rule_name(which)}), which JAX could not trace on these "
-        f"values (JAX said: {type(e).__name__}: "
-        f"{str(e).splitlines()[0].rstrip('. ') if str(e) else ''}). "
-        f"jax.custom_vjp refuses forward mode outright; smartvjp runs it "
-        f"through rules written in JAX; {fix}.") from e
+def forward_mode_refusal(e: Exception, rules, which: str,
+                         applies: bool = True):
+  """Forward mode traces ``which`` (``"fun"``, ``"fwd"``); where it could
+  not be traced on values (``e``: NumPy in the rule), JAX refuses to
+  differentiate: the forward-mode ``TypeError`` naming ``jvp=``, to raise
+  from ``e``. ``None`` (re-raise ``e``) for our own checks of a rule's
+  result, and where ``applies`` is false (where ``jax.custom_vjp`` traces
+  the rule too). Called only on the error path, so the call's own path
+  gains no frame."""
+  if not applies or raised_by_smartvjp(e):
+    return None
+  role = "f" if which == "fun" else which
+  fix = (f"it also traces {role} where a forward rule is given, to know "
+         f"the call's outputs: make {role} traceable" if rules.jvp is not None
+         else f"where a rule cannot be (NumPy, a library's eager "
+         f"wrapper), give a forward rule: {rules.name}.defvjp(..., "
+         f"jvp=rule), with rule(primals, tangents) -> (primal_out, "
+         f"tangent_out) as for jax.custom_jvp")
+  return forward_mode_error_type(type(e))(
+      f"forward-mode differentiation (jax.jvp, jax.jacfwd) of "
+      f"smart_custom_vjp function {rules.name} traces its {role} "
+      f"({rules.rule_name(which)}), which JAX could not trace on these "
+      f"values (JAX said: {type(e).__name__}: "
+      f"{str(e).splitlines()[0].rstrip('. ') if str(e) else ''}). "
+      f"jax.custom_vjp refuses forward mode outright; smartvjp runs it "
+      f"through rules written in JAX; {fix}.")
 
 
 def raised_by_smartvjp(e: BaseException) -> bool:

@@ -21,7 +21,7 @@ from smartvjp import _vmap
 from smartvjp._cache import batching, differentiated_where_made
 from smartvjp._checks import (
     check_aliased_arguments, check_f_output, check_jax_leaves)
-from smartvjp._forward import forward_mode_on_call, untraceable_in_forward_mode
+from smartvjp._forward import forward_mode_on_call, forward_mode_refusal
 from smartvjp._primitive import call_p, register
 from smartvjp._spec import (
     EagerClosureError, eager_fwd, linearized_call, trace_call, untraced)
@@ -79,8 +79,13 @@ def _call_process(bind, leaves, call) -> list:
   outs = _vmap_of_linearized(call, leaves)
   if outs is not None:   # vmap innermost, over grad/vjp: f need not be traced
     return outs
-  with untraceable_in_forward_mode(rules, "fun", forward_mode_on_call()):
+  try:
     spec, consts = _traced(call)
+  except Exception as e:  # noqa: BLE001 - forward mode's refusal, or as is
+    refusal = forward_mode_refusal(e, rules, "fun", forward_mode_on_call())
+    if refusal is None:
+      raise
+    raise refusal from e
   call.out_tree = spec.out_tree
   # differentiated now, by the current trace (as opposed to staged and
   # differentiated later): the two refuse a closure with different errors
