@@ -39,6 +39,16 @@ runs JAX's file with ``optimize_remat=True`` forced on every custom_vjp that
 neither sets it nor asks for symbolic zeros, unpatched and patched, and
 compares the two.
 
+The full check takes about 10 minutes of CPU. Its result depends only on its
+inputs: the files of this folder that it reads, the count tables' cells, JAX's
+test file (and the peer folder's ``conftest.py``) and the installed wheel's
+``jax/``. A full run that passes with ``--write-stamp`` writes their hash to
+``check-stamp.json``. With ``--mode auto`` (the default, which CI uses) the
+full check runs when the inputs' hash differs from the stamp's, and otherwise
+the fast subset: the install, both patches applied (``git apply``, no fuzz),
+the new tests with the series (every test must pass), the docs note's cell,
+and the ``main`` report. ``--mode full`` and ``--mode fast`` choose.
+
 Usage, from the repository root:
   python3 design/upstream/check.py --peer ../shared/peer
 """
@@ -49,6 +59,7 @@ import argparse
 import collections
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import re
@@ -71,8 +82,11 @@ PYTHON = '3.12'
 JAXLIB = '0.12.1'
 # PR 2's tests that must fail once CustomVJPTraced.remat is deleted: where
 # the policy keeps fwd's residual (everything_saveable short-circuits the
-# checkpoint in 0.12.1, so its cases pass either way).
+# checkpoint in 0.12.1, so its cases pass either way), and the unnamed
+# residual's, whose False half is that method's default rule (without it,
+# False too runs f forward).
 NEEDS_REMAT_RULE = tuple(f'test_{t}' for t in (
+    'launches_unnamed_residual_names', 'launches_unnamed_residual_offload',
     'eager_launches_nondiff_arg', 'eager_launches_residual_name_saved',
     'eager_launches_residual_offloaded',
     'eager_launches_residual_offloaded_kept_kernel', 'eager_launches_vmap',
@@ -80,6 +94,7 @@ NEEDS_REMAT_RULE = tuple(f'test_{t}' for t in (
     'launches_kept_kernel_residual_saved', 'launches_kept_kernel_scan',
     'launches_residual_name_saved', 'launches_residual_offloaded',
     'launches_residual_offloaded_kept_kernel',
+    'launches_residual_saved_any_name_but_other',
     'launches_residual_saved_jnp_scalar_in_fwd',
     'launches_residual_saved_mask_in_fwd', 'launches_scan_residual_saved',
     'launches_vmap_residual_saved'))
@@ -97,6 +112,10 @@ MORE_THAN_FALSE = ('unnamed_res',)
 DOCS_NOTE = os.path.join(HERE, 'docs-note.md')
 TABLES = (os.path.join(os.path.dirname(HERE), 'upstream.md'),
           os.path.join(HERE, 'counts-jax-0.12.1.md'))
+STAMP = os.path.join(HERE, 'check-stamp.json')
+# The files of this folder that the check reads (the tables are hashed by
+# their cells, so that their prose may change without a full run).
+INPUT_FILES = ('check.py', 'launches.py', *PATCHES, TEST_FILE, 'docs-note.md')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,16 +309,27 @@ def launch_total(cell):
   return sum(map(int, counts)) if counts else float('inf')
 
 
+# What fwd names its residual with in a table: checkpoint_name, or
+# checkpoint_name_fwd after ``<!-- counts: jax 0.12.1, checkpoint_name_fwd -->``.
+NAME_FWD = 'checkpoint_name_fwd'
+MARKER = re.compile(rf'<!-- counts: jax 0\.12\.1(, {NAME_FWD})? -->')
+
+
 def table_cells(path):
   """The cells of every count table in ``path``: a markdown table after a
-  line ``<!-- counts: jax 0.12.1 -->``, whose key columns (program, kernel,
-  policy, run) may list several values separated by commas. Returns
-  ``{(program, kernel, policy, run, column): launches}``."""
+  line ``<!-- counts: jax 0.12.1 -->`` (or ``<!-- counts: jax 0.12.1,
+  checkpoint_name_fwd -->`` where fwd names its residual with that), whose
+  key columns (program, kernel, policy, run) may list several values
+  separated by commas. Returns ``{(program, kernel, policy, run, column):
+  launches}``, the column prefixed with ``checkpoint_name_fwd:`` in the
+  second kind of table."""
   cells, lines = {}, open(path).read().splitlines()
   clean = lambda c: c.strip().strip('*`').replace('`', '').strip()
   for n, line in enumerate(lines):
-    if line.strip() != '<!-- counts: jax 0.12.1 -->':
+    marker = MARKER.fullmatch(line.strip())
+    if not marker:
       continue
+    prefix = f'{NAME_FWD}:' if marker.group(1) else ''
     head = [clean(c) for c in lines[n + 1].strip().strip('|').split('|')]
     for row in lines[n + 3:]:
       if not row.startswith('|'):
@@ -314,7 +344,7 @@ def table_cells(path):
               for col in COLUMNS:
                 if col in vals:
                   cells[(prog, KERNEL_NAMES[kernel], POLICY_NAMES[policy], run,
-                         col)] = clean(vals[col])
+                         prefix + col)] = clean(vals[col])
   return cells
 
 
@@ -323,13 +353,52 @@ def check_tables(measured, problems):
   n = 0
   for path in TABLES:
     for (prog, kernel, policy, run, col), want in table_cells(path).items():
+      namer, _, col = col.rpartition(':')
       step, mode = COLUMNS[col]
+      step = f'{step}:{namer}' if namer else step
       got = measured.get(step, {}).get((prog, kernel, policy, run, mode))
       n += 1
       if got != want:
         problems.append(f'{os.path.basename(path)}: {prog}/{kernel}/{policy}/'
                         f'{run}, {col}: the table says {want!r}, measured {got!r}')
   return n
+
+
+def inputs_hash(wheel_jax, peer_dir):
+  """sha256 of everything the full check's result depends on: INPUT_FILES,
+  the count tables' cells, JAX's test file and the peer folder's
+  ``conftest.py``, and every file of the installed ``jax/`` (the wheel the
+  patches apply to)."""
+  h = hashlib.sha256()
+  def add(label, data):
+    h.update(f'{label}\0{len(data)}\0'.encode())
+    h.update(data)
+  for name in INPUT_FILES:
+    with open(os.path.join(HERE, name), 'rb') as f:
+      add(name, f.read())
+  for path in TABLES:
+    cells = sorted(table_cells(path).items())
+    add(os.path.basename(path), json.dumps(cells).encode())
+  for path in (os.path.join(peer_dir, 'custom_api_test.py'),
+               os.path.join(os.path.dirname(peer_dir), 'conftest.py')):
+    if os.path.exists(path):
+      with open(path, 'rb') as f:
+        add(os.path.relpath(path, os.path.dirname(peer_dir)), f.read())
+  for root, dirs, files in os.walk(wheel_jax):
+    dirs[:] = sorted(d for d in dirs if d != '__pycache__')
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      with open(path, 'rb') as f:
+        add('jax/' + os.path.relpath(path, wheel_jax), f.read())
+  return h.hexdigest()
+
+
+def read_stamp():
+  try:
+    with open(STAMP) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
 
 
 def check_docs_note(py, path, work, problems):
@@ -372,6 +441,33 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
 
   def new_tests():
     return pytest(py, HERE, TEST_FILE, args.jobs, path, work)
+
+  def launches_name_fwd(label):
+    # fwd naming its residual with checkpoint_name_fwd: measured for the
+    # tables that compare it with the series.
+    out = os.path.join(work, f'launches-{target.name}-{label}-{NAME_FWD}.json')
+    proc = run([py, os.path.join(HERE, 'launches.py'), '--modes', 'False,True',
+                '--programs', PROGRAMS, '--name', NAME_FWD, '--json', out],
+               env=base_env(path), check=False)
+    if proc.returncode != 0 or not os.path.exists(out):
+      problems.append(f'{target.name}/{label}: launches.py --name {NAME_FWD} '
+                      f'failed: {proc.stderr[-2000:]}')
+      return
+    with open(out) as f:
+      got = measured[f'{label}:{NAME_FWD}'] = {
+          (c['program'], c['kernel'], c['policy'], c['jit'], c['mode']):
+          c['launches'] for c in json.load(f)}
+    if label != 'unpatched':  # the series changes no False cell here either
+      base = measured[f'unpatched:{NAME_FWD}']
+      changed = sorted(k for k, v in base.items() if got.get(k) != v)
+      rec['steps'][label][f'{NAME_FWD}_cells'] = (
+          f'{len(base)} compared, {len(changed)} changed, '
+          f'{sum(k[4] == "False" for k in changed)} of them False')
+      if any(k[4] == 'False' for k in changed):
+        problems.append(f'{target.name}/{label}: with {NAME_FWD}, False cells '
+                        'changed: ' + '; '.join(
+                            f'{k}: {base[k]} -> {got.get(k)}'
+                            for k in changed if k[4] == 'False'))
 
   def launches(label):
     out = os.path.join(work, f'launches-{target.name}-{label}.json')
@@ -429,6 +525,8 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
   new0 = step('new tests, unpatched', new_tests)
   rec['steps']['unpatched']['new_tests'] = tally(new0)
   step('launches, unpatched', lambda: launches('unpatched'))
+  step(f'launches, {NAME_FWD}, unpatched',
+       lambda: launches_name_fwd('unpatched'))
   if args.force_true:
     forced0 = step('custom_api_test.py, True forced, unpatched',
                    lambda: suite('force_true'))
@@ -464,6 +562,8 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
                         f'PR 2 tests fail {fails}, expected '
                         f'{sorted(NEEDS_REMAT_RULE)}')
     step(f'launches, {label}', lambda: launches(label))
+    if label == 'pr2':
+      step(f'launches, {NAME_FWD}, {label}', lambda: launches_name_fwd(label))
   rec['docs_note'] = step('docs note cell, the series',
                           lambda: check_docs_note(py, path, work, problems))
 
@@ -480,6 +580,32 @@ def check_target(target, py, src, args, work, plugins, problems, timings):
                       'patched only')
   n = check_tables(measured, problems)
   rec['table_cells'] = f'{n} table cells compared'
+  return rec
+
+
+def fast_target(target, py, src, work, jobs, problems, timings):
+  """The fast subset, for inputs a full run has passed with (the stamp): both
+  patches apply, every new test passes with the series, and the docs note's
+  cell prints what its comments say."""
+  path = [src]
+  rec = dict(target=target.name, peer=os.path.join('(fast)', target.peer),
+             steps={})
+  def step(name, fn):
+    t0 = time.monotonic()
+    log(f'[{target.name}] {name} ...')
+    out = fn()
+    timings[f'{target.name}: {name}'] = round(time.monotonic() - t0, 1)
+    return out
+  for patch in PATCHES:
+    step(f'git apply {patch}', lambda: git_apply(src, patch))
+  new = step('new tests, the series',
+             lambda: pytest(py, HERE, TEST_FILE, jobs, path, work))
+  rec['steps']['the series'] = dict(new_tests=tally(new),
+                                    new_tests_failing=failed(new))
+  if failed(new):
+    problems.append(f'{target.name}/the series: {failed(new)} fail')
+  rec['docs_note'] = step('docs note cell, the series',
+                          lambda: check_docs_note(py, path, work, problems))
   return rec
 
 
@@ -500,6 +626,14 @@ def main(argv=None):
                   'folder), to look for a main newer than the release')
   ap.add_argument('--work', help='scratch folder (default: a new temporary '
                   'one, removed at the end)')
+  ap.add_argument('--mode', choices=('auto', 'full', 'fast'), default='auto',
+                  help='full: every step; fast: the subset (patches apply, '
+                  'new tests pass with the series, docs note cell); auto '
+                  '(default): full unless the inputs hash to '
+                  f'{os.path.basename(STAMP)}\'s')
+  ap.add_argument('--write-stamp', action='store_true',
+                  help=f'after a full run that passes, write '
+                  f'{os.path.basename(STAMP)} (the inputs\' hash)')
   args = ap.parse_args(argv)
   args.peer = os.path.abspath(args.peer)
   t_start = time.monotonic()
@@ -528,8 +662,21 @@ def main(argv=None):
     src = os.path.join(work, f'src-{RELEASE.name}')
     shutil.copytree(wheel_jax, os.path.join(src, 'jax'),
                     ignore=shutil.ignore_patterns('__pycache__'))
-    result['targets'].append(check_target(RELEASE, py, src, args, work,
-                                          plugins, problems, timings))
+    result['inputs'] = inputs_hash(wheel_jax, os.path.join(args.peer,
+                                                           RELEASE.peer))
+    stamp = read_stamp()
+    mode = args.mode
+    if mode == 'auto':
+      mode = 'fast' if stamp.get('inputs') == result['inputs'] else 'full'
+    result['mode'] = mode
+    log(f'[inputs] sha256 {result["inputs"][:16]}; the stamp\'s '
+        f'{stamp.get("inputs", "(none)")[:16]}: the {mode} check')
+    if mode == 'fast':
+      result['targets'].append(fast_target(RELEASE, py, src, work, args.jobs,
+                                           problems, timings))
+    else:
+      result['targets'].append(check_target(RELEASE, py, src, args, work,
+                                            plugins, problems, timings))
     result['ok'] = not problems
   except CheckError as e:
     result['error'] = str(e)
@@ -545,8 +692,10 @@ def main(argv=None):
   for rec in result['targets']:
     log(f"\n=== {rec['target']}, JAX's tests from {rec['peer']} ===")
     for label, s in rec['steps'].items():
-      log(f'{label}: custom_api_test.py {s["custom_api_test"]}'
-          + (f'; new tests {s["new_tests"]}' if 'new_tests' in s else ''))
+      log(f'{label}: '
+          + '; '.join(f'{what} {s[key]}' for what, key in (
+              ('custom_api_test.py', 'custom_api_test'),
+              ('new tests', 'new_tests')) if key in s))
       if s.get('failing_only_patched'):
         log(f'  failing only patched: {s["failing_only_patched"]}')
       if s.get('failing_only_forced'):
@@ -555,6 +704,8 @@ def main(argv=None):
         log(f'  new tests failing: {", ".join(s["new_tests_failing"])}')
       if 'false_true_cells' in s:
         log(f'  launches.py False/True cells: {s["false_true_cells"]}')
+      if f'{NAME_FWD}_cells' in s:
+        log(f'  launches.py --name {NAME_FWD}: {s[f"{NAME_FWD}_cells"]}')
         for c in s['changed']:
           log(f'    {c}')
       for c in s.get('more_than_false', ()):
@@ -573,6 +724,21 @@ def main(argv=None):
   log(f"total {result['seconds']} s wall, CPU {result['cpu_seconds']['user']} s "
       f"user + {result['cpu_seconds']['system']} s system: "
       + ('OK' if result['ok'] else 'FAILED'))
+  if result.get('mode'):
+    log(f"the {result['mode']} check; inputs sha256 {result['inputs']}")
+  if args.write_stamp:
+    if result['ok'] and result.get('mode') == 'full':
+      with open(STAMP, 'w') as f:
+        json.dump(dict(inputs=result['inputs'],
+                       written=time.strftime('%Y-%m-%d %H:%M UTC',
+                                             time.gmtime()),
+                       seconds=result['seconds'],
+                       cpu_seconds=result['cpu_seconds']), f, indent=1)
+        f.write('\n')
+      log(f'wrote {STAMP}')
+    else:
+      log(f'{os.path.basename(STAMP)} not written: only a full run that '
+          'passes writes it')
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(result, f, indent=1)

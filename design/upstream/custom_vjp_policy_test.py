@@ -21,11 +21,6 @@ removes (lowered to a callback with side effects). Each kernel runs under a
 name scope naming its rule, so the compiled HLO says which rule each launch
 belongs to; launch counts are read from the HLO compiled for the CPU, and are
 static (a kernel inside a loop body counts once).
-
-``RematKeptOutputsTest`` comes with the first change (``remat_transform``
-reports which outputs the policy keeps); ``CustomVJPOptimizeRematPolicyTest``
-with the second (``optimize_remat=True`` follows the policy, and the backward
-pass reads the kept residuals instead of replaying ``fwd``).
 """
 
 import collections
@@ -106,17 +101,23 @@ _PRE = dict(
                           precision=lax.Precision.HIGHEST))
 
 
-def _sin(optimize_remat, nondiff=False, kind='callback', pre='none'):
+def _sin(optimize_remat, nondiff=False, kind='callback', pre='none',
+         unnamed=False):
   """``sin`` as a custom_vjp whose f, fwd and bwd are one kernel each; fwd
-  names its residual ``'cos'``. With ``nondiff``, a first argument is static."""
+  names its residual ``'cos'``. With ``nondiff``, a first argument is static;
+  with ``unnamed``, fwd also returns ``2 * x``, not named, which bwd reads."""
   def f(*args):
     return _kernel('f', args[-1], kind=kind)[0]
   def f_fwd(*args):
     y, cos_x = _kernel('fwd', _PRE[pre](args[-1]), kind=kind)
-    return y, checkpoint_name(cos_x, 'cos')
+    cos_x = checkpoint_name(cos_x, 'cos')
+    return y, ((cos_x, 2. * args[-1]) if unnamed else cos_x)
   def f_bwd(*args):
-    cos_x, g = args[-2:]
-    return _kernel('bwd', cos_x, g, kind=kind)
+    res, g = args[-2:]
+    if unnamed:
+      cos_x, twice_x = res
+      return (_kernel('bwd', cos_x, g, kind=kind)[0] + 0. * twice_x,)
+    return _kernel('bwd', res, g, kind=kind)
   sin = jax.custom_vjp(f, nondiff_argnums=(0,) if nondiff else ())
   sin.defvjp(f_fwd, f_bwd, optimize_remat=optimize_remat)
   return (lambda x: sin('static', x)) if nondiff else sin
@@ -134,6 +135,8 @@ _POLICIES = dict(
     everything=jax.checkpoint_policies.everything_saveable,
     names=jax.checkpoint_policies.save_only_these_names('cos'),
     other_names=jax.checkpoint_policies.save_only_these_names('other'),
+    names_but_other=jax.checkpoint_policies.save_any_names_but_these('other'),
+    names_but_cos=jax.checkpoint_policies.save_any_names_but_these('cos'),
     offload=jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=['cos'],
         offload_src='device', offload_dst='pinned_host'))
@@ -239,6 +242,7 @@ class CustomVJPOptimizeRematPolicyTest(jtu.JaxTestCase):
       _case('no_policy', 'plain', 'nothing', _NOT_SAVED),
       _case('dots_saveable', 'plain', 'dots', _NOT_SAVED),
       _case('other_name_saved', 'plain', 'other_names', _NOT_SAVED),
+      _case('residual_name_excluded', 'plain', 'names_but_cos', _NOT_SAVED),
       _case('nondiff_arg', 'nondiff', 'nothing', _NOT_SAVED),
       _case('vmap', 'vmap', 'nothing', _NOT_SAVED),
       _case('scan', 'scan', 'nothing', _NOT_SAVED),
@@ -260,6 +264,8 @@ class CustomVJPOptimizeRematPolicyTest(jtu.JaxTestCase):
       # CustomVJPTraced.remat gone, these would run f as well.)
       _case('everything_saveable', 'plain', 'everything', _SAVED),
       _case('residual_name_saved', 'plain', 'names', _SAVED),
+      _case('residual_saved_any_name_but_other', 'plain', 'names_but_other',
+            _SAVED),
       _case('residual_offloaded', 'plain', 'offload', _SAVED),
       _case('residual_offloaded_kept_kernel', 'plain', 'offload', _SAVED,
             kind='kept'),
@@ -305,6 +311,45 @@ class CustomVJPOptimizeRematPolicyTest(jtu.JaxTestCase):
     out = jax.block_until_ready(step(x))
     self.assertEqual(dict(_launched), {k: v for k, v in expected.items() if v})
     self.assertAllClose(out, _expected(program, x))
+
+  @parameterized.named_parameters(('names', 'names'), ('offload', 'offload'))
+  @jtu.run_on_devices('cpu')
+  def test_launches_unnamed_residual(self, policy):
+    # fwd also returns a residual the policy does not keep (2 * x, not
+    # named), so True keeps f forward. False replays fwd for that residual;
+    # the replayed kernel's outputs are not read (the named one is kept), so
+    # DCE removes it: here True runs one launch more than False.
+    x = _input('plain')
+    for optimize_remat, expected in ((True, _NOT_SAVED),
+                                     (False, dict(f=0, fwd=1, bwd=1))):
+      step = _step('plain', _sin(optimize_remat, unnamed=True), policy)
+      self.assertEqual(_launches(step, x), expected)
+      self.assertAllClose(jax.jit(step)(x), _expected('plain', x))
+
+  @parameterized.parameters('nothing', 'names', 'offload')
+  def test_effect_in_fwd_runs_once(self, policy):
+    # An effect in fwd runs once per step, whichever side of the checkpoint
+    # fwd runs on: backward where the policy keeps nothing, forward (and not
+    # again) where it keeps the residual.
+    runs = collections.Counter()
+    @jax.custom_vjp
+    def sin(x):
+      return jnp.sin(x)
+    def sin_fwd(x):
+      jax.debug.callback(lambda: runs.update(['fwd']))
+      return jnp.sin(x), checkpoint_name(jnp.cos(x), 'cos')
+    sin.defvjp(sin_fwd, lambda cos_x, g: (cos_x * g,), optimize_remat=True)
+    step = jax.grad(jax.checkpoint(lambda x: sin(x).sum(),
+                                   policy=_POLICIES[policy]))
+    x = _input('plain')
+    for run in (step, jax.jit(step)):
+      jax.block_until_ready(run(x))  # compiled under jit
+      jax.effects_barrier()
+      runs.clear()
+      g = jax.block_until_ready(run(x))
+      jax.effects_barrier()
+      self.assertEqual(dict(runs), {'fwd': 1})
+      self.assertAllClose(g, jnp.cos(x))
 
   @parameterized.parameters('nothing', 'names', 'offload')
   def test_second_order(self, policy):

@@ -31,6 +31,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+try:  # jax 0.12.1 ships it; older JAX does not
+  from jax.ad_checkpoint import checkpoint_name_fwd
+except ImportError:
+  checkpoint_name_fwd = None
 from jax.experimental import io_callback
 from jax._src import core
 from jax._src import dispatch
@@ -105,6 +109,10 @@ POLICIES = dict(
     offload=jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=['c'],
         offload_src='device', offload_dst='pinned_host'))
+# What fwd names its residual with (--name).
+NAMERS = dict(checkpoint_name=checkpoint_name,
+              checkpoint_name_fwd=checkpoint_name_fwd)
+NAMER = [checkpoint_name]
 PROGRAMS = ('plain', 'scan4', 'static', 'vmap_outside', 'vmap_inside',
             'uses_output', 'cond', 'const_in_fwd', 'unnamed_res')
 
@@ -121,7 +129,7 @@ def make_sin(kernel, mode, static=False, const=False, unnamed=False):
   def fwd(*args):  # with const, an array constant multiplies x first
     x = args[-1] * np.ones(args[-1].shape, np.float32) if const else args[-1]
     y, c = K('fwd', x)
-    c = checkpoint_name(c, 'c')
+    c = NAMER[0](c, 'c')
     # with unnamed, a second residual computed in JAX from x, not named
     return y, ((c, args[-1] * 2.) if unnamed else c)
   def bwd(*args):
@@ -195,14 +203,20 @@ def main(argv=None):
   ap.add_argument('--policies', default='nothing,everything,dots,names,offload')
   ap.add_argument('--jit', default='eager,jit')
   ap.add_argument('--no-flags', action='store_true')
+  ap.add_argument('--name', choices=tuple(NAMERS), default='checkpoint_name',
+                  help="what fwd names its residual with")
   ap.add_argument('--json', help='also write the cells here')
   args = ap.parse_args(argv)
   if not args.no_flags:
     jax.config.update('jax_remat3', True)
     jax.config.update('jax_custom_vjp3', True)
+  if NAMERS[args.name] is None:
+    raise SystemExit(f'this JAX has no jax.ad_checkpoint.{args.name}')
+  NAMER[0] = NAMERS[args.name]
   modes = args.modes.split(',')
   print(f'jax {jax.__version__} ({jax.__file__}), '
-        f'remat3 flags {"off" if args.no_flags else "on"}')
+        f'remat3 flags {"off" if args.no_flags else "on"}, fwd names its '
+        f'residual with {args.name}')
   print('| program | kernel | policy | | ' + ' | '.join(modes) + ' |')
   print('|---' * (4 + len(modes)) + '|')
   cells = []
