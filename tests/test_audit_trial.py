@@ -458,3 +458,34 @@ def test_the_emitted_json_has_only_documented_keys():
               for k in s["predicted"]["calibrated"]
               if f"`{k}`" not in site["predicted"]]
   assert not extra, f"keys emitted but not in docs/audit.md's schema: {extra}"
+
+
+def _jit_in_fwd_site():
+  """A rule whose ``fwd`` calls a ``jax.jit`` function holding its kernel
+  under ``lax.cond``: JAX's lazy trace of that ``fwd`` under ``scan``
+  stages an empty ``jit`` equation at the top level of the step."""
+  def host(x):
+    return np.asarray(np.exp(x), x.dtype)
+
+  @jax.jit
+  def inner(x):
+    kernel = lambda x: jax.pure_callback(
+        host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return jax.lax.cond(jnp.sum(x) > -1e30, kernel, jnp.exp, x)
+
+  @jax.custom_vjp
+  def ex(x):
+    return jnp.exp(x)
+  ex.defvjp(lambda x: (inner(x), inner(x)), lambda y, g: (g * y,))
+  return ex
+
+
+def test_an_empty_staged_jit_is_neither_a_run_nor_the_sites_place():
+  # a new user's step: jaxpr fwd 7 where 6 run, and "×1 per step" for a
+  # site called once in each of 3 scanned layers
+  step, args = _scanned(_jit_in_fwd_site(), True, n=3)
+  report = smartvjp.audit(step, *args, configs=("as_written", "smartvjp"))
+  site = report.sites[0]
+  assert site["runs"]["as_written"]["jaxpr"]["fwd"] == 6
+  assert site["runs"]["as_written"]["compiled"]["fwd"] == 6
+  assert site["multiplicity"] == 3
