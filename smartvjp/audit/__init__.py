@@ -218,7 +218,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   if measure:
     data["measured"] = _audit.measure(builds, data, args, kwargs, fn=fn)
   if calibrate or measure:
-    _calibrate.attach(data, builds, args, kwargs, fn)
+    _calibrate.attach(data, builds, _audit.suggestion)
   return Audit(data, builds)
 
 

@@ -127,12 +127,14 @@ def site_estimate(info: dict, timed: dict) -> dict:
   return dict(rule_seconds=timed, seconds=per, seconds_saved=saved)
 
 
-def attach(data: dict, builds: dict, args, kwargs, fn) -> None:
+def attach(data: dict, builds: dict, advise) -> None:
   """Adds the measured estimator to ``data`` (the audit's report): per
   site ``predicted["calibrated"]``, the step's ``calibrated`` (the sites'
   savings summed, as a share of the step), and, with ``measured``, the
-  verdict of each estimate against the measurement. A site is then advised
-  only where the estimates agree with the measurement."""
+  verdict of each estimate against the measurement. Each site's advice is
+  then given again from the leading estimate (``advise(site)``, the
+  measured one where it exists), and only where the estimates agree with
+  the measurement."""
   t0 = time.perf_counter()
   rules = next(iter(builds.values())).rules if builds else {}
   step = data.get("measured") or {}
@@ -151,6 +153,7 @@ def attach(data: dict, builds: dict, args, kwargs, fn) -> None:
                             if est["seconds_saved"] is not None
                             and step_seconds else None)
     s["predicted"]["calibrated"] = est
+    s["suggestion"] = advise(s)
     total += est["seconds_saved"] or 0.0
   share = total / step_seconds if step_seconds else None
   data["calibrated"] = dict(
