@@ -236,6 +236,16 @@ def test_argument_checks():
   with pytest.raises(TypeError, match="calibrate must be True or False"):
     smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
                    calibrate=1)
+  with pytest.raises(TypeError, match="the step must be a function"):
+    smartvjp.audit(3, jnp.ones(3))
+  with pytest.raises(TypeError, match="peaks must be a dict"):
+    smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
+                   peaks="tpu")
+  for bad in ("fast", -1.0, 0, float("nan"), True):
+    with pytest.raises(ValueError, match=r"peaks\['flops'\] must be a "
+                       "positive number"):
+      smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
+                     peaks={"flops": bad})
 
 
 # -- the measured estimator ----------------------------------------------------------
