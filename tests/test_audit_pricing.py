@@ -332,3 +332,18 @@ def test_the_advice_follows_the_leading_estimate(model, calibrated, start):
   assert got.startswith(start), got
   lead = calibrated if calibrated is not None else model
   assert f"{lead:.1%}" in got or f"{lead:.2%}" in got, got
+
+
+@pytest.mark.parametrize("launches_saved,start", [
+    (0, "no action: the swap's predicted saving is within noise"),
+    (3, "swap: decorate m.layer"),
+])
+def test_a_timed_saving_inside_the_timings_spread_is_not_advised(
+    launches_saved, start):
+  """f and fwd that run one host callback alike: their timings differ by
+  noise, which is no saving unless the swap also launches fewer kernels."""
+  info = _info(0.001, opaque=True, launches_saved=launches_saved)
+  info["predicted"]["calibrated"] = dict(share_of_step=0.02,
+                                         within_noise=True)
+  got = A.suggestion(info)
+  assert got.startswith(start), got

@@ -499,3 +499,34 @@ def test_an_empty_staged_jit_is_neither_a_run_nor_the_sites_place():
   assert site["runs"]["as_written"]["jaxpr"]["fwd"] == 6
   assert site["runs"]["as_written"]["compiled"]["fwd"] == 6
   assert site["multiplicity"] == 3
+
+
+def test_a_calibrated_saving_counts_its_timings_noise():
+  # f and fwd run one kernel alike: 6 runs of f for 6 of fwd, 2 us apart
+  info = dict(opaque=True, best_config="smartvjp", runs={
+      "as_written": {"jaxpr": dict(f=0, fwd=6, bwd=3, fwd_bwd=0)},
+      "smartvjp": {"jaxpr": dict(f=6, fwd=0, bwd=3, fwd_bwd=0)}})
+  timed = {"f": dict(seconds=380e-6, notch=5e-6),
+           "fwd": dict(seconds=382e-6, notch=5e-6),
+           "bwd": dict(seconds=4e-6, notch=1e-6)}
+  est = _calibrate.site_estimate(info, timed)
+  assert est["seconds_saved"] == pytest.approx(12e-6)
+  assert est["noise_seconds"] == pytest.approx(60e-6)    # 12 runs x 5 us
+  assert est["within_noise"] is True
+  timed["fwd"]["seconds"] = 480e-6
+  assert _calibrate.site_estimate(info, timed)["within_noise"] is False
+
+
+def test_without_a_measured_step_the_share_is_of_the_timed_sites():
+  # the model prices a host callback at its launch (10 us), the timing at
+  # 400 us: a share over the model's step alone would be many times 100%
+  site = lambda modelled, timed: dict(predicted=dict(
+      seconds={"as_written": modelled},
+      calibrated=dict(seconds={"as_written": timed})))
+  data = dict(step={"as_written": {"predicted_seconds": {"total": 130e-6}}},
+              sites=[site(60e-6, 2.4e-3), site(60e-6, 2.3e-3)])
+  seconds, source = _calibrate._step_seconds(data)
+  assert seconds == pytest.approx(10e-6 + 4.7e-3)
+  assert "rules' timings" in source
+  data["measured"] = dict(seconds={"as_written": {"median": 5.7e-3}})
+  assert _calibrate._step_seconds(data) == (5.7e-3, "measured")

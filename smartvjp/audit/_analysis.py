@@ -567,12 +567,17 @@ def suggestion(info) -> str:
     return ("no action: no jax.checkpoint around this site, so every "
             "configuration runs fwd once and bwd once")
   share = leading_share(info["predicted"])
+  # the rules' timings cannot tell the configurations apart, and no
+  # kernel launch is saved to make the saving certain (f and fwd running
+  # one kernel alike)
+  noisy = ((info["predicted"].get("calibrated") or {}).get("within_noise")
+           and not info["predicted"]["launches_saved"])
   if share is None and info["opaque"]:   # no time model: the counts say
     a_fwd = aw.get("compiled", aw["jaxpr"])["fwd"]
     s_fwd = sv.get("compiled", sv["jaxpr"])["fwd"]
     if info["predicted"]["launches_saved"] > 0 or s_fwd < a_fwd:
       return _swap_line(info, how, share)
-  elif share is not None and share >= WORTH:
+  elif share is not None and share >= WORTH and not noisy:
     return _swap_line(info, how, share)
   if info["opaque"]:
     named = [r["name"] for r in info["residuals"] if r["name"]
@@ -581,7 +586,9 @@ def suggestion(info) -> str:
       return (f"name-based policy: save residual {named[0]!r} with "
               f"jax.checkpoint_policies.save_only_these_names({named[0]!r})")
     return ("no action: the swap's predicted saving is within noise"
-            + (f" ({share:.2%} of the step)" if share is not None else
+            + (f" ({share:.2%} of the step, inside the spread of its rules' "
+               "timings)" if noisy else
+               f" ({share:.2%} of the step)" if share is not None else
                " (it launches no fewer kernels here)"))
   return ("no action: XLA already removes the duplicate (JAX-coded rules: "
           "XLA drops the work only the residuals need"
