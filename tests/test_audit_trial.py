@@ -530,3 +530,10 @@ def test_without_a_measured_step_the_share_is_of_the_timed_sites():
   assert "rules' timings" in source
   data["measured"] = dict(seconds={"as_written": {"median": 5.7e-3}})
   assert _calibrate._step_seconds(data) == (5.7e-3, "measured")
+
+
+def test_the_html_table_leads_with_the_timed_saving():
+  assert _report._saving_cell(dict(share_of_step=0.244)) == "+24.4%"
+  assert _report._saving_cell(dict(
+      share_of_step=0.244, calibrated=dict(share_of_step=0.215))) == (
+          "+21.5% timed; +24.4% model")
