@@ -256,7 +256,9 @@ ADVICE = [
     ((-0.01, True, True, 0, True), "no action: the swap's predicted", False),
     ((None, True, False, 1, True), "swap: decorate m.layer", False),
     ((None, True, False, 0, True), "swap: decorate m.layer", False),  # fwd 8->4
-    ((0.5, True, True, 4, False), "no action: no jax.checkpoint", False),
+    ((0.5, True, True, 4, False), "no action: no jax.checkpoint around this "
+     "site, so every configuration runs fwd once and bwd once per call",
+     False),
 ]
 
 

@@ -565,7 +565,7 @@ def suggestion(info) -> str:
     return "no suggestion: a configuration did not trace (see errors)"
   if not info["remat"]:
     return ("no action: no jax.checkpoint around this site, so every "
-            "configuration runs fwd once and bwd once")
+            "configuration runs fwd once and bwd once per call")
   share = leading_share(info["predicted"])
   # the rules' timings cannot tell the configurations apart, and no
   # kernel launch is saved to make the saving certain (f and fwd running
