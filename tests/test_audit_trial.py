@@ -236,6 +236,16 @@ def test_argument_checks():
   with pytest.raises(TypeError, match="calibrate must be True or False"):
     smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
                    calibrate=1)
+  with pytest.raises(TypeError, match="the step must be a function"):
+    smartvjp.audit(3, jnp.ones(3))
+  with pytest.raises(TypeError, match="peaks must be a dict"):
+    smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
+                   peaks="tpu")
+  for bad in ("fast", -1.0, 0, float("nan"), True):
+    with pytest.raises(ValueError, match=r"peaks\['flops'\] must be a "
+                       "positive number"):
+      smartvjp.audit(functools.partial(step, mode="fast"), jnp.ones(3),
+                     peaks={"flops": bad})
 
 
 # -- the measured estimator ----------------------------------------------------------
@@ -458,3 +468,72 @@ def test_the_emitted_json_has_only_documented_keys():
               for k in s["predicted"]["calibrated"]
               if f"`{k}`" not in site["predicted"]]
   assert not extra, f"keys emitted but not in docs/audit.md's schema: {extra}"
+
+
+def _jit_in_fwd_site():
+  """A rule whose ``fwd`` calls a ``jax.jit`` function holding its kernel
+  under ``lax.cond``: JAX's lazy trace of that ``fwd`` under ``scan``
+  stages an empty ``jit`` equation at the top level of the step."""
+  def host(x):
+    return np.asarray(np.exp(x), x.dtype)
+
+  @jax.jit
+  def inner(x):
+    kernel = lambda x: jax.pure_callback(
+        host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return jax.lax.cond(jnp.sum(x) > -1e30, kernel, jnp.exp, x)
+
+  @jax.custom_vjp
+  def ex(x):
+    return jnp.exp(x)
+  ex.defvjp(lambda x: (inner(x), inner(x)), lambda y, g: (g * y,))
+  return ex
+
+
+def test_an_empty_staged_jit_is_neither_a_run_nor_the_sites_place():
+  # a new user's step: jaxpr fwd 7 where 6 run, and "×1 per step" for a
+  # site called once in each of 3 scanned layers
+  step, args = _scanned(_jit_in_fwd_site(), True, n=3)
+  report = smartvjp.audit(step, *args, configs=("as_written", "smartvjp"))
+  site = report.sites[0]
+  assert site["runs"]["as_written"]["jaxpr"]["fwd"] == 6
+  assert site["runs"]["as_written"]["compiled"]["fwd"] == 6
+  assert site["multiplicity"] == 3
+
+
+def test_a_calibrated_saving_counts_its_timings_noise():
+  # f and fwd run one kernel alike: 6 runs of f for 6 of fwd, 2 us apart
+  info = dict(opaque=True, best_config="smartvjp", runs={
+      "as_written": {"jaxpr": dict(f=0, fwd=6, bwd=3, fwd_bwd=0)},
+      "smartvjp": {"jaxpr": dict(f=6, fwd=0, bwd=3, fwd_bwd=0)}})
+  timed = {"f": dict(seconds=380e-6, notch=5e-6),
+           "fwd": dict(seconds=382e-6, notch=5e-6),
+           "bwd": dict(seconds=4e-6, notch=1e-6)}
+  est = _calibrate.site_estimate(info, timed)
+  assert est["seconds_saved"] == pytest.approx(12e-6)
+  assert est["noise_seconds"] == pytest.approx(60e-6)    # 12 runs x 5 us
+  assert est["within_noise"] is True
+  timed["fwd"]["seconds"] = 480e-6
+  assert _calibrate.site_estimate(info, timed)["within_noise"] is False
+
+
+def test_without_a_measured_step_the_share_is_of_the_timed_sites():
+  # the model prices a host callback at its launch (10 us), the timing at
+  # 400 us: a share over the model's step alone would be many times 100%
+  site = lambda modelled, timed: dict(predicted=dict(
+      seconds={"as_written": modelled},
+      calibrated=dict(seconds={"as_written": timed})))
+  data = dict(step={"as_written": {"predicted_seconds": {"total": 130e-6}}},
+              sites=[site(60e-6, 2.4e-3), site(60e-6, 2.3e-3)])
+  seconds, source = _calibrate._step_seconds(data)
+  assert seconds == pytest.approx(10e-6 + 4.7e-3)
+  assert "rules' timings" in source
+  data["measured"] = dict(seconds={"as_written": {"median": 5.7e-3}})
+  assert _calibrate._step_seconds(data) == (5.7e-3, "measured")
+
+
+def test_the_html_table_leads_with_the_timed_saving():
+  assert _report._saving_cell(dict(share_of_step=0.244)) == "+24.4%"
+  assert _report._saving_cell(dict(
+      share_of_step=0.244, calibrated=dict(share_of_step=0.215))) == (
+          "+21.5% timed; +24.4% model")

@@ -132,6 +132,10 @@ def _name(fn) -> str:
 def check_arguments(fn, args, kwargs, *, configs, measure, calibrate
                     ) -> None:
   """Raises on arguments ``audit`` cannot take (see its ``Raises``)."""
+  if not callable(fn):
+    raise TypeError(f"smartvjp.audit: the step must be a function, got "
+                    f"{fn!r} ({type(fn).__name__}); call smartvjp.audit(step,"
+                    " *its_arguments)")
   for name, value in (("measure", measure), ("calibrate", calibrate)):
     if not isinstance(value, bool):
       raise TypeError(f"smartvjp.audit: {name} must be True or False, got "
@@ -203,8 +207,10 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       ``smart_custom_vjp`` call, or donates arguments.
     ValueError: ``configs`` names an unknown configuration or does not
       start with ``"as_written"``, or ``peaks`` has a key other than
-      ``flops``, ``bytes``, ``launch``.
-    TypeError: ``measure`` or ``calibrate`` is not a bool, or an argument
+      ``flops``, ``bytes``, ``launch`` or a value that is not a positive
+      number.
+    TypeError: ``fn`` is not callable, ``peaks`` is not a dict,
+      ``measure`` or ``calibrate`` is not a bool, or an argument
       is a string (bind it with ``functools.partial``: the audit takes no
       ``static_argnums``).
 
@@ -218,7 +224,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   if measure:
     data["measured"] = _audit.measure(builds, data, args, kwargs, fn=fn)
   if calibrate or measure:
-    _calibrate.attach(data, builds, args, kwargs, fn)
+    _calibrate.attach(data, builds, _audit.suggestion)
   return Audit(data, builds)
 
 

@@ -515,7 +515,7 @@ def _ran_fused(runs: dict | None) -> bool:
   return bool(runs.get("compiled", runs["jaxpr"]).get("fwd_bwd"))
 
 
-def _swap_line(site, info, how: str, share) -> str:
+def _swap_line(info, how: str, share) -> str:
   """The swap's advice: with its fused rule only where the configuration
   priced really ran it."""
   fused = _ran_fused(info["runs"].get(info["best_config"]))
@@ -536,13 +536,22 @@ def _swap_line(site, info, how: str, share) -> str:
   return line
 
 
-def _suggestion(site, info) -> str:
-  """One line of advice from the numbers: "swap" where the predicted
-  saving is at least ``WORTH`` of the step (without a time model, for a
-  kernel site, where it launches fewer kernels), "no action" where it is
-  within noise; a fused rule only where a configuration ran it."""
-  if site.refused is not None:
-    return f"none: left as JAX's ({site.refused})"
+def leading_share(predicted: dict):
+  """A site's predicted saving as a share of the step, from the estimate
+  the report leads with: its rules timed alone (``calibrated``) where they
+  were, else the time model's; ``None`` without either."""
+  share = (predicted.get("calibrated") or {}).get("share_of_step")
+  return share if share is not None else predicted.get("share_of_step")
+
+
+def suggestion(info) -> str:
+  """One line of advice from the numbers: "swap" where the leading
+  estimate (``leading_share``) of the saving is at least ``WORTH`` of the
+  step (without a time model, for a kernel site, where it launches fewer
+  kernels), "no action" where it is within noise; a fused rule only where
+  a configuration ran it. ``info`` is a site of the report."""
+  if info["refused"] is not None:
+    return f"none: left as JAX's ({info['refused']})"
   aw = info["runs"].get("as_written")
   sv = info["runs"].get(info["best_config"])
   library = any(d in info["defined_at"] for d in _LIBRARY_DIRS)
@@ -550,21 +559,26 @@ def _suggestion(site, info) -> str:
          "existing=True):` (or load the library with smartvjp.import_swapped)"
          if library else
          f"decorate {info['name']} with smartvjp.smart_custom_vjp (one import)")
-  if site.kind == "smart_custom_vjp":
+  if info["kind"] == "smart_custom_vjp":
     return "no action: already smart_custom_vjp"
   if aw is None or sv is None:
     return "no suggestion: a configuration did not trace (see errors)"
   if not info["remat"]:
     return ("no action: no jax.checkpoint around this site, so every "
-            "configuration runs fwd once and bwd once")
-  share = info["predicted"].get("share_of_step")
+            "configuration runs fwd once and bwd once per call")
+  share = leading_share(info["predicted"])
+  # the rules' timings cannot tell the configurations apart, and no
+  # kernel launch is saved to make the saving certain (f and fwd running
+  # one kernel alike)
+  noisy = ((info["predicted"].get("calibrated") or {}).get("within_noise")
+           and not info["predicted"]["launches_saved"])
   if share is None and info["opaque"]:   # no time model: the counts say
     a_fwd = aw.get("compiled", aw["jaxpr"])["fwd"]
     s_fwd = sv.get("compiled", sv["jaxpr"])["fwd"]
     if info["predicted"]["launches_saved"] > 0 or s_fwd < a_fwd:
-      return _swap_line(site, info, how, share)
-  elif share is not None and share >= WORTH:
-    return _swap_line(site, info, how, share)
+      return _swap_line(info, how, share)
+  elif share is not None and share >= WORTH and not noisy:
+    return _swap_line(info, how, share)
   if info["opaque"]:
     named = [r["name"] for r in info["residuals"] if r["name"]
              and r["fate"]["as_written"] != "saved"]
@@ -572,7 +586,9 @@ def _suggestion(site, info) -> str:
       return (f"name-based policy: save residual {named[0]!r} with "
               f"jax.checkpoint_policies.save_only_these_names({named[0]!r})")
     return ("no action: the swap's predicted saving is within noise"
-            + (f" ({share:.2%} of the step)" if share is not None else
+            + (f" ({share:.2%} of the step, inside the spread of its rules' "
+               "timings)" if noisy else
+               f" ({share:.2%} of the step)" if share is not None else
                " (it launches no fewer kernels here)"))
   return ("no action: XLA already removes the duplicate (JAX-coded rules: "
           "XLA drops the work only the residuals need"
@@ -877,7 +893,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
       info["predicted"].update(_site_model(
           info, rules[idx], builds, info["best_config"], peaks,
           (step_seconds.get("as_written") or {}).get("total"), cost_cache))
-    info["suggestion"] = _suggestion(site, info)
+    info["suggestion"] = suggestion(info)
     out_sites.append(info)
   out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
                                 -s["predicted"]["launches_saved"],

@@ -61,12 +61,16 @@ def _inputs(avals, seed: int) -> list:
 
 
 def median_seconds(programs: dict, warmup: int = 2, rounds: int = 21,
-                   budget: float = 1.0) -> dict:
+                   budget: float = 1.0, notch: bool = False) -> dict:
   """``{name: median wall seconds}`` of each ``(fn, args)`` in
   ``programs`` run to completion, after ``warmup`` runs of each: in
   rounds, each program once a round (interleaved, so that a change of the
   machine's load falls on all of them alike), at most ``rounds`` rounds,
-  fewer once ``budget`` seconds are spent (at least 3)."""
+  fewer once ``budget`` seconds are spent (at least 3). With
+  ``notch=True``, ``{name: (median, notch)}``: ``notch`` the half-width
+  of the median's 95% interval, 1.57 IQR / sqrt(runs) (the notch of a box
+  plot: R. McGill, J. W. Tukey, W. A. Larsen, "Variations of box plots",
+  The American Statistician 32(1), 1978)."""
   for fn, args in programs.values():
     for _ in range(warmup):
       jax.block_until_ready(fn(*args))
@@ -79,14 +83,24 @@ def median_seconds(programs: dict, warmup: int = 2, rounds: int = 21,
       times[name].append(time.perf_counter() - t)
       spent += times[name][-1]
     n += 1
+  if notch:
+    return {name: (statistics.median(v), _notch(v))
+            for name, v in times.items()}
   return {name: statistics.median(v) for name, v in times.items()}
+
+
+def _notch(v: list) -> float:
+  q1, _, q3 = statistics.quantiles(v, n=4)
+  return 1.57 * (q3 - q1) / len(v) ** 0.5
 
 
 def rule_seconds(jaxprs: dict, seed: int = 0) -> dict:
   """Each rule's (``{role: ClosedJaxpr}``) measured seconds per run, timed
   together (``median_seconds``): its median alone less that of an empty
   program with its inputs and outputs (``{"seconds", "raw", "empty"}``),
-  or ``{"error"}`` for a rule that does not compile or run alone."""
+  or ``{"error"}`` for a rule that does not compile or run alone;
+  ``notch``: the half-width of the 95% interval of its median
+  (``median_seconds``)."""
   programs, out = {}, {}
   for i, (role, closed) in enumerate(jaxprs.items()):
     try:
@@ -101,12 +115,12 @@ def rule_seconds(jaxprs: dict, seed: int = 0) -> dict:
       continue
     programs[role], programs[("empty", role)] = (fn, args), (empty, args)
   if programs:
-    medians = median_seconds(programs)
+    medians = median_seconds(programs, notch=True)
     for role in jaxprs:
       if role in programs:
-        raw, nothing = medians[role], medians[("empty", role)]
+        (raw, notch), (nothing, _) = medians[role], medians[("empty", role)]
         out[role] = {"seconds": max(raw - nothing, 0.0), "raw": raw,
-                     "empty": nothing}
+                     "empty": nothing, "notch": notch}
   return out
 
 
@@ -114,7 +128,10 @@ def site_estimate(info: dict, timed: dict) -> dict:
   """A site's measured estimate: per configuration, its compiled runs per
   rule times the rule's measured seconds (as ``_model.site_seconds``
   prices them, a JAX-coded site's extra ``fwd`` runs as ``f``), and the
-  saving as written less its best configuration."""
+  saving as written less its best configuration. ``noise_seconds``: what
+  the rules' timing cannot tell apart, each rule's ``notch`` times how many
+  more or fewer runs of it the best configuration makes (``within_noise``:
+  the saving is no larger: ``f`` and ``fwd`` running one kernel alike)."""
   own = {role: t["seconds"] for role, t in timed.items() if "seconds" in t}
   per = {}
   for config, runs in info["runs"].items():
@@ -124,43 +141,71 @@ def site_estimate(info: dict, timed: dict) -> dict:
   best = info["best_config"]
   saved = (per["as_written"] - per[best]
            if "as_written" in per and best in per else None)
-  return dict(rule_seconds=timed, seconds=per, seconds_saved=saved)
+  noise = None
+  if saved is not None:
+    a, b = (info["runs"][c].get("compiled", info["runs"][c]["jaxpr"])
+            for c in ("as_written", best))
+    noise = sum(abs(a.get(role, 0) - b.get(role, 0)) * t.get("notch", 0.0)
+                for role, t in timed.items())
+  return dict(rule_seconds=timed, seconds=per, seconds_saved=saved,
+              noise_seconds=noise,
+              within_noise=saved is not None and abs(saved) <= noise)
 
 
-def attach(data: dict, builds: dict, args, kwargs, fn) -> None:
+def attach(data: dict, builds: dict, advise) -> None:
   """Adds the measured estimator to ``data`` (the audit's report): per
   site ``predicted["calibrated"]``, the step's ``calibrated`` (the sites'
   savings summed, as a share of the step), and, with ``measured``, the
-  verdict of each estimate against the measurement. A site is then advised
-  only where the estimates agree with the measurement."""
+  verdict of each estimate against the measurement. Each site's advice is
+  then given again from the leading estimate (``advise(site)``, the
+  measured one where it exists), and only where the estimates agree with
+  the measurement."""
   t0 = time.perf_counter()
   rules = next(iter(builds.values())).rules if builds else {}
-  step = data.get("measured") or {}
-  step_seconds = (step.get("seconds", {}).get("as_written") or {}).get(
-      "median")
-  if step_seconds is None:
-    predicted = (data["step"].get("as_written") or {}).get(
-        "predicted_seconds") or {}
-    step_seconds = predicted.get("total")
-  total = 0.0
   for s in data["sites"]:
     r = rules.get(s["index"])
     timed = rule_seconds(r.jaxprs if r else {}, seed=s["index"])
-    est = site_estimate(s, timed)
+    s["predicted"]["calibrated"] = site_estimate(s, timed)
+  step_seconds, source = _step_seconds(data)
+  total = 0.0
+  for s in data["sites"]:
+    est = s["predicted"]["calibrated"]
     est["share_of_step"] = (est["seconds_saved"] / step_seconds
                             if est["seconds_saved"] is not None
                             and step_seconds else None)
-    s["predicted"]["calibrated"] = est
+    s["suggestion"] = advise(s)
     total += est["seconds_saved"] or 0.0
   share = total / step_seconds if step_seconds else None
   data["calibrated"] = dict(
       source="each site's rules timed alone on " + jax.default_backend(),
       seconds_saved=total, share_of_step=share,
       step_seconds=step_seconds,
-      step_seconds_source="measured" if step else "time model",
+      step_seconds_source=source,
       timing_seconds=time.perf_counter() - t0)
-  if step:
+  if data.get("measured"):
     verdict(data)
+
+
+def _step_seconds(data: dict) -> tuple:
+  """``(seconds, source)`` of the step as written that the sites' measured
+  savings are shares of: measured where ``measure=True`` timed it; else
+  the time model's, with its sites' modelled seconds replaced by their
+  rules' timings (a model that prices a host callback at its launch alone
+  would otherwise make a measured saving many times the step)."""
+  step = (data.get("measured") or {}).get("seconds", {}).get("as_written")
+  if step:
+    return step["median"], "measured"
+  total = ((data["step"].get("as_written") or {}).get("predicted_seconds")
+           or {}).get("total")
+  if total is None:
+    return None, "time model"
+  for s in data["sites"]:
+    modelled = (s["predicted"].get("seconds") or {}).get("as_written")
+    timed = s["predicted"]["calibrated"]["seconds"].get("as_written")
+    if modelled is not None and timed is not None:
+      total += timed - modelled
+  return (max(total, 0.0) or None,
+          "time model, its sites' seconds from their rules' timings")
 
 
 def verdict(data: dict) -> None:

@@ -127,10 +127,16 @@ def read_equations(jaxpr) -> list:
   jax 0.10.2 and 0.12.1: netket's and exojax's sites), where it would
   count one ``fwd`` run too many. Other unread work stays: the forward
   pass's ``fwd`` under ``jax.grad`` is in the jaxpr, and XLA removing it
-  is what the compiled count shows."""
+  is what the compiled count shows. An equation with no results and no
+  effects is left out too: a ``jax.jit`` called inside such a ``fwd`` is
+  staged at the top level as an empty ``jit`` that still carries the
+  rule's name (seen on jax 0.12.1), which would count one run too many
+  and place the site outside its loops."""
   read = {v for v in jaxpr.outvars if isinstance(v, jx.core.Var)}
   kept = []
   for eqn in reversed(jaxpr.eqns):
+    if not eqn.outvars and not eqn.effects:
+      continue
     if (eqn.primitive.name not in _UNDIFFERENTIATED or eqn.effects
         or any(v in read for v in eqn.outvars)):
       kept.append(eqn)

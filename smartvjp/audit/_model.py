@@ -18,6 +18,8 @@ XLA cannot fuse across).
 
 from __future__ import annotations
 
+import numbers
+
 MODEL = ("roofline-sum: seconds = (flops + transcendentals) / peak flop rate"
          " + bytes accessed / peak bandwidth + kernel launches x launch "
          "overhead (Williams et al. 2009, summed over compute and memory)")
@@ -44,16 +46,26 @@ def peaks_for(device_kind: str, platform: str,
               override: dict | None = None) -> tuple[dict | None, str]:
   """``(peaks, where they came from)`` for a device: the table's entry for
   ``device_kind`` (else ``platform``'s, for ``"cpu"``), with ``override``'s
-  keys replacing it; ``(None, why)`` when neither gives all three."""
+  keys replacing it; ``(None, why)`` when neither gives all three. Raises
+  ``TypeError`` where ``override`` is not a dict, ``ValueError`` where it
+  has another key or a value that is not a positive number."""
   base = PEAKS.get(device_kind) or PEAKS.get(platform)
   source = (f"table ({device_kind})" if device_kind in PEAKS else
             f"table ({platform})" if platform in PEAKS else None)
+  if override is not None and not isinstance(override, dict):
+    raise TypeError(f"smartvjp.audit: peaks must be a dict with any of "
+                    f"{KEYS}, got {override!r} ({type(override).__name__})")
   if override:
     unknown = set(override) - set(KEYS)
     if unknown:
       raise ValueError(f"smartvjp.audit: peaks has unknown key(s) "
                        f"{sorted(unknown)}; its keys are {KEYS} (FLOP/s, "
                        "bytes/s, seconds per kernel launch)")
+    for k, v in override.items():
+      if (isinstance(v, bool) or not isinstance(v, numbers.Real)
+          or not 0 < v < float("inf")):
+        raise ValueError(f"smartvjp.audit: peaks[{k!r}] must be a positive "
+                         f"number, got {v!r}")
     merged = dict(base or {}, **{k: float(v) for k, v in override.items()})
     if all(k in merged for k in KEYS):
       return merged, ("argument" if base is None

@@ -127,6 +127,14 @@ def _share(r) -> str:
   return "—" if r is None else f"{r:+.1%}"
 
 
+def _saving_cell(predicted: dict) -> str:
+  """The HTML table's saving: the rules' timed estimate first where there
+  is one (as the text table leads with it), then the time model's."""
+  model = _share(predicted.get("share_of_step"))
+  cal = (predicted.get("calibrated") or {}).get("share_of_step")
+  return model if cal is None else f"{_share(cal)} timed; {model} model"
+
+
 def _ratio(r) -> str:
   return "—" if r is None else f"{r:.3f}"
 
@@ -228,7 +236,7 @@ def html(data: dict) -> str:
         f"<td>{'opaque' if s['opaque'] else 'JAX-coded'}</td>"
         f"<td>{e(s['path'])} ×{s['multiplicity']}</td>{cells}"
         f"<td>{e(human_bytes(s['residual_bytes'].get('as_written', {}).get('dropped')))}"
-        f"</td><td>{e(_share(s['predicted'].get('share_of_step')))}</td>"
+        f"</td><td>{e(_saving_cell(s['predicted']))}</td>"
         f"<td>{e(s['suggestion'])}</td></tr>")
   details = []
   for s in data["sites"]:
