@@ -9,6 +9,7 @@ import pytest
 
 import smartvjp
 from smartvjp import smart_custom_vjp
+from test_higher_order import rules as higher_order_rules
 
 X = jnp.array([0.3, -1.2, 2.0], jnp.float32)
 
@@ -136,19 +137,15 @@ def test_only_where_remat_runs_both(caplog):
 
 
 def _with_fused(fused):
-  """f = sin with fwd/bwd right, and the given fwd_bwd."""
+  """f = sin(x) * w with fwd/bwd right (test_higher_order's rules), and the
+  given fwd_bwd."""
+  f, fwd, bwd = higher_order_rules()
+
   @smart_custom_vjp
-  def sin_fused(x, w):
-    return jnp.sin(x) * w
+  def sin_fused(x, w):   # the name the errors give
+    return f(x, w)
 
-  def sin_fwd(x, w):
-    return jnp.sin(x) * w, (jnp.cos(x), jnp.sin(x), w)
-
-  def sin_bwd(res, g):
-    c, s, w = res
-    return c * w * g, jnp.sum(s * g)
-
-  sin_fused.defvjp(sin_fwd, sin_bwd, fwd_bwd=fused)
+  sin_fused.defvjp(fwd, bwd, fwd_bwd=fused)
   return sin_fused
 
 
