@@ -53,11 +53,17 @@ def _tags(text: str) -> list[tuple[Key, str]]:
   names with ``;`` (jax 0.10 writes the later ones without their
   prefix): each is read apart, and a rule's tag counts once per
   instruction, with the first name's context (one instruction is one
-  place, not one per name joined)."""
+  place, not one per name joined). Within one name only a site's
+  outermost tag counts: a rule that calls its own site (JAX's flash
+  attention's ``fwd`` calls ``f``) runs once, not once as each."""
   out, keys = [], set()
   for part in text.split(";"):
+    sites = set()
     for m in TAG.finditer(part):
       key = (int(m[1]), int(m[2]), m[3])
+      if key[0] in sites:   # the site called inside its own rule (a fwd
+        continue            # calling f): that work is the outer rule's run
+      sites.add(key[0])
       if key not in keys:
         keys.add(key)
         start = part.rfind("/", 0, m.start()) + 1
@@ -165,20 +171,25 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
   (``read_equations``): they are not runs of the step."""
   paths, mult, notes, rematted = {}, {}, [], set()
 
-  def body(jaxpr, path, trips) -> collections.Counter:
+  def body(jaxpr, path, trips, outer=frozenset()) -> collections.Counter:
+    # outer: the sites whose rule this body runs inside (a fwd calling its
+    # own site's f: that work is the outer rule's run, as in _tags)
     local, total = _Local(), collections.Counter()
 
-    def visit(jaxpr, path, prefix=""):
+    def visit(jaxpr, path, prefix="", outer=outer):
       for i, eqn in enumerate(read_equations(jaxpr)):
         name = prefix + name_of(eqn)
-        local.add(name, jx.is_opaque_kernel(eqn))
-        for key, _ in _tags(name):
+        tags = [(k, c) for k, c in _tags(name) if k[0] not in outer]
+        local.add(name, jx.is_opaque_kernel(eqn),
+                  {k for k, _ in _tags(name) if k[0] in outer})
+        for key, _ in tags:
           seen = paths.setdefault(key[:2], [])
           if tuple(path) not in seen:
             seen.append(tuple(path))
           mult.setdefault(key[:2], trips)
           if "rematted_computation" in name:
             rematted.add(key[:2])
+        inner = outer | {k[0] for k, _ in tags}
         kind, subs = sub_jaxprs(eqn)
         if kind == "inline":
           for j, (sub, label) in enumerate(subs):
@@ -188,15 +199,15 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
             mark = "rematted_computation" if "rematted_computation" in name \
                 else ""
             visit(sub, path + ([label] if label else []),
-                  f"{prefix}{id(jaxpr)}.{i}.{j}{mark}|")
+                  f"{prefix}{id(jaxpr)}.{i}.{j}{mark}|", inner)
         elif kind == "loop":
           for sub, (label, n) in subs:
             if n is None:
               notes.append(f"{label}: trip count unknown, counted once")
-            total.update(_scaled(body(sub, path + [label], trips * (n or 1)),
-                                 n or 1))
+            total.update(_scaled(body(sub, path + [label], trips * (n or 1),
+                                      inner), n or 1))
         elif kind == "branches":
-          total.update(_merge_max(body(sub, path + [label], trips)
+          total.update(_merge_max(body(sub, path + [label], trips, inner)
                                   for sub, label in subs))
     visit(jaxpr, path)
     total.update(local.runs(per_run))
