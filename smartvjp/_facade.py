@@ -124,7 +124,6 @@ if _MISSING:
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun  # noqa: E402
 
 
-
 # -- primitive names ----------------------------------------------------------------
 
 # what a collective and an opaque kernel (code no cost estimate or jaxpr
