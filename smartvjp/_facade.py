@@ -152,7 +152,12 @@ def is_opaque_kernel(eqn) -> bool:
   jaxpr walk or cost analysis before compiling sees into (a Pallas kernel,
   a custom or FFI call, a host callback, or a registered primitive). Read
   by the plan, ``print_schedule``, ``swap_report`` and the audit."""
-  name = eqn.primitive.name
+  return is_opaque_kernel_name(eqn.primitive.name)
+
+
+def is_opaque_kernel_name(name: str) -> bool:
+  """``is_opaque_kernel`` by primitive name (what ends a compiled
+  instruction's ``op_name``: the audit's compiled counts)."""
   return name in KERNEL_PRIMITIVES or name in _MORE_KERNELS
 
 

@@ -179,9 +179,10 @@ def test_site_predictions_sum_to_the_step_prediction():
 
 def test_peaks_argument_and_callback_note():
   """``peaks=`` replaces the table's figures (a launch priced at a second
-  makes the launches saved the whole prediction), an unknown key is a
-  ValueError, and on CPU a callback kernel's work is said to be invisible
-  to XLA's cost analysis."""
+  makes the launches saved the whole step's prediction), an unknown key
+  is a ValueError, and a callback kernel, whose work XLA's cost analysis
+  cannot see, leaves its site unpriced (no seconds: ``None``, not 0) and
+  the step's figure partial."""
   f, fwd, bwd, fb = K.sin_rules(False)   # jax.pure_callback kernels
   F = smart_custom_vjp(f)
   F.defvjp(fwd, bwd, fwd_bwd=fb)   # fwd twice and bwd, or f and fwd_bwd
@@ -193,9 +194,15 @@ def test_peaks_argument_and_callback_note():
   assert "argument" in a.data["model"]["peaks_source"]
   (s,) = a.sites
   assert s["predicted"]["launches_saved"] == 1
-  assert s["predicted"]["seconds_saved"] == pytest.approx(1.0, rel=1e-3)
+  assert s["predicted"]["seconds_saved"] is None
+  assert s["predicted"]["share_of_step"] is None
+  assert s["predicted"]["unpriced"]["fwd"] == ["pure_callback"]
   assert a.predicted["seconds_saved"] == pytest.approx(1.0, rel=1e-3)
-  assert any("host callback" in n for n in a.data["model"]["notes"])
+  assert a.predicted["partial"] and a.predicted["unpriced_sites"] == [
+      s["name"]]
+  assert any("unpriced: calibrate=True times it" in n
+             for n in a.data["model"]["notes"])
+  assert "partial: it cannot price pure_callback" in a.table()
   with pytest.raises(ValueError, match="unknown key"):
     smartvjp.audit(step, x, peaks={"hbm": 1.0})
 

@@ -304,13 +304,16 @@ def test_host_callbacks_priced_from_a_measurement():
   assert saved_fwd == 3
   # three fwd runs saved, three cheap f runs added: at least 3 x delay / 2
   assert cal["seconds_saved"] >= 3 * delay / 2
-  # the time model alone prices the callback by its launch only
-  assert s["predicted"]["seconds_saved"] < cal["seconds_saved"]
+  # the time model cannot see a callback's cost: it gives the site none
+  assert s["predicted"]["seconds_saved"] is None
+  assert s["predicted"]["unpriced"] == {r: ["pure_callback"]
+                                        for r in ("f", "fwd")}
   assert report.data["calibrated"]["seconds_saved"] == pytest.approx(
       cal["seconds_saved"])
   text = report.table()
   assert "(its rules timed alone)" in text
-  assert text.index("(its rules timed alone)") < text.index("roofline of")
+  assert text.index("(its rules timed alone)") < text.index(
+      "model saving: —, unpriced: calibrate=True times it")
 
 
 def test_verdict_replaces_advice_when_the_estimates_disagree():

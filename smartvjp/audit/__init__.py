@@ -83,6 +83,9 @@ class Audit:
       KeyError: ``config`` was not traced (it failed: see
         ``data["errors"]``), or ``where`` is neither count.
     """
+    if where not in ("compiled", "jaxpr"):
+      raise KeyError(f"runs(where={where!r}): a count is read from "
+                     "'compiled' (the compiled program) or 'jaxpr'")
     out = {}
     for s in self.sites:
       runs = s["runs"].get(config)
@@ -222,7 +225,10 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
                   calibrate=calibrate)
   data, builds = _audit.analyse(fn, args, kwargs, tuple(configs), peaks)
   if measure:
-    data["measured"] = _audit.measure(builds, data, args, kwargs, fn=fn)
+    try:
+      data["measured"] = _audit.measure(builds, data, args, kwargs, fn=fn)
+    except _audit.AuditError as e:   # the report, with why nothing was timed
+      data["errors"]["measure"] = str(e)
   if calibrate or measure:
     _calibrate.attach(data, builds, _audit.suggestion)
   return Audit(data, builds)

@@ -50,8 +50,10 @@ def _label(eqn):
   hi = eqn.params.get("_prim")
   if P.code_of(eqn) is not None:
     return None
-  if name in ("shard_map", "xla_pmap"):
-    return (name, None)
+  if name == "shard_map":
+    return (name, ("shards", shards(eqn.params)))
+  if name == "xla_pmap":
+    return (name, ("shards", int(eqn.params.get("axis_size") or 1)))
   if name in ("remat2", "checkpoint", "remat"):
     policy = eqn.params.get("policy")
     return (f"checkpoint({_policy_name(policy)})", ("policy", policy))
@@ -62,6 +64,17 @@ def _label(eqn):
   if name in ("pjit", "jit", "closed_call", "core_call"):
     return (f"jit({eqn.params.get('name', '')})", None)
   return None
+
+
+def shards(params: dict) -> int:
+  """How many devices a ``shard_map`` runs its body on, each with its own
+  shard (the shapes its body traced with): the product of the sizes of
+  the mesh axes it makes manual (``newly_manual_axes``; all of the
+  mesh's where it does not say)."""
+  mesh = params.get("mesh")
+  shape = dict(getattr(mesh, "shape", {}) or {})
+  axes = params.get("newly_manual_axes") or params.get("manual_axes") or shape
+  return math.prod(int(shape.get(a, 1)) for a in axes) or 1
 
 
 def sub_jaxprs(eqn):
@@ -416,6 +429,12 @@ def hazards(site, rules: Rules, remat3: bool) -> list[str]:
     out.append("symbolic_zeros=True under jax_remat3: JAX re-traces fwd for "
                "checkpoint_name and does not support symbolic zeros there "
                "(jax-ml/jax#40309)")
+  f = rules.jaxprs.get("f")
+  if f is not None and f.effects:
+    out.append(f"f has effects ({', '.join(sorted(map(str, f.effects)))}): "
+               "the swap runs f in the forward pass under jax.checkpoint, "
+               "where JAX cannot differentiate a rule with effects; leave "
+               "this site as it is, or move the effect out of f")
   fwd = rules.jaxprs.get("fwd")
   if fwd is not None:
     if any(np.ndim(c) > 0 for c in fwd.consts):
@@ -545,6 +564,26 @@ def leading_share(predicted: dict):
 
 
 def suggestion(info) -> str:
+  """``advice(info)``, and where the site has a ``fwd_bwd_opportunity``
+  and the advice is to swap or to leave it, what a fused ``fwd_bwd``
+  would save (``info`` is a site of the report)."""
+  text = advice(info)
+  if (info["predicted"].get("unpriced") and leading_share(info["predicted"])
+      is None and text.startswith(("swap", "no action"))):
+    text += f" (the time model: {UNPRICED})"
+  opp = info.get("fwd_bwd_opportunity")
+  if opp and text.startswith(("swap", "no action")):
+    text += (f"; its backward region runs fwd then bwd {opp['runs']}x per "
+             "step: a fwd_bwd (defvjp(fwd, bwd, fwd_bwd=...), one rule for "
+             f"both) would not write {opp['residual_bytes_not_written']} "
+             "bytes of residuals"
+             + (f" and would make {opp['launches_not_made']} kernel "
+                "launches fewer" if opp["launches_not_made"] else "")
+             + " per step")
+  return text
+
+
+def advice(info) -> str:
   """One line of advice from the numbers: "swap" where the leading
   estimate (``leading_share``) of the saving is at least ``WORTH`` of the
   step (without a time model, for a kernel site, where it launches fewer
@@ -562,7 +601,18 @@ def suggestion(info) -> str:
   if info["kind"] == "smart_custom_vjp":
     return "no action: already smart_custom_vjp"
   if aw is None or sv is None:
+    missing = [c for c in dict.fromkeys(("as_written", info["best_config"]))
+               if c not in info["runs"]]
+    if missing:
+      return ("no suggestion: this audit compiled only "
+              f"{', '.join(info['runs'])}; comparing needs "
+              f"{' and '.join(missing)} too (smartvjp.audit(step))")
     return "no suggestion: a configuration did not trace (see errors)"
+  idle = [r for r in ("f", "fwd") if r in info.get("no_work", ())]
+  if len(idle) == 2 or (idle == ["fwd"] and not info["opaque"]):
+    return (f"no action: {' and '.join(idle)} do{'es' if len(idle) == 1 else ''}"
+            " no work (no operations), so running one in place of the "
+            "other changes nothing")
   if not info["remat"]:
     return ("no action: no jax.checkpoint around this site, so every "
             "configuration runs fwd once and bwd once per call")
@@ -605,11 +655,14 @@ def _model_notes(backend: str, out_sites: list, rule_jaxprs: dict) -> list:
     jaxprs = rule_jaxprs.get(s["index"], {})
     names = {e.primitive.name for j in jaxprs.values()
              for e in _primitives(j.jaxpr)}
-    if backend == "cpu" and names & _CALLBACKS:
+    if s["predicted"].get("unpriced"):
       notes.append(
-          f"{s['name']}: a host callback kernel (jax.pure_callback): on CPU "
-          "XLA's cost analysis sees none of its work, so only its launches "
-          "are priced, here and in the step's cost")
+          f"{s['name']}: {UNPRICED} (its kernels, "
+          + "; ".join(f"{r}: {', '.join(k)}" for r, k in
+                      s["predicted"]["unpriced"].items())
+          + ", state no cost XLA's analysis can see: the model gives the "
+          "site no seconds, and the step's figure leaves them out)")
+      continue
     missing = {role: c["pallas_calls_without_estimate"] for role, c in
                s["predicted"].get("rule_cost", {}).items()
                if c.get("pallas_calls_without_estimate")}
@@ -630,12 +683,38 @@ def _model_notes(backend: str, out_sites: list, rule_jaxprs: dict) -> list:
   return notes
 
 
+UNPRICED = "unpriced: calibrate=True times it"
+
+
+def unpriced_kernels(jaxpr) -> list[str]:
+  """The kernels in ``jaxpr`` (any depth, every branch of a ``cond``)
+  whose cost XLA's analysis cannot see: opaque kernels (the facade's one
+  definition) that state no cost estimate (a host callback, an FFI or
+  custom call, a compiled ``pallas_call`` without ``cost_estimate``),
+  not a Pallas kernel run by its interpreter (plain HLO, which XLA
+  costs). Their primitives' names, sorted."""
+  return sorted({e.primitive.name for e in _primitives(jaxpr)
+                 if jx.is_opaque_kernel(e) and jx.kernel_cost_estimate(e) is None
+                 and not (e.primitive.name == "pallas_call"
+                          and e.params.get("interpret"))})
+
+
 def _site_model(info: dict, rules: Rules | None, builds: dict, best: str,
                 peaks: dict, step_seconds: float | None, cache: dict) -> dict:
   """The site's predicted seconds per configuration and saving (the
-  as-written seconds less ``best``'s), from its rules' own costs."""
+  as-written seconds less ``best``'s), from its rules' own costs; where a
+  rule holds a kernel XLA cannot cost (``unpriced_kernels``) the model
+  abstains: ``seconds``, ``seconds_saved`` and ``share_of_step`` are
+  ``None`` and ``unpriced`` names the rules and kernels (a ``cond``
+  whose one branch is such a kernel and whose other is JAX code is
+  unpriced too: XLA's analysis would take the branch it can see)."""
+  unpriced = {role: u for role, j in (rules.jaxprs.items() if rules else ())
+              if (u := unpriced_kernels(j.jaxpr))}
   costs = {role: rule_cost(j, cache) for role, j in (
       rules.jaxprs.items() if rules else ())}
+  if unpriced:
+    return dict(rule_cost=costs, seconds=None, seconds_saved=None,
+                share_of_step=None, unpriced=unpriced)
   own = {role: M.seconds(c, 0, peaks)["total"] for role, c in costs.items()}
   per = {}
   for c in builds:
@@ -740,12 +819,15 @@ def _site_place(site, calls, ref: Build) -> dict:
   remat3_only = not remat and any(
       key[0] == idx for key in ref.jaxpr_count.rematted)
   policy = policy_lbl[-1] if policy_lbl else None
+  devices = math.prod(lbl[1][1] for lbl in path
+                      if lbl[1] and lbl[1][0] == "shards")
   mult = sum(ref.jaxpr_count.multiplicity.get((idx, c), 0)
              for c in range(len(calls))) or len(calls)
   return dict(
       path=" › ".join(["jit"] + [lbl[0] for lbl in path]
                       + (["checkpoint(?)"] if remat3_only else [])),
-      multiplicity=mult, remat=remat or remat3_only, policy_fn=policy,
+      multiplicity=mult, shards=devices, remat=remat or remat3_only,
+      policy_fn=policy,
       policy=("unknown (jax_remat3 leaves no checkpoint equation)"
               if remat3_only else _policy_name(policy)
               if remat or remat3_only else None),
@@ -777,15 +859,55 @@ def _site_residuals(site, r, place, runs, opaque, builds) -> tuple:
   return residuals, totals
 
 
+def no_work(rules) -> list[str]:
+  """The roles whose traced rule does no work: no equation at any depth
+  but calls of bodies that have none (optax's ``scale_gradient``: ``f``
+  and ``fwd`` return their input). No count can be read for such a rule,
+  in the jaxpr or compiled: nothing carries its name."""
+  return [role for role, closed in (rules.jaxprs.items() if rules else ())
+          if not any(not jx.inner_jaxprs(e) for e in _primitives(closed.jaxpr))]
+
+
+def fwd_bwd_opportunity(site, rules, runs: dict | None, opaque: bool,
+                        remat: bool, residuals: list) -> dict | None:
+  """What a fused ``fwd_bwd`` would save a site that has none, where its
+  backward region runs ``fwd`` then ``bwd`` (``runs``: its counts in the
+  swapped step, ``"smartvjp"``): per such backward run, the residual bytes
+  ``fwd`` computes and writes for ``bwd`` to read (leaves of ``source``
+  ``computed``), and the kernel launches of ``fwd`` and ``bwd`` beyond
+  the one a fused kernel makes. ``None`` where the site has a
+  ``fwd_bwd``, is JAX-coded (XLA fuses across its rules already), has no
+  remat around it (its backward pass reads saved residuals: no ``fwd``
+  runs there), or its backward region runs no ``fwd``. ``{"runs", "residual_bytes_not_written",
+  "launches_not_made"}``, per step."""
+  if (site.fwd_bwd is not None or not opaque or not remat or not runs
+      or rules is None):
+    return None
+  c = runs.get("compiled", runs["jaxpr"])
+  n = min(c["fwd"], c["bwd"])
+  if n <= 0:
+    return None
+  written = sum(leaf["bytes"] for leaf in residuals
+                if leaf["source"] == "computed")
+  kernels = (opaque_count(rules.jaxprs.get("fwd"))
+             + opaque_count(rules.jaxprs.get("bwd")))
+  return dict(runs=n, residual_bytes_not_written=n * written,
+              launches_not_made=n * max(kernels - 1, 0))
+
+
 def _role_fn(site, role):
   return getattr(site, role if role != "f" else "fun")
 
 
-def _site_info(site, builds: dict, ref: Build, r, remat3: dict) -> dict:
-  """Stage 4, per site: identity, place, counts, residuals, hazards."""
+def _site_info(site, builds: dict, ref: Build, r, remat3: dict,
+               failed=()) -> dict:
+  """Stage 4, per site: identity, place, counts (``None`` under each
+  configuration in ``failed``, which did not trace), residuals,
+  hazards."""
   idx, calls = site.index, _calls(builds, site.index)
   place = _site_place(site, calls, ref)
   runs = {c: _site_runs(b, idx) for c, b in builds.items()}
+  runs.update((c, None) for c in failed if c not in runs)
   kernels = max((v.get("kernel_launches", 0) for v in runs.values() if v),
                 default=0)
   opaque = bool(kernels) or any(opaque_count(j) for j in (
@@ -802,6 +924,7 @@ def _site_info(site, builds: dict, ref: Build, r, remat3: dict) -> dict:
              if _role_fn(site, role) is not None},
       defined_at=site.defined_at, called_at=[c.called_at for c in calls],
       path=place["path"], multiplicity=place["multiplicity"],
+      shards=place["shards"],
       policy=place["policy"], remat=place["remat"], flags=remat3,
       conditional=place["conditional"], symbolic_zeros=site.symbolic_zeros,
       opaque=opaque, best_config=best, runs=runs, residuals=residuals,
@@ -811,6 +934,10 @@ def _site_info(site, builds: dict, ref: Build, r, remat3: dict) -> dict:
                          "dropped", 0) - totals.get(best, {}).get(
                              "dropped", 0)),
       unavailable=sorted(getattr(site, "unavailable", ())),
+      no_work=no_work(r),
+      fwd_bwd_opportunity=fwd_bwd_opportunity(
+          site, r, runs.get("smartvjp") or runs.get("as_written"), opaque,
+          place["remat"], residuals),
       rule_errors=r.errors if r else {}, refused=site.refused,
       hazards=hazards(site, r, bool(remat3.get("jax_remat3"))) if r else [])
 
@@ -829,10 +956,14 @@ def _step_report(builds: dict, step_seconds: dict) -> dict:
 
 
 def _step_predicted(step: dict, best_step: str, out_sites: list,
-                    peaks) -> dict:
-  """Stage 5: the whole step's predicted change, as written to swapped."""
+                    peaks, unpriced: list) -> dict:
+  """Stage 5: the whole step's predicted change, as written to swapped;
+  ``partial`` where the time model's step leaves out kernels it cannot
+  cost (``unpriced``: their names in the step as written; the sites
+  holding them in ``unpriced_sites``)."""
   if "as_written" not in step or best_step not in step:
     return {}
+  sites = [x["name"] for x in out_sites if x["predicted"].get("unpriced")]
   a, s = step["as_written"], step[best_step]
   ratio = lambda k: (s["cost"].get(k, 0) / a["cost"][k]
                      if a["cost"].get(k) else None)
@@ -846,7 +977,9 @@ def _step_predicted(step: dict, best_step: str, out_sites: list,
       seconds_saved=(a["predicted_seconds"]["total"]
                      - s["predicted_seconds"]["total"]) if peaks else None,
       sites_seconds_saved=sum(x["predicted"].get("seconds_saved") or 0
-                              for x in out_sites) if peaks else None)
+                              for x in out_sites) if peaks else None,
+      partial=bool(unpriced or sites), unpriced_kernels=unpriced,
+      unpriced_sites=sites)
 
 
 def _summary(out_sites: list, step: dict, builds: dict) -> dict:
@@ -888,7 +1021,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
   step_seconds = _step_seconds(builds, peaks, cost_cache)
   out_sites = []
   for idx, site in sorted(by_index.items()):
-    info = _site_info(site, builds, ref, rules[idx], remat3)
+    info = _site_info(site, builds, ref, rules[idx], remat3, errors)
     if peaks:
       info["predicted"].update(_site_model(
           info, rules[idx], builds, info["best_config"], peaks,
@@ -905,7 +1038,8 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
       schema=SCHEMA, function=name, jax_version=jax.__version__,
       backend=jax.default_backend(), flags=remat3,
       configs=list(builds), errors=errors, sites=out_sites, step=step,
-      predicted=_step_predicted(step, best_step, out_sites, peaks),
+      predicted=_step_predicted(step, best_step, out_sites, peaks,
+                                unpriced_kernels(ref.closed.jaxpr)),
       model=dict(name=M.MODEL, device_kind=device.device_kind, peaks=peaks,
                  peaks_source=peaks_source,
                  notes=_model_notes(jax.default_backend(), out_sites, {

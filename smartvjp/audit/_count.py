@@ -89,6 +89,24 @@ class _Local:
         self.kernels[key] += 1
         self.kernel_contexts[key].add(context)
 
+  def drop_hoisted(self, nested: Iterable[Key]) -> None:
+    """Forgets this body's work of each JAX-coded rule that also runs in a
+    loop or branch below it (``nested``: their keys). One trace of a rule
+    (one key) placed both here and in a loop body below is the loop's
+    run with a loop-invariant piece moved out of the loop, by JAX's
+    ``scan`` partial evaluation (a residual of loop-invariant inputs) or by
+    XLA's loop-invariant code motion (which keeps the body's ``op_name``):
+    part of the loop's runs, not one more (brainstate's embedding and
+    diffrax's sites counted ``fwd 9`` for 8). A rule with kernels here
+    keeps its count: its kernels are its runs."""
+    # (a branch's keys are per site and role: call -1, _merge_max)
+    below = {k for k in nested if k[1] >= 0} | {
+        (site, call, role) for site, call, role in self.contexts
+        if (site, -1, role) in nested}
+    for key in below:
+      if key in self.contexts and not self.kernels.get(key):
+        del self.contexts[key]
+
   def runs(self, per_run: Callable[[Key], int]) -> collections.Counter:
     """A rule with kernels runs once per place its kernels are (or per
     ``per_run`` kernels); a JAX-coded rule once per place its work is."""
@@ -119,31 +137,35 @@ def _scaled(c: collections.Counter, n: int) -> collections.Counter:
 
 # -- jaxprs ----------------------------------------------------------------------
 
-# a custom_vjp call JAX did not differentiate (after AD, a differentiated
-# call is its rules' equations)
-_UNDIFFERENTIATED = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+# equations that, staged unread and without effects, are no run of the
+# step: a custom_vjp call JAX did not differentiate (after AD, a
+# differentiated call is its rules' equations), and control flow
+_UNREAD_NOT_RUN = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr",
+                             "while", "scan", "cond"})
 
 
 def read_equations(jaxpr) -> list:
   """The equations of ``jaxpr`` (one level), without the undifferentiated
-  ``custom_vjp`` calls whose results nothing reads and that have no
-  effects. A step's jaxpr can hold such a call: JAX traces a
-  ``custom_vjp``'s ``fwd`` lazily under ``scan``, and a ``custom_vjp``
-  called inside that ``fwd`` is staged, unread, at the top level (seen on
-  jax 0.10.2 and 0.12.1: netket's and exojax's sites), where it would
-  count one ``fwd`` run too many. Other unread work stays: the forward
-  pass's ``fwd`` under ``jax.grad`` is in the jaxpr, and XLA removing it
-  is what the compiled count shows. An equation with no results and no
-  effects is left out too: a ``jax.jit`` called inside such a ``fwd`` is
-  staged at the top level as an empty ``jit`` that still carries the
-  rule's name (seen on jax 0.12.1), which would count one run too many
-  and place the site outside its loops."""
+  ``custom_vjp`` calls and the loops and conditionals whose results
+  nothing reads and that have no effects. A step's jaxpr can hold such
+  an equation: JAX traces a ``custom_vjp``'s ``fwd`` lazily under
+  ``scan``, and what that ``fwd`` stages of its own (a ``custom_vjp`` it
+  calls: netket's and exojax's sites, seen on jax 0.10.2 and 0.12.1; a
+  ``while_loop`` around a kernel: jaxpr ``fwd 5`` where 4 ran) lands,
+  unread, at the top level, where it would count one run too many. Other
+  unread work stays: the forward pass's ``fwd`` under ``jax.grad`` is in
+  the jaxpr, and XLA removing it is what the compiled count shows. An
+  equation with no results and no effects is left out too: a
+  ``jax.jit`` called inside such a ``fwd`` is staged at the top level as
+  an empty ``jit`` that still carries the rule's name (seen on jax
+  0.12.1), which would count one run too many and place the site
+  outside its loops."""
   read = {v for v in jaxpr.outvars if isinstance(v, jx.core.Var)}
   kept = []
   for eqn in reversed(jaxpr.eqns):
     if not eqn.outvars and not eqn.effects:
       continue
-    if (eqn.primitive.name not in _UNDIFFERENTIATED or eqn.effects
+    if (eqn.primitive.name not in _UNREAD_NOT_RUN or eqn.effects
         or any(v in read for v in eqn.outvars)):
       kept.append(eqn)
       read.update(v for v in eqn.invars if isinstance(v, jx.core.Var))
@@ -210,6 +232,7 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
           total.update(_merge_max(body(sub, path + [label], trips, inner)
                                   for sub, label in subs))
     visit(jaxpr, path)
+    local.drop_hoisted(total)
     total.update(local.runs(per_run))
     return total
 
@@ -304,7 +327,17 @@ def condition_bound(comps: dict, name: str | None) -> int | None:
 
 
 def is_kernel(instr: Instr) -> bool:
-  return instr.opcode == "custom-call" and instr.target not in NOT_KERNELS
+  """Whether a compiled instruction is an opaque kernel's launch: a custom
+  call made by an equation the facade's one definition calls a kernel
+  (``jx.is_opaque_kernel_name`` of the primitive that ends its
+  ``op_name``). A custom call XLA or JAX emits for an operation JAX
+  sees into (LAPACK's ``lapack_*`` for ``jnp.linalg``, a GPU's cuBLAS
+  matmul) is not one; one with no ``op_name`` is judged by its target
+  alone."""
+  if instr.opcode != "custom-call" or instr.target in NOT_KERNELS:
+    return False
+  name = instr.op_name.split(";")[0].rsplit("/", 1)[-1]
+  return not name or jx.is_opaque_kernel_name(name)
 
 
 @dataclasses.dataclass
@@ -327,12 +360,10 @@ def count_hlo(text: str, per_run: Callable[[Key], int]) -> HloCount:
   if entry is None:
     return HloCount(collections.Counter(), launches, ["no ENTRY computation"])
 
-  def body(name, skip, factor, inner=None) -> collections.Counter:
+  def body(name, skip, factor) -> collections.Counter:
     """Runs in computation ``name`` (its fusions and calls inlined), its
-    loops and branches apart; ``inner`` collects each context seen in a
-    loop or branch body, at any depth."""
+    loops and branches apart."""
     local, total = _Local(), collections.Counter()
-    nested: set = set()
 
     def visit(name, skip):
       for ins in comps.get(name, ()):
@@ -360,21 +391,14 @@ def count_hlo(text: str, per_run: Callable[[Key], int]) -> HloCount:
             notes.append(f"while {ins.op_name}: trip count unknown, counted "
                          "once")
           total.update(_scaled(body(ins.callees["body"], inner_skip,
-                                    factor * (n or 1), nested), n or 1))
+                                    factor * (n or 1)), n or 1))
         elif ins.opcode == "conditional":
           names = ins.branches or [ins.callees[k] for k in (
               "true_computation", "false_computation") if k in ins.callees]
-          total.update(_merge_max(body(b, inner_skip, factor, nested)
+          total.update(_merge_max(body(b, inner_skip, factor)
                                   for b in names))
     visit(name, skip)
-    # work XLA hoisted out of a loop (loop-invariant code motion) keeps the
-    # name it had in the body: it is part of the body's runs, not one more
-    for key, contexts in local.contexts.items():
-      if not local.kernels.get(key):
-        contexts -= {c for k, c in nested if k == key}
-    if inner is not None:
-      inner.update((k, c) for k, cs in local.contexts.items() for c in cs)
-      inner.update(nested)
+    local.drop_hoisted(total)
     total.update(local.runs(per_run))
     return total
 

@@ -11,11 +11,18 @@ _SHORT = {"as_written": "jax.custom_vjp", "optimize_remat": "optimize_remat",
           "as_is": "as is"}
 
 
-def runs_text(runs: dict | None, where: str = "compiled") -> str:
+def runs_text(runs: dict | None, where: str = "compiled",
+              no_work=()) -> str:
+  """A site's runs per step under one configuration (``f 4 fwd 8``), the
+  jaxpr's in brackets where they differ; a rule in ``no_work`` (it does
+  no operations, so no count can see it) as ``f no work``."""
   if runs is None:
     return "—"
   counts = runs.get(where, runs.get("jaxpr"))
-  text = " ".join(f"{r} {n}" for r, n in counts.items() if n) or "none"
+  idle = [r for r in no_work if not counts.get(r)]
+  text = "; ".join(x for x in (
+      " ".join(f"{r} {n}" for r, n in counts.items() if n),
+      f"{', '.join(idle)} no work" if idle else "") if x) or "none"
   if where == "compiled" and runs.get("jaxpr") != counts:
     jaxpr = " ".join(f"{r} {n}" for r, n in runs["jaxpr"].items() if n)
     text += f" (jaxpr: {jaxpr or 'none'})"
@@ -54,7 +61,7 @@ def table(data: dict) -> str:
                  + (f", policy {s['policy']}" if s["policy"] else ""))
     for c in configs:
       rb = s["residual_bytes"].get(c, {})
-      lines.append(f"    {_SHORT.get(c, c):17} {runs_text(s['runs'].get(c)):40}"
+      lines.append(f"    {_SHORT.get(c, c):17} {runs_text(s['runs'].get(c), no_work=s.get('no_work', ())):40}"
                    f" residuals written {human_bytes(rb.get('written'))},"
                    f" dropped {human_bytes(rb.get('dropped'))}")
     for leaf in s["residuals"]:
@@ -70,11 +77,23 @@ def table(data: dict) -> str:
                    " per step" + _of_step(cal.get("share_of_step"))
                    + " (its rules timed alone)")
     saved = s["predicted"].get("seconds_saved")
-    if saved is not None:
+    if s["predicted"].get("unpriced"):
+      lines.append("    model saving: —, unpriced: calibrate=True times it ("
+                   + "; ".join(f"{r}: {', '.join(k)}" for r, k in
+                               s["predicted"]["unpriced"].items())
+                   + ": kernels whose cost XLA cannot see)")
+    elif saved is not None:
       lines.append(f"    {'model' if cal else 'predicted'} saving "
                    f"{seconds_text(saved)} per step"
                    + _of_step(s["predicted"].get("share_of_step"))
                    + " (roofline of its rules' own costs)")
+    opp = s.get("fwd_bwd_opportunity")
+    if opp:
+      lines.append(f"    fwd_bwd opportunity: fwd then bwd {opp['runs']}x "
+                   "per step in the backward region; fused, "
+                   f"{human_bytes(opp['residual_bytes_not_written'])} of "
+                   f"residuals not written, {opp['launches_not_made']} "
+                   "kernel launches not made")
     lines.append(f"    suggestion: {s['suggestion']}")
     for h in s["hazards"]:
       lines.append(f"    hazard: {h}")
@@ -95,12 +114,16 @@ def table(data: dict) -> str:
                  f" flops x{_ratio(p['flops_ratio'])},"
                  f" bytes accessed x{_ratio(p['bytes_accessed_ratio'])},"
                  f" {p['launches_saved']} kernel launches fewer;"
-                 f" time x{_ratio(p.get('predicted_ratio'))} (roofline)")
+                 f" time x{_ratio(p.get('predicted_ratio'))} (roofline"
+                 + (f"; partial: it cannot price {', '.join(p['unpriced_kernels'] or ['some kernels'])}"
+                    f"{' in ' + ', '.join(p['unpriced_sites']) if p.get('unpriced_sites') else ''}"
+                    if p.get("partial") else "") + ")")
   m = data.get("measured")
   if m:
     lines.append(f"    measured: {m['summary']}")
   for c, e in data["errors"].items():
-    lines.append(f"    {_SHORT.get(c, c)} did not trace: {e}")
+    lines.append(f"    measure=True: {e}" if c == "measure" else
+                 f"    {_SHORT.get(c, c)} did not trace: {e}")
   lines.append(f"    audit took {data['audit_seconds']:.2f} s "
                f"({data['audit_cost_in_compiles']:.1f}x one trace+compile)")
   return "\n".join(lines)
@@ -144,7 +167,8 @@ def _ratio(r) -> str:
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:1.5em;max-width:80em;color:#222}
 table{border-collapse:collapse;font-size:85%;width:100%}td,th{border:1px solid #ccc;
-padding:.25em .5em;vertical-align:top;overflow-wrap:anywhere}th{background:#f3f3f3}
+padding:.25em .5em;vertical-align:top;overflow-wrap:normal;word-break:normal}
+th{background:#f3f3f3}
 pre{white-space:pre-wrap}
 code{font-size:90%}.warn{color:#a40}details{margin:.3em 0}
 .plots img{max-width:48%;margin-right:1%}
@@ -224,17 +248,27 @@ def plots(data: dict) -> list[tuple[str, str]]:
   return out
 
 
+def _breakable(text: str) -> str:
+  """``text`` escaped for HTML, with a line-break opportunity (``<wbr>``)
+  after each ``.``, ``/`` and ``›``: a long qualified name or path wraps
+  between its parts, never inside a word."""
+  out = _html.escape(text)
+  for sep in (".", "/", "›"):
+    out = out.replace(sep, sep + "<wbr>")
+  return out
+
+
 def html(data: dict) -> str:
   e = _html.escape
   configs = data["configs"]
   rows = []
   for s in data["sites"]:
-    cells = "".join(f"<td>{e(runs_text(s['runs'].get(c)))}</td>"
+    cells = "".join(f"<td>{e(runs_text(s['runs'].get(c), no_work=s.get('no_work', ())))}</td>"
                     for c in configs)
     rows.append(
-        f"<tr><td>{s['index']}</td><td><code>{e(s['name'])}</code></td>"
-        f"<td>{'opaque' if s['opaque'] else 'JAX-coded'}</td>"
-        f"<td>{e(s['path'])} ×{s['multiplicity']}</td>{cells}"
+        f"<tr><td>{s['index']}</td><td><code>{_breakable(s['name'])}</code>"
+        f"</td><td>{'opaque' if s['opaque'] else 'JAX-coded'}</td>"
+        f"<td>{_breakable(s['path'])} ×{s['multiplicity']}</td>{cells}"
         f"<td>{e(human_bytes(s['residual_bytes'].get('as_written', {}).get('dropped')))}"
         f"</td><td>{e(_saving_cell(s['predicted']))}</td>"
         f"<td>{e(s['suggestion'])}</td></tr>")
