@@ -38,6 +38,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
+# the approximate reciprocal moved from pallas to pallas.tpu in jax 0.11
+# (pallas.reciprocal is a deprecated alias there)
+_reciprocal = getattr(pltpu, "reciprocal", None) or pl.reciprocal
+
 from smartvjp import smart_custom_vjp
 
 LAUNCHES: collections.Counter = collections.Counter()
@@ -61,7 +65,7 @@ def _gelu_and_grad_sigmoid(u, approx):
   k2 = k1 * 0.044715
   uu = u * u
   e = jnp.exp(-(u * (k1 + k2 * uu)))
-  s = pl.reciprocal(1 + e, approx=True) if approx else 1 / (1 + e)
+  s = _reciprocal(1 + e, approx=True) if approx else 1 / (1 + e)
   us = u * s
   return us, s + (us - us * s) * (k1 + 3 * k2 * uu)
 

@@ -18,6 +18,8 @@ Public names:
   ``smart_custom_vjp`` in code you do not own (a library's module-level
   ``@jax.custom_vjp``, JAX's shipped Pallas kernels); ``swap_report``,
   ``SwapReport``: whether a program's custom rules are smartvjp's.
+* ``NotTransposableError``: the ``TypeError`` forward mode raises where a
+  rule cannot be transposed or traced and no forward rule is given.
 * ``print_schedule``, ``ScheduledRule``: which rule each smartvjp equation
   of a program runs, and where.
 * ``__version__``: this version of smartvjp, a string (PEP 440).
@@ -31,6 +33,7 @@ from smartvjp._equinox import filter_custom_vjp
 from smartvjp._swap import SwapError, import_swapped, swap_custom_vjp
 from smartvjp._swap import SwapReport, swap_report
 from smartvjp._schedule import ScheduledRule, print_schedule
+from smartvjp._forward import NotTransposableError
 from smartvjp import audit
 
 # The one place the version is written: pyproject.toml reads it from here
@@ -41,4 +44,4 @@ __version__ = "0.2.0.dev0"
 __all__ = ["smart_custom_vjp", "filter_custom_vjp", "check_primals",
            "PrimalMismatchError", "import_swapped", "swap_custom_vjp",
            "swap_report", "SwapReport", "SwapError", "print_schedule",
-           "ScheduledRule", "audit", "__version__"]
+           "ScheduledRule", "NotTransposableError", "audit", "__version__"]

@@ -323,8 +323,15 @@ class smart_custom_vjp:
         the wrong pytree structure); when ``fwd``'s primal output differs from ``f``'s in
         structure, shape or dtype where both are traced (a staged call
         differentiated, remat; as ``jax.custom_vjp``, which checks only
-        there); under forward mode, when ``bwd`` cannot be transposed. Each
-        message names the rule, the pytree path and expected vs actual.
+        there). Each message names the rule, the pytree path and expected vs
+        actual.
+      smartvjp.NotTransposableError: a ``TypeError`` raised by forward mode
+        (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) without a forward
+        rule (``defvjp(..., jvp=...)``) when ``bwd`` (or ``fwd_bwd``) cannot
+        be transposed in its cotangent (an opaque kernel, a callback), or
+        when ``f`` or ``fwd`` cannot be traced (NumPy inside the rule, an
+        eager library wrapper); the rule's own error is its ``__cause__``
+        and, where that is not a ``TypeError``, it is also of that type.
       ValueError: when ``bwd`` (or ``fwd_bwd``) returns a cotangent whose
         shape differs from its argument's, as ``jax.custom_vjp``; with
         JAX's ``jax_custom_vjp3`` flag on, when it returns a tuple or list

@@ -68,17 +68,34 @@ def raised_by_smartvjp(e: BaseException) -> bool:
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+class NotTransposableError(TypeError):
+  """Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``,
+  ``jax.linearize``) of a ``smart_custom_vjp`` function that smartvjp could
+  not carry out: a ``bwd`` (or ``fwd_bwd``) that JAX cannot transpose in its
+  cotangent, or an ``f`` or ``fwd`` that JAX cannot trace, and no forward
+  rule (``defvjp(..., jvp=...)``). A ``TypeError``, as ``jax.custom_vjp``'s
+  refusal of forward mode is. The error the rule raised is its
+  ``__cause__``; where that was not a ``TypeError`` (a callback's
+  ``ValueError``), the exception is an instance of its type too
+  (``forward_mode_error_type``), as ``jax.custom_vjp`` raises that type
+  where it differentiates the rule itself."""
+
+  __module__ = "smartvjp"
+
+
 @functools.cache
 def forward_mode_error_type(cause: type) -> type:
-  """A ``TypeError`` (``jax.custom_vjp``'s for forward mode) that is also
-  the rule's own error type (what ``jax.custom_vjp`` raises where it does
-  trace the rule)."""
-  if issubclass(TypeError, cause) or issubclass(cause, TypeError):
-    return TypeError
+  """``NotTransposableError``, or a subclass of it and of ``cause`` (the
+  rule's own error type) where that is not a ``TypeError``: caught by
+  either name, printed as ``smartvjp.NotTransposableError``."""
+  if issubclass(cause, TypeError) or issubclass(TypeError, cause):
+    return NotTransposableError
   try:
-    return type("NotTransposableError", (TypeError, cause), {})
+    return type("NotTransposableError", (NotTransposableError, cause),
+                {"__module__": "smartvjp",
+                 "__doc__": NotTransposableError.__doc__})
   except TypeError:   # base classes whose instance layouts conflict
-    return TypeError
+    return NotTransposableError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -270,9 +270,16 @@ CLAIMS = [
     C(f"{SCV}.__call__", "as jax.custom_vjp, which checks only there",
       "test_fwd_primal_output_unchecked_where_f_is_not_traced",
       raises="TypeError"),
-    C(f"{SCV}.__call__", "under forward mode, when bwd cannot be transposed",
-      "tests/test_forward_mode.py::test_opaque_bwd_forward_mode_error",
-      raises="TypeError"),
+    C(f"{SCV}.__call__", "when bwd (or fwd_bwd) cannot be transposed in its "
+      "cotangent", "tests/test_forward_mode.py::test_opaque_bwd_forward_mode_error",
+      raises="smartvjp.NotTransposableError"),
+    C(f"{SCV}.__call__", "or when f or fwd cannot be traced",
+      "tests/test_forward_mode.py::"
+      "test_untraceable_f_or_fwd_in_forward_mode_is_our_type_error",
+      raises="smartvjp.NotTransposableError"),
+    C(f"{SCV}.__call__", "it is also of that type",
+      "tests/test_forward_mode.py::test_forward_mode_error_is_the_exported_class",
+      raises="smartvjp.NotTransposableError"),
     C(f"{SCV}.__call__", "when bwd (or fwd_bwd) returns a cotangent whose shape "
       "differs from its argument's",
       "tests/test_errors.py::test_bwd_wrong_shape_or_dtype", raises="ValueError"),
@@ -562,7 +569,7 @@ def test_the_parsers_find_what_they_should():
   entries = raises_entries(f"{SCV}.__call__")
   assert set(entries) == {"AttributeError", "TypeError", "ValueError",
                           "jax.errors.UnexpectedTracerError",
-                          "CustomVJPException"}
+                          "CustomVJPException", "smartvjp.NotTransposableError"}
   assert len(bullets(SCV)) == 10
   assert len(bullets("import_swapped")) == 7
 

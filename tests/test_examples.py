@@ -16,7 +16,7 @@ import pytest
 from smartvjp import _versions
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-EXAMPLE_TIMEOUT_S = 300   # each takes under a minute alone on a 2-core CPU
+EXAMPLE_TIMEOUT_S = 300   # 10-191 s each on 2 cores at a load average of 13-20
 
 
 def load(name):

@@ -6,6 +6,7 @@ own forward mode of the plain function."""
 import re
 
 import jax
+import smartvjp
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -252,9 +253,28 @@ def test_untraceable_rule_under_jit_is_jax_custom_vjp_s_error(ad_mode, which):
       jax.jit(lambda x, G=G: jax.jvp(G, (x,), (x,)))(X)
     errors.append(e.value)
   theirs, ours = errors
-  assert (type(ours) is TypeError) == (which == "f")
+  # ours: smartvjp's TypeError subclass, caught as jax.custom_vjp's is
+  assert (type(ours) is smartvjp.NotTransposableError) == (which == "f")
   if which == "f" and ad_mode == "default":
     assert type(theirs) is TypeError
     assert "jvp=rule" in str(ours)
   elif which == "fwd":
     assert type(theirs) is type(ours) is jax.errors.TracerArrayConversionError
+
+
+@pytest.mark.parametrize("raising", [False, True], ids=["numpy", "raises"])
+def test_forward_mode_error_is_the_exported_class(raising):
+  """Issue 70 item 7: one exported class, a TypeError, caught and printed
+  by its public name; the rule's own error type (a ValueError) too."""
+  import smartvjp
+  F = _numpy_rules(smart_custom_vjp, raising)
+  with pytest.raises(smartvjp.NotTransposableError) as ours:
+    jax.jvp(F, (X,), (X,))
+  assert isinstance(ours.value, TypeError)
+  assert isinstance(ours.value, ValueError) == raising
+  assert type(ours.value).__module__ == "smartvjp"
+  assert type(ours.value).__name__ == "NotTransposableError"
+  assert (type(ours.value) is smartvjp.NotTransposableError) != raising
+  assert "smartvjp.NotTransposableError" in "".join(
+      __import__("traceback").format_exception_only(ours.value))
+  assert ours.value.__cause__ is not None

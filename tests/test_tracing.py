@@ -300,3 +300,43 @@ def test_unhashable_nondiff_values_are_read_at_every_call():
   cfg["scale"] = 6.0    # mutated in place: not a stale cache entry
   second = jax.jit(lambda x: F(cfg, x))(jnp.ones(2))
   np.testing.assert_allclose([first[0], second[0]], [5.0, 6.0])
+
+
+def _global_channel(make):
+  """A fwd that hands bwd a traced value through a Python dict."""
+  box = {}
+  F = make(jnp.sin)
+
+  def fwd(x):
+    box["cos"] = jnp.cos(x)
+    return jnp.sin(x), None
+
+  F.defvjp(fwd, lambda _, g: (box["cos"] * g,))
+  return F
+
+
+def test_global_tracer_from_fwd_to_bwd():
+  """Issue 70 item 8, listed in design/limitations.md: jax.custom_vjp
+  computes under jit(grad) (one trace for fwd and bwd), smartvjp raises
+  UnexpectedTracerError (each rule traced on its own); eagerly both
+  compute, and under checkpoint or scan both raise the same error."""
+  x = jnp.array([0.0, 1.0, 2.0])
+  loss = lambda F: lambda x: jnp.sum(F(x))
+  remat = lambda F: lambda x: jnp.sum(jax.checkpoint(F)(x))
+  scan = lambda F: lambda x: jnp.sum(jax.lax.scan(
+      lambda c, _: (F(c), None), x, None, length=2)[0])
+  for make in (jax.custom_vjp, smart_custom_vjp):
+    np.testing.assert_allclose(jax.grad(loss(_global_channel(make)))(x),
+                               jnp.cos(x), rtol=1e-6)
+  for wrap in (remat, scan):   # (under scan jax < 0.12 raises a TypeError)
+    raised = []
+    for make in (jax.custom_vjp, smart_custom_vjp):
+      with pytest.raises(Exception) as info:
+        jax.jit(jax.grad(wrap(_global_channel(make))))(x)
+      raised.append(type(info.value))
+    assert raised[0] is raised[1]
+  np.testing.assert_allclose(
+      jax.jit(jax.grad(loss(_global_channel(jax.custom_vjp))))(x),
+      jnp.cos(x), rtol=1e-6)
+  with pytest.raises(jax.errors.UnexpectedTracerError):
+    jax.jit(jax.grad(loss(_global_channel(smart_custom_vjp))))(x)
