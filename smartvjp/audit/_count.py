@@ -24,6 +24,7 @@ import re
 from typing import Callable, Iterable
 
 from smartvjp import _facade as jx
+from smartvjp import _jaxprs
 
 ROLES = ("f", "fwd", "bwd", "fwd_bwd")
 TAG = re.compile(r"svjpaudit_(\d+)_(\d+)_(fwd_bwd|fwd|bwd|f)(?![\w])")
@@ -34,7 +35,7 @@ NOT_KERNELS = frozenset({
     "MoveToDevice", "annotate_device_placement", "LayoutConstraint",
     "X64Combine", "X64SplitLow", "X64SplitHigh", "AllocateBuffer",
     "PartitionId", "ReplicaId"})
-COLLECTIVES = jx.COLLECTIVE_PRIMITIVES
+COLLECTIVES = _jaxprs.COLLECTIVE_PRIMITIVES
 
 
 def tag(site: int, call: int, role: str) -> str:
@@ -180,7 +181,7 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
       for i, eqn in enumerate(read_equations(jaxpr)):
         name = prefix + name_of(eqn)
         tags = [(k, c) for k, c in _tags(name) if k[0] not in outer]
-        local.add(name, jx.is_opaque_kernel(eqn),
+        local.add(name, _jaxprs.is_opaque_kernel(eqn),
                   {k for k, _ in _tags(name) if k[0] in outer})
         for key, _ in tags:
           seen = paths.setdefault(key[:2], [])
