@@ -199,6 +199,17 @@ def offload_space(answer):
           if isinstance(answer, pe.Offloadable) else None)
 
 
+def unwrapped(fn):
+  """``fn`` out of JAX's ``WrappedFun``s and ``functools.partial``s."""
+  while True:
+    if hasattr(fn, "f") and callable(fn.f):   # a WrappedFun
+      fn = fn.f
+    elif hasattr(fn, "func") and callable(fn.func):   # functools.partial
+      fn = fn.func
+    else:
+      return fn
+
+
 def is_recompute(answer) -> bool:
   """A remat policy's answer is JAX's ``Recompute``."""
   return isinstance(answer, type(pe.Recompute))

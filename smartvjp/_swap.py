@@ -277,13 +277,7 @@ def _why_jax(module_name: str, bwd_fun, vjp3: bool = False) -> str:
 def _behind_jax(fn, depth=3):
   """The function a user wrote behind JAX's wrappers of it (a
   ``WrappedFun``, a partial, a closure made in JAX's private modules)."""
-  while True:
-    if hasattr(fn, "f") and callable(fn.f):   # lu.WrappedFun
-      fn = fn.f
-    elif hasattr(fn, "func") and callable(fn.func):   # functools.partial
-      fn = fn.func
-    else:
-      break
+  fn = jx.unwrapped(fn)
   if depth and made_inside_jax(fn):
     for cell in getattr(fn, "__closure__", None) or ():
       try:
