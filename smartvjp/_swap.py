@@ -296,7 +296,7 @@ def _custom_vjp_call_parts(eqn):
   ``None``."""
   if eqn.params.get("_prim") is not None:
     parts = jx.custom_vjp3_parts(eqn)
-    return parts and (parts[0], _behind_jax(parts[1]))
+    return None if parts is None else (parts[0], _behind_jax(parts[1]))
   if eqn.primitive.name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
     return None
   body = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
