@@ -10,11 +10,12 @@ from jax.errors import UnexpectedTracerError
 from smartvjp import _execute as ex
 from smartvjp import _facade as jx
 from smartvjp import _jax_api
+from smartvjp import _jaxprs
 from smartvjp import _policy
 from smartvjp import _versions
 from smartvjp._checks import (
-    blame_fwd, check_aliased_refs, check_f_output_invariance,
-    check_fwd_output_invariance, check_fwd_output_types)
+    blame_fwd, check_aliased_refs, check_fwd_output_types, leaf_paths,
+    rule_error)
 from smartvjp._cache import made_where_differentiated
 from smartvjp._forward import (
     forward_mode_error_type, raised_by_smartvjp, tangents_only,
@@ -330,3 +331,44 @@ def _rem_jvp(primals, tangents, *, call, fwd, schedule):
 
 
 register(rem_p, "jvp", _rem_jvp)
+
+
+# -- the output types forward mode follows (shard_map's manual axes) --------------
+
+def check_fwd_output_invariance(call, fwd) -> None:
+  if fwd is not None and fwd.jaxpr is not None:
+    _check_invariance(
+        call, fwd.jaxpr, "fwd", "a primal output",
+        "Forward-mode differentiation follows that type, so the tangent would "
+        "be summed over those axes. Make the output varying with "
+        "jax.lax.pcast(out, {axes!r}, to='varying').")
+
+
+def check_f_output_invariance(call) -> None:
+  """Only ``fwd_bwd`` given, the cotangent follows ``f``'s output type:
+  an unjustified invariant output would have it summed over those axes."""
+  while call.origin is not None:
+    call = call.origin
+  if call.rules.fwd is None and call.jaxpr is not None:
+    _check_invariance(
+        call, call.jaxpr, "fun", "a value",
+        "Only fwd_bwd was given, so the derivative follows f's output type, "
+        "and the cotangent of that output would be summed over those axes: "
+        "the gradient would be wrong. Make f's output varying with "
+        "jax.lax.pcast(out, {axes!r}, to='varying'), or give fwd and bwd.")
+
+
+def _check_invariance(call, jaxpr, role, what, consequence) -> None:
+  outs = jaxpr.jaxpr.outvars[:call.num_outs]
+  for path, v, missing in zip(leaf_paths(call.out_tree), outs,
+                              _jaxprs.unjustified_invariance(jaxpr)):
+    if missing:
+      axes = tuple(sorted(missing))
+      raise rule_error(
+          TypeError, call.rules, role,
+          f"returns at output{path} {what} of type {v.aval.str_short()}, "
+          f"invariant along the manual mesh axes {axes} of jax.shard_map, "
+          "although it is computed from arguments that vary along them and "
+          "no collective over those axes produced it (a jax.pure_callback "
+          "result inside shard_map(check_vma=True) is typed this way). "
+          + consequence.format(axes=axes))

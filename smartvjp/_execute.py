@@ -86,6 +86,11 @@ def fwd_side(call, fwd, schedule, f_consts, fwd_consts, primals):
                   _plan.Forward.F)
     return outs, fwd.assemble_residuals(fwd_inputs,
                                         passed_inputs(fwd, fwd_inputs))
+  return run_fwd(call, fwd, fwd_inputs)
+
+
+def run_fwd(call, fwd, fwd_inputs):
+  """``fwd`` bound on ``[*fwd_consts, *primals]``: ``(outputs, residuals)``."""
   outs = rule_p.bind(*fwd_inputs, **fwd_params(call, fwd))
   n = call.num_outs
   return outs[:n], fwd.assemble_residuals(fwd_inputs, outs[n:])
@@ -169,10 +174,8 @@ def checked_fwd_bwd(call, primals, in_nz, cts_out) -> list:
           and call.rules.bwd is not None):
     return cts_in
   fwd, fwd_consts = call.fwd_for(in_nz)
-  fwd_inputs = [*fwd_consts, *primals]
-  outs = rule_p.bind(*fwd_inputs, **fwd_params(call, fwd))
-  unfused = run_bwd(call, fwd, fwd.assemble_residuals(
-      fwd_inputs, outs[call.num_outs:]), cts_out)
+  _, residuals = run_fwd(call, fwd, [*fwd_consts, *primals])
+  unfused = run_bwd(call, fwd, residuals, cts_out)
   _check.maybe_check_fused(call, cts_in, unfused)
   return cts_in
 

@@ -8,7 +8,9 @@ name that is not declared is an ``AttributeError``; ``tests/test_facade.py``
 fails when a declared name is never used. The functions below exist only
 where JAX releases differ (each difference one flag in ``_versions.py``) or
 where JAX's internals need more than a name (a private attribute, an
-adapter to one calling convention).
+adapter to one calling convention, an object JAX does not export read by
+its attributes or class name). What a jaxpr's equations amount to is read
+one floor up, in ``_jaxprs.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 import types
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -124,171 +126,6 @@ if _MISSING:
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun  # noqa: E402
 
 
-# -- primitive names ----------------------------------------------------------------
-
-# what a collective and an opaque kernel (code no cost estimate or jaxpr
-# walk sees into) are called in a jaxpr: read by the plan's cost of a rule
-# (_policy) and by the audit's counts (smartvjp.audit)
-COLLECTIVE_PRIMITIVES = frozenset({
-    "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute",
-    "psum_scatter", "reduce_scatter", "pbroadcast", "psum_invariant",
-    "all_gather_invariant"})
-KERNEL_PRIMITIVES = frozenset({
-    "pallas_call", "custom_call", "ffi_call", "pure_callback", "io_callback",
-    "callback", "triton_kernel_call", "tpu_custom_call", "mosaic_gpu_call"})
-_MORE_KERNELS: set = set()            # register_opaque_kernel's
-_INNER: dict = {}                     # register_inner_jaxprs's
-
-
-def register_opaque_kernel(name: str) -> None:
-  """Counts primitive ``name`` as an opaque kernel (``is_opaque_kernel``):
-  for a primitive defined outside JAX whose work no walk sees into (the
-  tests' kernel, ``RunCounter``'s step)."""
-  _MORE_KERNELS.add(name)
-
-
-def is_opaque_kernel(eqn) -> bool:
-  """The one definition of an opaque kernel: an equation whose work no
-  jaxpr walk or cost analysis before compiling sees into (a Pallas kernel,
-  a custom or FFI call, a host callback, or a registered primitive). Read
-  by the plan, ``print_schedule``, ``swap_report`` and the audit."""
-  return is_opaque_kernel_name(eqn.primitive.name)
-
-
-def is_opaque_kernel_name(name: str) -> bool:
-  """``is_opaque_kernel`` by primitive name (what ends a compiled
-  instruction's ``op_name``: the audit's compiled counts)."""
-  return name in KERNEL_PRIMITIVES or name in _MORE_KERNELS
-
-
-def kernel_cost_estimate(eqn) -> dict | None:
-  """The one reader of a kernel's own cost estimate (a ``pallas_call``'s
-  ``cost_estimate``): ``{"flops", "transcendentals", "bytes_accessed"}``
-  per launch, or ``None`` where the kernel states none."""
-  est = eqn.params.get("cost_estimate") if is_opaque_kernel(eqn) else None
-  if est is None:
-    return None
-  return {k: float(getattr(est, k, 0) or 0)
-          for k in ("flops", "transcendentals", "bytes_accessed")}
-
-
-def register_inner_jaxprs(prim, fn: Callable) -> None:
-  """``fn(**params) -> [Jaxpr]``: the jaxprs an equation of ``prim`` runs
-  once each (for primitives whose bodies are not plain params: smartvjp's
-  own, which hold them in a ``CallSpec``)."""
-  _INNER[prim] = fn
-
-
-class Inner(NamedTuple):
-  """One jaxpr an equation runs: ``kind`` ``"inline"`` (once per run of
-  the equation), ``"loop"`` (``trips`` times: a ``scan``'s ``length``,
-  ``None`` for a ``while``; ``unroll`` copies per compiled iteration) or
-  ``"branch"`` (one of the equation's branches runs)."""
-  jaxpr: Any
-  kind: str
-  trips: int | None = 1
-  unroll: int = 1
-
-
-def _as_jaxpr(v):
-  if isinstance(v, ClosedJaxpr):
-    return v.jaxpr
-  return v if isinstance(v, core.Jaxpr) else None
-
-
-def inner_jaxprs(eqn) -> list[Inner]:
-  """The one sub-jaxpr walker: what ``eqn`` runs of other jaxprs, with
-  trip counts. An opaque kernel's own body (a ``pallas_call``'s) is not
-  walked: it is the kernel. Covers ``jit``/``pjit``/``closed_call``,
-  ``custom_jvp``/``custom_vjp`` calls (their primal body), ``cond``
-  branches, ``scan``/``while`` bodies, ``shard_map``, a checkpoint, and
-  under ``jax_remat3``/``jax_custom_vjp3`` a high-level primitive's own
-  jaxpr (``_prim``)."""
-  if is_opaque_kernel(eqn):
-    return []
-  name, params = eqn.primitive.name, eqn.params
-  if eqn.primitive in _INNER:
-    return [Inner(j, "inline") for j in _INNER[eqn.primitive](**params)]
-  if name == "scan":
-    n, unroll = params["length"], params.get("unroll", 1)
-    unroll = n if unroll is True else max(min(int(unroll), n), 1)
-    return [Inner(params["jaxpr"].jaxpr, "loop", n, unroll)]
-  if name == "while":
-    return [Inner(params["body_jaxpr"].jaxpr, "loop", None),
-            Inner(params["cond_jaxpr"].jaxpr, "loop", None)]
-  if name == "cond":
-    return [Inner(b.jaxpr, "branch") for b in params["branches"]]
-  values = list(params.values())
-  hi = params.get("_prim")
-  if hi is not None:
-    values += [getattr(hi, "jaxpr", None),
-               getattr(getattr(hi, "traced", None), "jaxpr", None)]
-  out, seen = [], set()
-  for value in values:
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-      j = _as_jaxpr(v)
-      if j is not None and id(j) not in seen:
-        seen.add(id(j))
-        out.append(Inner(j, "inline"))
-  return out
-
-
-def equations(jaxpr, trips: int | None = 1):
-  """``(eqn, trips)`` for every equation of ``jaxpr`` (a ``Jaxpr`` or
-  ``ClosedJaxpr``) at any depth (``inner_jaxprs``), with how many times it
-  runs per run of ``jaxpr`` (``None`` inside a ``while``; each branch of a
-  ``cond`` as if it ran)."""
-  jaxpr = _as_jaxpr(jaxpr) or jaxpr
-  for eqn in jaxpr.eqns:
-    yield eqn, trips
-    for sub in inner_jaxprs(eqn):
-      inner = (None if trips is None or sub.trips is None
-               else trips * sub.trips)
-      yield from equations(sub.jaxpr, inner)
-
-
-def fold(jaxpr, per_eqn: Callable[[Any], dict]) -> dict:
-  """``per_eqn``'s figures (a dict of numbers) summed over ``jaxpr``'s
-  equations at any depth, each times its runs: a loop's body times its
-  trip count (a ``while``'s once), of a ``cond`` the branch with the
-  largest total."""
-  jaxpr = _as_jaxpr(jaxpr) or jaxpr
-  total: dict = {}
-
-  def add(d, n=1):
-    for k, v in d.items():
-      total[k] = total.get(k, 0) + n * v
-  for eqn in jaxpr.eqns:
-    add(per_eqn(eqn))
-    subs = inner_jaxprs(eqn)
-    branches = [fold(s.jaxpr, per_eqn) for s in subs if s.kind == "branch"]
-    if branches:
-      add(max(branches, key=lambda d: sum(d.values())))
-    for s in subs:
-      if s.kind != "branch":
-        add(fold(s.jaxpr, per_eqn), s.trips or 1)
-  return total
-
-
-def kernel_totals(jaxpr) -> dict:
-  """What a jaxpr's opaque kernels and collectives amount to per run
-  (``fold``): ``kernels`` (launches), ``collectives``, ``without_estimate``
-  (launches of kernels stating no cost), and the kernels' own estimates
-  summed (``kernel_cost_estimate``: ``flops``, ``transcendentals``,
-  ``bytes_accessed``). The plan's and the audit's price of a kernel."""
-  def per_eqn(eqn):
-    if eqn.primitive.name in COLLECTIVE_PRIMITIVES:
-      return {"collectives": 1}
-    if not is_opaque_kernel(eqn):
-      return {}
-    est = kernel_cost_estimate(eqn)
-    return dict(est or {"without_estimate": 1}, kernels=1)
-  out = dict.fromkeys(("kernels", "collectives", "without_estimate", "flops",
-                       "transcendentals", "bytes_accessed"), 0)
-  out.update(fold(jaxpr, per_eqn))
-  return out
-
-
 # -- jaxprs and equations ----------------------------------------------------------
 
 def trace_to_closed_jaxpr(
@@ -321,6 +158,61 @@ def checkpoint_name_of(prim, params):
   if hi is not None and isinstance(hi, kinds):
     return hi.params["name"]
   return None
+
+
+# An equation's ``_prim`` (a high-level primitive under the remat3 and
+# custom_vjp3 flags, of classes JAX does not export) is read here only.
+
+def high_level_jaxprs(eqn) -> list:
+  """The jaxprs ``_prim`` holds (its own, its traced function's), or []."""
+  hi = eqn.params.get("_prim")
+  return [] if hi is None else [
+      getattr(hi, "jaxpr", None),
+      getattr(getattr(hi, "traced", None), "jaxpr", None)]
+
+
+def primitive_label(eqn) -> str:
+  """The primitive's name, or ``_prim``'s class's (``RematTraced``)."""
+  hi = eqn.params.get("_prim")
+  return type(hi).__name__ if hi is not None else eqn.primitive.name
+
+
+def remat_policy_of(eqn) -> tuple | None:
+  """``(policy,)`` of a remat3 checkpoint (``None``: plain), else ``None``."""
+  hi = eqn.params.get("_prim")
+  return ((hi.policy,) if hasattr(hi, "policy") and hasattr(hi, "prevent_cse")
+          else None)
+
+
+def custom_vjp3_parts(eqn) -> tuple | None:
+  """``(f's name or None, bwd)`` of a ``jax.custom_vjp`` call under
+  ``jax_custom_vjp3`` (``_prim`` a ``CustomVJPTraced``), else ``None``."""
+  hi = eqn.params.get("_prim")
+  if type(hi).__name__ != "CustomVJPTraced":
+    return None
+  return getattr(getattr(hi, "traced", None), "fun_name", None), hi.bwd
+
+
+def offload_space(answer):
+  """Where a remat policy's ``Offloadable`` answer moves a value, else None."""
+  return (core.mem_kind_to_space(answer.dst)
+          if isinstance(answer, pe.Offloadable) else None)
+
+
+def unwrapped(fn):
+  """``fn`` out of JAX's ``WrappedFun``s and ``functools.partial``s."""
+  while True:
+    if hasattr(fn, "f") and callable(fn.f):   # a WrappedFun
+      fn = fn.f
+    elif hasattr(fn, "func") and callable(fn.func):   # functools.partial
+      fn = fn.func
+    else:
+      return fn
+
+
+def is_recompute(answer) -> bool:
+  """A remat policy's answer is JAX's ``Recompute``."""
+  return isinstance(answer, type(pe.Recompute))
 
 
 # call primitives whose outputs are their jaxpr's: the param holding it

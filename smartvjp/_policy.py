@@ -10,12 +10,12 @@ an opaque kernel would run twice, or it costs more than ``f``."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
 from smartvjp import _facade as jx
+from smartvjp import _jaxprs
 from smartvjp import _plan
 
 
@@ -120,62 +120,10 @@ def _worth_it(known, staged, call) -> bool:
   ``f`` (the recompute's alternative)."""
   produced = {v for e in known.eqns for v in e.outvars}
   twice = [e for e in staged.eqns if any(v in produced for v in e.outvars)]
-  if any(is_opaque(e) for e in twice):
+  if any(_jaxprs.is_multi_output_kernel(e) for e in twice):
     return False
-  return cost(twice) <= cost(call.jaxpr.jaxpr.eqns)
-
-
-def is_opaque(eqn) -> bool:
-  """An opaque kernel (the facade's one definition) with several outputs:
-  running it for part of them costs the whole kernel."""
-  return jx.is_opaque_kernel(eqn) and len(eqn.outvars) > 1
-
-
-def _size(aval) -> int:
-  return math.prod(getattr(aval, "shape", ()))
-
-
-def cost(eqns) -> float:
-  """A rough operation count; an opaque kernel is unbounded (loops per
-  trip, a ``while``'s body once, a ``cond``'s costliest branch)."""
-  total = 0.0
-  for e in eqns:
-    subs = jx.inner_jaxprs(e)
-    if is_opaque(e):
-      return math.inf
-    if subs:
-      branches = [cost(s.jaxpr.eqns) for s in subs if s.kind == "branch"]
-      total += max(branches, default=0.0) + sum(
-          cost(s.jaxpr.eqns) * (s.trips or 1) for s in subs
-          if s.kind != "branch")
-    elif jx.checkpoint_name_of(e.primitive, e.params) is not None:
-      continue   # checkpoint_name: an identity
-    elif e.primitive.name == "dot_general":
-      (lhs_contract, _), _ = e.params["dimension_numbers"]
-      k = math.prod(e.invars[0].aval.shape[d] for d in lhs_contract)
-      total += 2.0 * _size(e.outvars[0].aval) * k
-    else:
-      total += sum(_size(v.aval) for v in e.outvars)
-  return total
-
-
-def rule_cost(jaxpr) -> _plan.Cost:
-  """A traced rule's cost (``jaxpr``: closed): the Pallas cost estimate of
-  its JAX-coded operations plus its kernels' own estimates, its
-  collectives and opaque kernels (all three from the facade's
-  ``kernel_totals``, the audit's reader too), the kernels' estimated bytes,
-  and the bytes of its outputs."""
-  try:
-    est = jx.pallas_cost.cost_estimate_jaxpr(jaxpr)
-    flops = float(est.flops + est.transcendentals)
-  except Exception:  # noqa: BLE001 - a primitive it has no rule for
-    flops = 0.0
-  k = jx.kernel_totals(jaxpr)
-  written = sum(_size(a) * getattr(getattr(a, "dtype", None), "itemsize", 0)
-                for a in jaxpr.out_avals)
-  return _plan.Cost(int(k["collectives"]),
-                    flops + k["flops"] + k["transcendentals"],
-                    int(k["kernels"]), written, k["bytes_accessed"])
+  return (_jaxprs.operation_count(twice)
+          <= _jaxprs.operation_count(call.jaxpr.jaxpr.eqns))
 
 
 # -- facts and answers --------------------------------------------------------------
@@ -252,11 +200,11 @@ def named_policy(policy):
 
 def _asked(policy, prim, avals, params) -> _plan.Asked:
   answer = jx.pe.ensure_enum(policy(prim, *avals, **params))
-  if isinstance(answer, type(jx.pe.Recompute)):
+  if jx.is_recompute(answer):
     return _plan.RECOMPUTE
-  if isinstance(answer, jx.pe.Offloadable):
-    return _plan.Asked(_plan.Answer.OFFLOAD,
-                       jx.core.mem_kind_to_space(answer.dst))
+  space = jx.offload_space(answer)
+  if space is not None:
+    return _plan.Asked(_plan.Answer.OFFLOAD, space)
   return _plan.SAVE
 
 
@@ -328,7 +276,8 @@ def _pair_costs(call, fwd, facts, traced_rules):
     bwd, fwd_bwd = traced_rules()
   except Exception:  # noqa: BLE001 - raised again where the rule is bound
     return None, None
-  f = rule_cost(call.jaxpr)
+  cost = _jaxprs.plan_cost
+  f = cost(call.jaxpr)
   apart = _plan.unfused_schedule(facts)
-  first = f if apart.backward is _plan.Backward.BWD else rule_cost(fwd.jaxpr)
-  return f + rule_cost(fwd_bwd), first + rule_cost(bwd)
+  first = f if apart.backward is _plan.Backward.BWD else cost(fwd.jaxpr)
+  return f + cost(fwd_bwd), first + cost(bwd)

@@ -13,6 +13,7 @@ from jax import tree_util
 
 from smartvjp import _cache
 from smartvjp import _facade as jx
+from smartvjp import _jaxprs
 from smartvjp._checks import ROLE_NAMES
 
 
@@ -270,8 +271,8 @@ def define(name: str, *, abstract_eval: Callable, shows: Callable,
           bytes_accessed=c.bytes_accessed)
     register(prim, "pallas_cost", pallas_cost)
     _CODE[prim] = code
-    # the one sub-jaxpr walker (jx.inner_jaxprs) runs the code it runs
-    jx.register_inner_jaxprs(
+    # the one sub-jaxpr walker (_jaxprs.inner_jaxprs) runs the code it runs
+    _jaxprs.register_inner_jaxprs(
         prim, lambda **params: [live_code(code(**params)).jaxpr])
   if bind is not None:
     default = prim.bind

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import jax
 
 from smartvjp import _facade as jx
+from smartvjp import _jaxprs
 
 # what each smartvjp primitive runs: a rule named by its ``which`` param, or
 # always the same one (``smartvjp_rem``'s depends on its schedule)
@@ -69,20 +70,12 @@ def _which(eqn) -> str | None:
   return _RUNS.get(name)
 
 
-def _sub_jaxprs(eqn):
-  """``(label, Inner)`` per jaxpr ``eqn`` runs (the facade's walker,
-  ``jx.inner_jaxprs``): labelled by the primitive, or under ``jax_remat3``
-  by the high-level primitive's type (``RematTraced``)."""
-  hi = eqn.params.get("_prim")
-  label = type(hi).__name__ if hi is not None else eqn.primitive.name
-  for sub in jx.inner_jaxprs(eqn):
-    yield label, sub
-
-
 def rule_equations(jaxpr, where: tuple[str, ...] = (),
                    repeats: int | None = 1) -> list[ScheduledRule]:
   """The rule equations of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``) and
-  of the jaxprs in its equations' params, in program order. A rule's own
+  of the jaxprs its equations run (``_jaxprs.inner_jaxprs``; every
+  branch), in program order, each labelled by the primitive or under
+  ``jax_remat3`` the high-level primitive (``RematTraced``). A rule's own
   body is not searched: what it calls runs as part of that rule."""
   jaxpr = jaxpr.jaxpr if isinstance(jaxpr, jx.ClosedJaxpr) else jaxpr
   found = []
@@ -99,7 +92,8 @@ def rule_equations(jaxpr, where: tuple[str, ...] = (),
       continue
     if eqn.primitive.name.startswith("smartvjp_"):
       continue   # smartvjp_count: RunCounter's step, not a rule
-    for label, sub in _sub_jaxprs(eqn):
+    label = jx.primitive_label(eqn)
+    for sub in _jaxprs.inner_jaxprs(eqn):
       inner = (None if repeats is None or sub.trips is None
                else repeats * sub.trips)
       found.extend(rule_equations(sub.jaxpr, (*where, label), inner))

@@ -62,6 +62,7 @@ import jax
 import jax.custom_derivatives
 
 from smartvjp import _facade as jx
+from smartvjp import _jaxprs
 from smartvjp._api import smart_custom_vjp
 from smartvjp._primitive import call_p, jvp_p, lin_p, rem_p, rule_p
 
@@ -273,21 +274,10 @@ def _why_jax(module_name: str, bwd_fun, vjp3: bool = False) -> str:
           + _FIX + " (or copy the library with import_swapped)")
 
 
-def _jaxprs_in_eqn(eqn):
-  """The jaxprs an equation holds (the facade's walker)."""
-  return [sub.jaxpr for sub in jx.inner_jaxprs(eqn)]
-
-
 def _behind_jax(fn, depth=3):
   """The function a user wrote behind JAX's wrappers of it (a
   ``WrappedFun``, a partial, a closure made in JAX's private modules)."""
-  while True:
-    if hasattr(fn, "f") and callable(fn.f):   # lu.WrappedFun
-      fn = fn.f
-    elif hasattr(fn, "func") and callable(fn.func):   # functools.partial
-      fn = fn.func
-    else:
-      break
+  fn = jx.unwrapped(fn)
   if depth and made_inside_jax(fn):
     for cell in getattr(fn, "__closure__", None) or ():
       try:
@@ -304,12 +294,9 @@ def _custom_vjp_call_parts(eqn):
   ``CustomVJPTraced`` under ``jax_custom_vjp3``): ``(f's name as JAX
   recorded it or None, the user's bwd or JAX's wrapper of it)``; else
   ``None``."""
-  hi = eqn.params.get("_prim")
-  if hi is not None:
-    if type(hi).__name__ != "CustomVJPTraced":
-      return None
-    traced = getattr(hi, "traced", None)
-    return getattr(traced, "fun_name", None), _behind_jax(hi.bwd)
+  if eqn.params.get("_prim") is not None:
+    parts = jx.custom_vjp3_parts(eqn)
+    return None if parts is None else (parts[0], _behind_jax(parts[1]))
   if eqn.primitive.name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
     return None
   body = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
@@ -339,10 +326,10 @@ def _walk(jaxpr, found: dict, why: dict, seen: set):
       found[name] = False
       why.setdefault(name, _why_jax(getattr(bwd, "__module__", None) or "",
                                     bwd, eqn.params.get("_prim") is not None))
-    for sub in _jaxprs_in_eqn(eqn):
-      if id(sub) not in seen:
-        seen.add(id(sub))
-        _walk(sub, found, why, seen)
+    for sub in _jaxprs.inner_jaxprs(eqn):   # every branch
+      if id(sub.jaxpr) not in seen:
+        seen.add(id(sub.jaxpr))
+        _walk(sub.jaxpr, found, why, seen)
 
 
 def _report_program(fn: Callable, args, kwargs) -> SwapReport:

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from smartvjp import _facade as jx
+from smartvjp import _jaxprs
 
 __all__ = ["RunCounter"]
 
@@ -133,7 +134,7 @@ def _run(name, counter, *arrays):
 
 count_p = jx.core.Primitive("smartvjp_count")
 count_p.multiple_results = True
-jx.register_opaque_kernel(count_p.name)
+_jaxprs.register_opaque_kernel(count_p.name)
 
 count_p.def_impl(lambda *arrays, name, counter: list(
     _run(name, counter, *arrays)))

@@ -33,6 +33,7 @@ from jax.interpreters import mlir
 from jax.extend.core import Primitive
 
 from smartvjp import _facade  # registration adapters (DCE rule signature)
+from smartvjp import _jaxprs
 
 COUNTS: collections.Counter = collections.Counter()
 
@@ -84,7 +85,7 @@ def _host(name, fn, *args):
 
 kernel_p = Primitive("test_opaque_kernel")
 kernel_p.multiple_results = True
-_facade.register_opaque_kernel(kernel_p.name)
+_jaxprs.register_opaque_kernel(kernel_p.name)
 
 
 @kernel_p.def_abstract_eval

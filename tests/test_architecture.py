@@ -14,6 +14,8 @@ import importlib
 import pathlib
 import re
 
+import pytest
+
 from smartvjp._primitive import RULES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -146,34 +148,89 @@ def test_import_floors():
     return floor[m]
   core = [m for m in graph if not m.startswith("audit.")]
   assert max(depth(m) for m in core) <= 7, {m: depth(m) for m in graph}
-  assert max(depth(m) for m in graph) <= 9, {m: depth(m) for m in graph}
+  # the command line (python -m smartvjp.audit), which nothing imports,
+  # stands on the audit's public API
+  audit = [m for m in graph if m != "audit.__main__"]
+  assert max(depth(m) for m in audit) <= 9, {m: depth(m) for m in graph}
+  assert depth("audit.__main__") == depth("audit.__init__") + 1
 
 
 # -- the import graph of smartvjp/ ---------------------------------------------------
 
-def _smartvjp_imports(path: pathlib.Path) -> list[tuple[str, bool]]:
-  """(imported smartvjp module, whether the import is inside a function) for
-  each ``from smartvjp import _m`` / ``from smartvjp._m import ...`` in a
-  file (docstrings' examples are strings, not imports, and are not seen)."""
-  tree = ast.parse(path.read_text())
+PKG = ROOT / "smartvjp"
+
+
+def _is_module(dotted: str) -> bool:
+  """``smartvjp._swap``, ``smartvjp.audit`` (a package): a module of ours."""
+  path = ROOT.joinpath(*dotted.split("."))
+  return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _package_of(path: pathlib.Path) -> list[str]:
+  parts = list(path.relative_to(ROOT).with_suffix("").parts)
+  return parts if parts[-1] == "__init__" and parts.pop() else parts[:-1]
+
+
+def imports(source: str, path: pathlib.Path) -> list[tuple[str, list, bool]]:
+  """Every import in ``source`` (the file at ``path``), in any form, as
+  ``(module, [(name, bound as)], in_function)``: ``import a.b as c`` is
+  ``("a.b", [], ...)`` binding ``c`` (``("a.b", [(None, "c")], ...)``);
+  ``from a.b import (x, y as z)`` is ``("a.b", [("x", "x"), ("y", "z")])``;
+  a relative import's module is made absolute. Parsed with ``ast``, so
+  docstrings' examples are strings, not imports; ``importlib.import_module``
+  and ``__import__`` of a constant name count as ``import name``."""
   found = []
 
   def visit(node, in_function):
     for child in ast.iter_child_nodes(node):
       inner = in_function or isinstance(
           child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-      if isinstance(child, ast.ImportFrom) and child.module:
-        if child.module == "smartvjp.audit":   # its private modules
-          found.extend(("audit." + a.name, in_function) for a in child.names
-                       if a.name.startswith("_"))
-        elif child.module == "smartvjp":
-          found.extend((a.name, in_function) for a in child.names
-                       if a.name.startswith("_"))
-        elif child.module.startswith("smartvjp."):
-          found.append((child.module.split(".")[1], in_function))
+      if isinstance(child, ast.Import):
+        for a in child.names:
+          found.append((a.name, [(None, a.asname or a.name.split(".")[0])],
+                        in_function))
+      elif isinstance(child, ast.ImportFrom):
+        base = child.module or ""
+        if child.level:
+          up = _package_of(path)[:len(_package_of(path)) - child.level + 1]
+          base = ".".join(up + ([base] if base else []))
+        found.append((base, [(a.name, a.asname or a.name)
+                             for a in child.names], in_function))
+      elif (isinstance(child, ast.Call) and child.args
+            and isinstance(child.args[0], ast.Constant)
+            and isinstance(child.args[0].value, str)
+            and ast.unparse(child.func) in ("importlib.import_module",
+                                            "import_module", "__import__")):
+        found.append((child.args[0].value, [], in_function))
       visit(child, inner)
-  visit(tree, False)
+  visit(ast.parse(source), False)
   return found
+
+
+def _smartvjp_imports(path: pathlib.Path,
+                      source: str | None = None) -> list[tuple[str, bool]]:
+  """(imported smartvjp module, whether the import is inside a function),
+  named as ``_graph`` names them (``_swap``, ``audit._count``,
+  ``audit.__init__``), for each import of one in a file, in every form."""
+  source = path.read_text() if source is None else source
+  out = []
+  for module, names, in_function in imports(source, path):
+    if module != "smartvjp" and not module.startswith("smartvjp."):
+      continue
+    # from a package import its modules: those modules; anything else
+    # (a name, or a plain import): the module itself
+    subs = [f"{module}.{n}" for n, _ in names
+            if n and _is_module(f"{module}.{n}")]
+    targets = subs + ([module] if not names or len(subs) < len(names)
+                      else [])
+    for t in targets:
+      short = t.split(".", 1)[1] if "." in t else "__init__"
+      if (ROOT.joinpath(*t.split(".")) / "__init__.py").is_file():
+        short = (short + ".__init__") if "." in t else short
+      if short == "audit":
+        short = "audit.__init__"
+      out.append((short, in_function))
+  return out
 
 
 def _graph() -> dict[str, set[str]]:
@@ -183,7 +240,108 @@ def _graph() -> dict[str, set[str]]:
                *(ROOT / "smartvjp" / "audit").glob("_*.py")]:
     name = ("audit." if path.parent.name == "audit" else "") + path.stem
     graph[name] = {m for m, _ in _smartvjp_imports(path)} - {name}
+  # the package's __init__ exposes smartvjp.audit, which is built on the
+  # core: the one import of the audit from below (test_core_below_audit)
+  graph["__init__"].discard("audit.__init__")
   return graph
+
+
+def _imports_audit(path: pathlib.Path, source: str | None = None) -> list:
+  return [m for m, _ in _smartvjp_imports(path, source)
+          if m.split(".")[0] == "audit"]
+
+
+def test_core_below_audit():
+  """No module of the core (nor ``_swap``, ``_equinox``, ``tesseract``,
+  ``testing``) imports ``smartvjp.audit``, in any form, at any depth: the
+  audit is built on the core and changes none of it. Only the package's
+  ``__init__`` exposes it."""
+  found = {p.name: _imports_audit(p) for p in sorted(PKG.glob("*.py"))
+           if p.name != "__init__.py"}
+  assert not any(found.values()), {k: v for k, v in found.items() if v}
+
+
+AUDIT_IMPORTS = [
+    "import smartvjp.audit", "import smartvjp.audit as A",
+    "from smartvjp import audit", "from smartvjp import (_plan,\n audit)",
+    "from smartvjp.audit import _count", "from smartvjp.audit._count import tag",
+    "from .audit import _count", "from . import audit",
+    "import importlib\nimportlib.import_module('smartvjp.audit._count')",
+    "def f():\n  from smartvjp.audit import audit\n  return audit"]
+
+
+@pytest.mark.parametrize("source", AUDIT_IMPORTS)
+def test_core_below_audit_sees_every_form(source):
+  assert _imports_audit(PKG / "_plan.py", source), source
+  assert not _imports_audit(PKG / "_plan.py", "from smartvjp import _facade")
+
+
+def private_reads(path: pathlib.Path, source: str | None = None) -> list:
+  """``module._name`` for each private name of a smartvjp module that the
+  file at ``path`` imports (``from smartvjp._swap import _why``, in
+  parentheses too) or reads through a module it imports, in any form
+  (``import smartvjp._swap as S`` then ``S._why``, ``smartvjp._swap._why``,
+  ``from . import _swap``). A private module is a module, not a name."""
+  source = path.read_text() if source is None else source
+  bound, found = {}, []
+  for module, names, _ in imports(source, path):
+    if module != "smartvjp" and not module.startswith("smartvjp."):
+      continue
+    for name, local in names:
+      if name is None:   # import a.b binds a; import a.b as c binds c
+        bound[local] = (module.split(".")[0]
+                        if local == module.split(".")[0] else module)
+      elif _is_module(f"{module}.{name}"):
+        bound[local] = f"{module}.{name}"
+      elif name.startswith("_") and not name.startswith("__"):
+        found.append(f"{module}.{name}")
+  for node in ast.walk(ast.parse(source)):
+    chain = []
+    while isinstance(node, ast.Attribute):
+      chain.insert(0, node.attr)
+      node = node.value
+    if not chain or not isinstance(node, ast.Name) or node.id not in bound:
+      continue
+    module = bound[node.id]
+    for attr in chain:
+      if _is_module(f"{module}.{attr}"):
+        module = f"{module}.{attr}"
+        continue
+      if attr.startswith("_") and not attr.startswith("__"):
+        found.append(f"{module}.{attr}")
+      break
+  return sorted(set(found))
+
+
+def test_no_module_reads_another_modules_private_names():
+  """``_swap.qualified``, not ``_swap._qualified``: a module imports and
+  reads only the public names of the smartvjp modules it imports (the
+  audit too), whatever the form of the import."""
+  found = {str(p.relative_to(PKG)): private_reads(p)
+           for p in sorted(PKG.rglob("*.py"))}
+  assert not any(found.values()), {k: v for k, v in found.items() if v}
+
+
+PRIVATE_READS = [
+    "import smartvjp._swap as S\nS._why_jax",
+    "from smartvjp._swap import (\n    qualified,\n    _why_jax)",
+    "from smartvjp import _swap\n_swap._why_jax",
+    "from smartvjp import (_plan,\n    _swap as S)\nS._why_jax(1)",
+    "import smartvjp._swap\nsmartvjp._swap._why_jax",
+    "from smartvjp._swap import _why_jax as w",
+    "from ._swap import _why_jax", "from . import _swap as S\nS._why_jax",
+    "from smartvjp.audit import _count as C\nC._tags",
+    "import smartvjp.audit._count\nsmartvjp.audit._count._tags",
+    "def f():\n  import smartvjp._swap as S\n  return S._why_jax"]
+
+
+@pytest.mark.parametrize("source", PRIVATE_READS)
+def test_private_reads_are_seen_in_every_form(source):
+  assert private_reads(PKG / "_plan.py", source), source
+  assert not private_reads(
+      PKG / "_plan.py", "import smartvjp\nfrom smartvjp import _swap\n"
+      "from smartvjp.audit import _count\n_swap.qualified, _count.tag, "
+      "smartvjp.__name__, _swap.jx.batching._batch_inner")
 
 
 def test_no_function_local_import_of_a_smartvjp_module():

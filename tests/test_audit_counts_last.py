@@ -21,7 +21,7 @@ import pytest
 
 import kernels as K
 import smartvjp
-from smartvjp import _facade as jx
+from smartvjp import _jaxprs
 from smartvjp.audit import _count as C
 
 CONFIGS = ("as_written", "smartvjp")
@@ -149,7 +149,7 @@ def test_lapack_in_a_rule_is_not_a_kernel():
   hlo = a._builds["as_written"].hlo
   assert "lapack_" in hlo, "no LAPACK custom call: the case is gone"
   # the facade's one definition, in the jaxpr and in the compiled program
-  assert not any(jx.is_opaque_kernel(e) for e in jx.equations(
+  assert not any(_jaxprs.is_opaque_kernel(e) for e in _jaxprs.equations(
       a._builds["as_written"].closed.jaxpr) for e in [e[0]])
   assert not s["opaque"] and s["runs"]["as_written"]["kernel_launches"] == 0
   comps, _ = C.parse_hlo(hlo)
@@ -172,4 +172,4 @@ def test_a_compiled_custom_call_is_a_kernel_by_the_facades_definition(
   ins = C.Instr("custom-call", f"jit(step)/jvp()/svjpaudit_0_0_fwd/{name}"
                 if name else "", "some_target", {}, [], None)
   assert C.is_kernel(ins) == kernel
-  assert jx.is_opaque_kernel_name(name) == (kernel and bool(name))
+  assert _jaxprs.is_opaque_kernel_name(name) == (kernel and bool(name))

@@ -1,7 +1,7 @@
 """The audit's prices come from compiled programs, and kernels are seen at
-any depth through the facade's one walker (``smartvjp/_facade.py``:
+any depth through the one walker (``smartvjp/_jaxprs.py``:
 ``inner_jaxprs``, ``is_opaque_kernel``, ``kernel_cost_estimate``,
-``kernel_totals``), which the plan (``_policy.rule_cost``) reads too."""
+``kernel_totals``), which the plan (``_jaxprs.plan_cost``) reads too."""
 
 import collections
 
@@ -12,8 +12,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import smartvjp
-from smartvjp import _facade as jx
-from smartvjp import _policy
+from smartvjp import _jaxprs
 from smartvjp.audit import _analysis as A
 from smartvjp.audit import _count as C
 
@@ -143,7 +142,7 @@ def test_a_kernel_is_seen_at_any_depth(depth):
   rule, want = DEPTHS[depth]
   x = jnp.ones(4)
   closed = jax.make_jaxpr(rule)(x)
-  assert any(jx.is_opaque_kernel(e) for e, _ in jx.equations(closed))
+  assert any(_jaxprs.is_opaque_kernel(e) for e, _ in _jaxprs.equations(closed))
   assert A.opaque_count(closed) == want
   compiled = jax.jit(rule).lower(x).compile().as_text()
   assert _compiled_launches(compiled) == want
@@ -161,8 +160,8 @@ def test_a_pallas_kernels_body_is_not_walked():
                         interpret=True)
   closed = jax.make_jaxpr(call)(jnp.ones((8, 128)))
   (eqn,) = closed.jaxpr.eqns
-  assert jx.is_opaque_kernel(eqn) and jx.inner_jaxprs(eqn) == []
-  assert [e.primitive.name for e, _ in jx.equations(closed)] == ["pallas_call"]
+  assert _jaxprs.is_opaque_kernel(eqn) and _jaxprs.inner_jaxprs(eqn) == []
+  assert [e.primitive.name for e, _ in _jaxprs.equations(closed)] == ["pallas_call"]
 
 
 def _site_with_kernel_in(wrap):
@@ -192,8 +191,8 @@ def test_the_audit_calls_a_site_with_a_nested_kernel_opaque(wrap):
 # -- the plan and the audit price a kernel with one function -------------------------
 
 def test_the_plan_and_the_audit_read_one_kernel_reader(monkeypatch):
-  """``_policy.rule_cost`` (the plan) and the audit's ``rule_cost`` and
-  ``opaque_count`` take a kernel's launches and estimate from the facade's
+  """``_jaxprs.plan_cost`` (the plan) and the audit's ``rule_cost`` and
+  ``opaque_count`` take a kernel's launches and estimate from ``_jaxprs``'
   ``kernel_totals`` / ``kernel_cost_estimate``: replacing them changes
   both."""
   from jax.experimental import pallas as pl
@@ -206,20 +205,20 @@ def test_the_plan_and_the_audit_read_one_kernel_reader(monkeypatch):
                         interpret=True, cost_estimate=est)
   closed = jax.make_jaxpr(lambda x: jax.lax.scan(
       lambda c, _: (call(c), None), x, None, length=3)[0])(jnp.ones((8, 128)))
-  k = jx.kernel_totals(closed)
+  k = _jaxprs.kernel_totals(closed)
   assert (k["kernels"], k["flops"], k["transcendentals"],
           k["bytes_accessed"]) == (3, 3000, 30, 3 * 4096)
-  plan = _policy.rule_cost(closed)
+  plan = _jaxprs.plan_cost(closed)
   assert (plan.kernels, plan.kernel_bytes) == (3, 3 * 4096)
   assert A.opaque_count(closed) == 3
   calls = collections.Counter()
-  real = jx.kernel_totals
+  real = _jaxprs.kernel_totals
 
   def spy(jaxpr):
     calls["kernel_totals"] += 1
     return dict(real(jaxpr), kernels=7)
-  monkeypatch.setattr(jx, "kernel_totals", spy)
-  assert _policy.rule_cost(closed).kernels == 7
+  monkeypatch.setattr(_jaxprs, "kernel_totals", spy)
+  assert _jaxprs.plan_cost(closed).kernels == 7
   assert A.opaque_count(closed) == 7
   assert calls["kernel_totals"] == 2
   # the audit's price of the kernel is its estimate, per trip

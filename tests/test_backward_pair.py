@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 
 import kernels
 from smartvjp import _plan, _policy, smart_custom_vjp
-from smartvjp import _remat
+from smartvjp import _jaxprs, _remat
 from smartvjp._plan import Backward, Cost, Facts, Forward, Schedule
 
 ALL_THREE = Facts(has_fwd=True, has_fwd_bwd=True)
@@ -273,11 +273,11 @@ def _estimated_kernel(flops):
 
 def test_a_kernels_cost_estimate_is_weighed_per_trip():
   x = jnp.ones(8)
-  once = _policy.rule_cost(jax.make_jaxpr(_estimated_kernel(100))(x))
+  once = _jaxprs.plan_cost(jax.make_jaxpr(_estimated_kernel(100))(x))
   assert (once.kernels, once.flops) == (1, 100.0)
   looped = jax.make_jaxpr(lambda x: jax.lax.scan(
       lambda c, _: (_estimated_kernel(100)(c), None), x, None, length=3)[0])
-  assert _policy.rule_cost(looped(x)).flops == 300.0
+  assert _jaxprs.plan_cost(looped(x)).flops == 300.0
 
 
 @pytest.mark.parametrize("fwd_bwd_flops,backward", [
@@ -312,7 +312,7 @@ def test_the_lms_rmsnorm_runs_fwd_and_bwd_where_its_output_is_read():
   x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
   g = jax.ShapeDtypeStruct((1024,), jnp.bfloat16)
   out, res = jax.eval_shape(rules["fwd"], x, g)
-  cost = {name: _policy.rule_cost(jax.make_jaxpr(rules[name])(*args))
+  cost = {name: _jaxprs.plan_cost(jax.make_jaxpr(rules[name])(*args))
           for name, args in [("f", (x, g)), ("fwd", (x, g)),
                              ("bwd", (res, out)), ("fwd_bwd", (x, g, out))]}
   assert all(c.flops > 0 for c in cost.values()), cost

@@ -4,8 +4,9 @@
   python tools/schedule_metrics.py --json   # the same as JSON
 
 * lines: the core (every module of ``smartvjp/`` but ``_swap``,
-  ``tesseract`` and ``_equinox``) and each of those three, in all and as
-  code (no blank line, comment or docstring);
+  ``tesseract`` and ``_equinox``), each of those three, and the audit
+  (every module of ``smartvjp/audit/``), in all and as code (no blank
+  line, comment or docstring);
 * ``_facade.py``: lines, top-level functions and aliases (top-level names
   bound to another name or an attribute: ``Var = core.Var``);
 * the walk of ``jit(grad(sum(checkpoint(F)(x)**2)))`` traced with
@@ -59,20 +60,23 @@ def _code_lines(path) -> int:
 
 
 def lines() -> dict:
-  out = {"core": {"lines": 0, "code": 0}}
-  for name in sorted(os.listdir(PKG)):
-    if not name.endswith(".py"):
-      continue
-    path = os.path.join(PKG, name)
-    with open(path, encoding="utf-8") as fh:
-      n = sum(1 for _ in fh)
-    entry = {"lines": n, "code": _code_lines(path)}
-    mod = name[:-3]
-    if mod in APART:
-      out[mod] = entry
-    else:
-      out["core"]["lines"] += entry["lines"]
-      out["core"]["code"] += entry["code"]
+  out = {"core": {"lines": 0, "code": 0}, "audit": {"lines": 0, "code": 0}}
+  audit = os.path.join(PKG, "audit")
+  for folder in (PKG, audit):
+    for name in sorted(os.listdir(folder)):
+      if not name.endswith(".py"):
+        continue
+      path = os.path.join(folder, name)
+      with open(path, encoding="utf-8") as fh:
+        n = sum(1 for _ in fh)
+      entry = {"lines": n, "code": _code_lines(path)}
+      mod = "audit" if folder == audit else name[:-3]
+      if mod in APART:
+        out[mod] = entry
+      else:
+        group = out["audit" if folder == audit else "core"]
+        group["lines"] += entry["lines"]
+        group["code"] += entry["code"]
   return out
 
 

@@ -18,6 +18,7 @@ from smartvjp.audit import _count as C
 from smartvjp.audit import _model as M
 from smartvjp.audit import _trace as T
 from smartvjp import _facade as jx
+from smartvjp import _jaxprs
 from smartvjp import _primitive as P
 from smartvjp import _swap
 
@@ -47,7 +48,6 @@ def _label(eqn):
   (``policy``: a checkpoint's, else ``None``), or ``None`` (smartvjp's own
   primitives, which run their rules inline)."""
   name = eqn.primitive.name
-  hi = eqn.params.get("_prim")
   if P.code_of(eqn) is not None:
     return None
   if name == "shard_map":
@@ -57,10 +57,11 @@ def _label(eqn):
   if name in ("remat2", "checkpoint", "remat"):
     policy = eqn.params.get("policy")
     return (f"checkpoint({_policy_name(policy)})", ("policy", policy))
-  if hasattr(hi, "policy") and hasattr(hi, "prevent_cse"):
+  remat3 = jx.remat_policy_of(eqn)
+  if remat3 is not None:
     # under the remat3 flags (jax 0.11+): a rematerialized region is a
     # call_hi_primitive whose _prim (RematTraced) holds the policy
-    return (f"checkpoint({_policy_name(hi.policy)})", ("policy", hi.policy))
+    return (f"checkpoint({_policy_name(remat3[0])})", ("policy", remat3[0]))
   if name in ("pjit", "jit", "closed_call", "core_call"):
     return (f"jit({eqn.params.get('name', '')})", None)
   return None
@@ -79,9 +80,9 @@ def shards(params: dict) -> int:
 
 def sub_jaxprs(eqn):
   """``(kind, [(jaxpr, label)])`` for ``_count.count_jaxpr``, from the
-  facade's one walker (``jx.inner_jaxprs``); a label is ``(text,
+  one walker (``_jaxprs.inner_jaxprs``); a label is ``(text,
   policy)`` (``_label``), for loops ``((text, None), trips)``."""
-  subs = jx.inner_jaxprs(eqn)
+  subs = _jaxprs.inner_jaxprs(eqn)
   if not subs:
     return None, []
   if subs[0].kind == "loop":
@@ -278,16 +279,16 @@ def trace_rules(site, call) -> Rules:
 
 
 def _primitives(jaxpr):
-  """Every equation of ``jaxpr`` at any depth (the facade's walker)."""
-  return (eqn for eqn, _ in jx.equations(jaxpr))
+  """Every equation of ``jaxpr`` at any depth (the one walker)."""
+  return (eqn for eqn, _ in _jaxprs.equations(jaxpr))
 
 
 def opaque_count(closed) -> int:
   """Kernel launches per run of ``closed`` at any depth, loops per trip
-  (the facade's ``kernel_totals``)."""
+  (``_jaxprs.kernel_totals``)."""
   if closed is None:
     return 0
-  return int(jx.kernel_totals(closed)["kernels"])
+  return int(_jaxprs.kernel_totals(closed)["kernels"])
 
 
 _COST_KEYS = ("flops", "transcendentals", "bytes_accessed")
@@ -317,7 +318,7 @@ def _compiled_cost(fn, avals) -> tuple[dict, set]:
 
 
 def _kernel_adjustment(jaxpr, cache: dict) -> tuple[dict, int]:
-  """Per kernel in ``jaxpr`` stating a cost (``jx.kernel_cost_estimate``;
+  """Per kernel in ``jaxpr`` stating a cost (``kernel_cost_estimate``;
   each once, in loops too: the loop correction scales them): its estimate
   less what XLA's analysis sees of it compiled alone (a compiled kernel
   is a custom call XLA may count as nothing; an interpreted one is the
@@ -325,9 +326,9 @@ def _kernel_adjustment(jaxpr, cache: dict) -> tuple[dict, int]:
   each kernel at its estimate; and how many kernels state none."""
   total, missing = _zero(), 0
   for eqn in _primitives(jaxpr):
-    if not jx.is_opaque_kernel(eqn):
+    if not _jaxprs.is_opaque_kernel(eqn):
       continue
-    est = jx.kernel_cost_estimate(eqn)
+    est = _jaxprs.kernel_cost_estimate(eqn)
     if est is None:
       missing += eqn.primitive.name == "pallas_call"
       continue
@@ -367,7 +368,7 @@ def rule_cost(closed, cache: dict | None = None) -> dict:
          for k in _COST_KEYS}
   out["loops"] = loops
   out["source"] = "xla+pallas_estimate" if any(
-      jx.kernel_cost_estimate(e) for e in _primitives(closed.jaxpr)
+      _jaxprs.kernel_cost_estimate(e) for e in _primitives(closed.jaxpr)
   ) else "xla"
   if missing:
     out["pallas_calls_without_estimate"] = missing
@@ -400,7 +401,7 @@ def loop_correction(jaxpr, trips: set, notes: list, cache: dict) -> dict:
   among them was unrolled by XLA, which then counted every copy."""
   total = _zero()
   for eqn in jaxpr.eqns:
-    subs = jx.inner_jaxprs(eqn)
+    subs = _jaxprs.inner_jaxprs(eqn)
     if eqn.primitive.name == "scan":
       n, unroll = subs[0].trips, subs[0].unroll
       if n // unroll > 1 and n // unroll not in trips:
@@ -467,10 +468,9 @@ def saveable(policy, eqn) -> bool | str:
     ans = policy(prim, *[v.aval for v in eqn.invars], **params)
   except Exception:   # noqa: BLE001  (a policy that cannot answer: recompute)
     return False
-  kind = type(ans).__name__
-  if kind == "Offloadable":
+  if jx.offload_space(ans) is not None:
     return "offloaded"
-  if kind in ("Recompute", "RecomputeType"):
+  if jx.is_recompute(ans):
     return False
   return bool(ans)
 
@@ -694,7 +694,7 @@ def unpriced_kernels(jaxpr) -> list[str]:
   not a Pallas kernel run by its interpreter (plain HLO, which XLA
   costs). Their primitives' names, sorted."""
   return sorted({e.primitive.name for e in _primitives(jaxpr)
-                 if jx.is_opaque_kernel(e) and jx.kernel_cost_estimate(e) is None
+                 if _jaxprs.is_opaque_kernel(e) and _jaxprs.kernel_cost_estimate(e) is None
                  and not (e.primitive.name == "pallas_call"
                           and e.params.get("interpret"))})
 
@@ -865,7 +865,7 @@ def no_work(rules) -> list[str]:
   and ``fwd`` return their input). No count can be read for such a rule,
   in the jaxpr or compiled: nothing carries its name."""
   return [role for role, closed in (rules.jaxprs.items() if rules else ())
-          if not any(not jx.inner_jaxprs(e) for e in _primitives(closed.jaxpr))]
+          if not any(not _jaxprs.inner_jaxprs(e) for e in _primitives(closed.jaxpr))]
 
 
 def fwd_bwd_opportunity(site, rules, runs: dict | None, opaque: bool,

@@ -24,6 +24,7 @@ import re
 from typing import Callable, Iterable
 
 from smartvjp import _facade as jx
+from smartvjp import _jaxprs
 
 ROLES = ("f", "fwd", "bwd", "fwd_bwd")
 TAG = re.compile(r"svjpaudit_(\d+)_(\d+)_(fwd_bwd|fwd|bwd|f)(?![\w])")
@@ -34,7 +35,7 @@ NOT_KERNELS = frozenset({
     "MoveToDevice", "annotate_device_placement", "LayoutConstraint",
     "X64Combine", "X64SplitLow", "X64SplitHigh", "AllocateBuffer",
     "PartitionId", "ReplicaId"})
-COLLECTIVES = jx.COLLECTIVE_PRIMITIVES
+COLLECTIVES = _jaxprs.COLLECTIVE_PRIMITIVES
 
 
 def tag(site: int, call: int, role: str) -> str:
@@ -202,7 +203,7 @@ def count_jaxpr(jaxpr, sub_jaxprs: Callable, name_of: Callable,
       for i, eqn in enumerate(read_equations(jaxpr)):
         name = prefix + name_of(eqn)
         tags = [(k, c) for k, c in _tags(name) if k[0] not in outer]
-        local.add(name, jx.is_opaque_kernel(eqn),
+        local.add(name, _jaxprs.is_opaque_kernel(eqn),
                   {k for k, _ in _tags(name) if k[0] in outer})
         for key, _ in tags:
           seen = paths.setdefault(key[:2], [])
@@ -329,7 +330,7 @@ def condition_bound(comps: dict, name: str | None) -> int | None:
 def is_kernel(instr: Instr) -> bool:
   """Whether a compiled instruction is an opaque kernel's launch: a custom
   call made by an equation the facade's one definition calls a kernel
-  (``jx.is_opaque_kernel_name`` of the primitive that ends its
+  (``_jaxprs.is_opaque_kernel_name`` of the primitive that ends its
   ``op_name``). A custom call XLA or JAX emits for an operation JAX
   sees into (LAPACK's ``lapack_*`` for ``jnp.linalg``, a GPU's cuBLAS
   matmul) is not one; one with no ``op_name`` is judged by its target
@@ -337,7 +338,7 @@ def is_kernel(instr: Instr) -> bool:
   if instr.opcode != "custom-call" or instr.target in NOT_KERNELS:
     return False
   name = instr.op_name.split(";")[0].rsplit("/", 1)[-1]
-  return not name or jx.is_opaque_kernel_name(name)
+  return not name or _jaxprs.is_opaque_kernel_name(name)
 
 
 @dataclasses.dataclass
