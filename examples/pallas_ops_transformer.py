@@ -159,6 +159,7 @@ def make_data(cfg: Config, key):
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = "tpu_custom_call"
+MOSAIC_GPU_CALL = "mosaic_gpu_v2"   # a Mosaic GPU kernel (plgpu.kernel)
 # Single-operand ops that only annotate sharding: looked through when a loop
 # bound is read.
 _ANNOTATIONS = ("sdy.sharding_constraint", "mhlo.sharding")
@@ -277,11 +278,15 @@ def kernel_launches(module) -> collections.Counter:
 
 def _kernel_name(op):
   """The kernel a custom call launches: a Triton kernel (GPU; its name in
-  the backend config) or a Mosaic one (TPU; its ``kernel_name``
+  the backend config), a Mosaic GPU one (which carries no name, only a hash
+  of its module: ``mosaic_gpu/<operands>``, its operand count, tells JAX's
+  attention_mgpu kernels apart) or a Mosaic TPU one (its ``kernel_name``
   attribute); ``None`` for any other custom call."""
   target = _attr_str(op, "call_target_name")
   if target == TRITON_CALL:
     return str(op.attributes["mhlo.backend_config"]["name"]).strip('"')
+  if target == MOSAIC_GPU_CALL:
+    return f"mosaic_gpu/{len(op.operands)}"
   if target == MOSAIC_CALL and "kernel_name" in op.attributes:
     return _attr_str(op, "kernel_name")
   return None
