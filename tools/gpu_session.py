@@ -79,6 +79,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
@@ -267,11 +268,13 @@ def install_wheels(session, deadline):
   if not wheels:
     session.record["wheels"] = "none carried"
     return None
-  site = os.path.join("/tmp", "site")
+  site = (tempfile.mkdtemp(prefix="gpu_session_site_") if session.smoke
+          else os.path.join("/tmp", "site"))
   status, _, _ = session.command(
-      "env", [sys.executable, "-m", "pip", "install", "-q", "--no-index",
-              "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
-              "--target", site, *wheels], deadline)
+      "env", [sys.executable, "-m", "pip", "install", "--isolated", "-q",
+              "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+              "--upgrade", "--target", site, *wheels], deadline,
+      env=dict(os.environ, PIP_CONFIG_FILE=os.devnull))
   session.record["wheels"] = dict(installed=[os.path.basename(w)
                                              for w in wheels], status=status)
   return site
@@ -373,8 +376,8 @@ def main(argv=None):
     entry.update(cap_s=cap, started_s=round(session.elapsed(), 1))
     if stage.name == "env":
       site = install_wheels(session, deadline)
-      if site:
-        env["PYTHONPATH"] = os.pathsep.join([site, env["PYTHONPATH"]])
+      if site:     # after the machine's own packages: its jax stays first
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], site])
       status, _, _ = session.command(
           "env", [py, "tools/gpu_session.py", "--probe-env",
                   os.path.join(args.out, "env.json"),
