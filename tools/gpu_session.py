@@ -110,8 +110,9 @@ NAMES = tuple(s.name for s in STAGES)
 
 # test stage -> pytest arguments (files, and a -k selection)
 TESTS = {
-    "seed": ["-k", "test_gpu_", "tests/test_pallas_gelu_matmul.py",
-             "tests/test_pallas_rmsnorm_gelu.py", "tests/test_gpu_seed.py"],
+    "seed": ["-k", "test_gpu_", "tests/test_gpu_seed.py",
+             "tests/test_pallas_gelu_matmul.py",
+             "tests/test_pallas_rmsnorm_gelu.py"],
     "jax-triton": ["tests/test_triton_gelu_matmul.py"],
     "shipped-tests": ["-k", "test_gpu_", "tests/test_pallas_ops.py",
                       "tests/test_attention_mgpu.py"],
@@ -305,8 +306,8 @@ def probe_env(path, smoke):
         f"copy {peaks['GB/s']:.1f} GB/s")
 
 
-def stage_commands(stage, args, py):
-  """The commands of a non-test stage."""
+def stage_commands(stage, args, py, cap):
+  """The commands of a non-test stage (``cap``: its seconds)."""
   out = lambda name: os.path.join(args.out, name)
   env_json = out("env.json")
   peaks = ["--peaks", env_json] if os.path.exists(env_json) else []
@@ -315,6 +316,7 @@ def stage_commands(stage, args, py):
               "--policies", "nothing_saveable", "--rounds", "1",
               "--schedules", "shipped", "swapped",
               "--check-steps", "1"] if args.smoke else [])
+    extra = extra or ["--rounds", "6"]
     return [[py, "benchmarks/gpu_transformer.py", "--out",
              out("gpu_transformer.json"), *extra]]
   if stage == "kernels-vs-xla":
@@ -323,8 +325,10 @@ def stage_commands(stage, args, py):
              if args.smoke else
              ["--hidden", "4096", "--no-largest-batch", "--compile-workers",
               "8"])
+    # stop starting measurements in time to write the JSON before the cap
+    deadline = ["--deadline", str(int(max(10, cap - 20)))]
     return [[py, "benchmarks/accel_mlp.py", "--out", out("accel_mlp.json"),
-             *extra, *peaks]]
+             *extra, *peaks, *deadline]]
   if stage == "audit":
     return [[py, "benchmarks/audit_gpu.py", "--out", out("audit_gpu.json"),
              *(["--smoke", "--only", "accel_mlp"] if args.smoke else []),
@@ -404,11 +408,13 @@ def main(argv=None):
         parallel = (["-n", str(workers)] if workers and
                     importlib.util.find_spec("xdist") else [])
         arguments = ["-q", "--maxfail=50", *parallel, *selection]
-      else:
-        arguments = ["-v", *TESTS[stage.name]]
+      else:     # 4 processes compile Triton kernels side by side
+        parallel = (["-n", "4"] if not args.smoke and
+                    importlib.util.find_spec("xdist") else [])
+        arguments = ["-v", *parallel, *TESTS[stage.name]]
       run_tests(session, stage.name, arguments, deadline, test_env, results)
     else:
-      for argv_ in stage_commands(stage.name, args, py):
+      for argv_ in stage_commands(stage.name, args, py, cap):
         session.command(stage.name, argv_, deadline, env=env)
     commands = entry["commands"]
     entry.setdefault("status", "ok" if commands and all(
