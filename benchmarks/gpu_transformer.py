@@ -6,8 +6,13 @@ attention and RMSNorm are JAX's Pallas GPU kernels
 (``jax.experimental.pallas.ops.gpu.attention.mha``, ``...rms_norm``), the
 MLP plain JAX, each layer under ``jax.checkpoint`` (``nothing_saveable`` and
 ``dots_saveable``), scanned; one step is ``jit(value_and_grad)`` plus SGD.
-Two schedules: the kernels as shipped (``jax.custom_vjp``), and swapped
-(``smartvjp.import_swapped``). For each policy and schedule:
+Schedules: the kernels as shipped (``jax.custom_vjp``), swapped
+(``smartvjp.import_swapped``), the shipped rules rebuilt with
+``optimize_remat=True``, and XLA alone (``jax.nn.dot_product_attention(...,
+implementation="xla")`` and a ``jax.numpy`` RMSNorm: no kernel). With
+``--attention mgpu`` the attention is JAX's Mosaic GPU kernel
+(``attention_mgpu.attention``: a Hopper GPU, f16, non-causal) and the
+RMSNorm XLA's. For each policy and schedule:
 
 * kernel launches per step and the residual bytes the kernels write, counted
   in the lowered program (``examples/pallas_ops_transformer.py``);
@@ -18,7 +23,10 @@ Two schedules: the kernels as shipped (``jax.custom_vjp``), and swapped
   ``inner`` back-to-back steps (so a sample lasts ``--min-sample-ms``);
   median with min-max, and the median of the per-round ratios;
 * values: ``--check-steps`` SGD steps from the same start, losses and
-  parameters compared bit for bit.
+  parameters compared bit for bit with shipped's;
+* the ideal swapped step: shipped's measured step less, per checkpointed
+  call, the residual-writing kernel's time over the kernel without
+  residuals, each timed alone at the model's shapes (``kernel_times_s``).
 
 Goals, each printed with a verdict (met / not met): launches: swapped runs
 the minimum (per checkpointed call: the kernel without residual outputs
@@ -38,6 +46,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
 import importlib.util
 import inspect
 import json
@@ -47,6 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +70,7 @@ sys.path.insert(2, ROOT)   # smartvjp from this checkout where it is not install
 import _report as R  # noqa: E402
 import accel_mlp  # noqa: E402  (machine_info, memory_parts, fmt_bytes, now)
 import pallas_ops_transformer as EX  # noqa: E402
+import smartvjp  # noqa: E402
 
 SCHEMA = "smartvjp/gpu_transformer/2"   # 2: CPU model and commit
 SCHEDULES = EX.SCHEDULES          # the kernel modules, shipped and swapped
@@ -68,6 +80,8 @@ STEP_TOLERANCE = 1.02
 GPU_CONFIG = EX.Config(layers=4, batch=8, seq=2048, heads=16, head_dim=64,
                        mlp=4096, vocab=8192, dtype="bfloat16", steps=3,
                        learning_rate=0.05)
+# with attention_mgpu (f16: bf16 does not trace, design/upstream/bugs/)
+MGPU_CONFIG = dataclasses.replace(GPU_CONFIG, dtype="float16")
 SMOKE_CONFIG = EX.Config(steps=2)
 
 
@@ -109,7 +123,8 @@ def rewrapped(fn):
   return call
 
 
-def xla_mha(q, k, v, segment_ids, sm_scale, causal, interpret=False):
+def xla_mha(q, k, v, segment_ids, sm_scale=None, causal=False,
+            interpret=False):
   """Attention as XLA alone computes it (``jax.nn.dot_product_attention``,
   ``implementation="xla"``), for ``make_loss``'s call of ``mha``."""
   del segment_ids, interpret
@@ -125,8 +140,44 @@ def xla_rms_norm(x, weight, bias, interpret=False, eps=1e-5):
   return (y * weight + bias).astype(x.dtype)
 
 
-def load_all_kernels():
-  """``{schedule: (attention, rms_norm)}`` for every schedule timed."""
+MGPU = "jax.experimental.pallas.ops.gpu.attention_mgpu"
+
+
+class MgpuAttention:
+  """JAX's Mosaic GPU attention (``attention_mgpu.attention``, Hopper, f16)
+  behind ``make_loss``'s call of ``mha``: non-causal (its backward pass
+  refuses causal masking) and scaled as the kernel scales."""
+
+  def __init__(self, module, block=64):
+    self.module = module
+    self.attention = module.attention
+    self.config = module.TuningConfig(
+        block_q=block, block_kv=block, max_concurrent_steps=2, causal=False,
+        block_q_dkv=block, block_kv_dkv=block, block_q_dq=block,
+        block_kv_dq=block)
+
+  def mha(self, q, k, v, segment_ids, sm_scale, causal, interpret=False):
+    del segment_ids, sm_scale, causal, interpret
+    return self.module.attention(q, k, v, self.config)
+
+
+def load_all_kernels(attention="triton"):
+  """``{schedule: (attention, rms_norm)}`` for every schedule timed. With
+  ``attention="mgpu"`` the attention is ``attention_mgpu`` and the RMSNorm
+  XLA's in every schedule (the one kernel module is the attention's)."""
+  if attention == "mgpu":
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      shipped = MgpuAttention(importlib.import_module(MGPU))
+      swapped = MgpuAttention(smartvjp.import_swapped(MGPU))
+    rms = _Kernels(rms_norm=xla_rms_norm)
+    opt = rewrapped(shipped.attention)
+    return {
+        "shipped": (shipped, rms), "swapped": (swapped, rms),
+        "optimize_remat": (_Kernels(mha=lambda q, k, v, *a, **kw: opt(
+            q, k, v, shipped.config)), rms),
+        "xla": (_Kernels(mha=functools.partial(xla_mha, causal=False)), rms),
+    }
   shipped, swapped = EX.load_kernels(False), EX.load_kernels(True)
   return {
       "shipped": shipped, "swapped": swapped,
@@ -134,6 +185,12 @@ def load_all_kernels():
                          _Kernels(rms_norm=rewrapped(shipped[1].rms_norm))),
       "xla": (_Kernels(mha=xla_mha), _Kernels(rms_norm=xla_rms_norm)),
   }
+
+
+def kernel_modules(attention):
+  """The model's kernel modules, as ``EX.expected_launches`` names them."""
+  return ("attention_mgpu",) if attention == "mgpu" else ("attention",
+                                                          "rms_norm")
 
 
 def kernel_times(cfg, kernels, args, interpret):
@@ -144,10 +201,14 @@ def kernel_times(cfg, kernels, args, interpret):
   qkv = jnp.ones((cfg.batch, cfg.seq, cfg.heads, cfg.head_dim), dt)
   x = jnp.ones((cfg.batch, cfg.seq, cfg.width), dt)
   w, b = jnp.ones((cfg.width,), dt), jnp.zeros((cfg.width,), dt)
-  calls = (("attention", attention.mha, (qkv, qkv, qkv, None),
-            dict(sm_scale=1 / math.sqrt(cfg.head_dim), causal=True,
-                 interpret=interpret)),
-           ("rms_norm", rms.rms_norm, (x, w, b), dict(interpret=interpret)))
+  if isinstance(attention, MgpuAttention):
+    calls = (("attention_mgpu", attention.attention,
+              (qkv, qkv, qkv, attention.config), {}),)
+  else:
+    calls = (("attention", attention.mha, (qkv, qkv, qkv, None),
+              dict(sm_scale=1 / math.sqrt(cfg.head_dim), causal=True,
+                   interpret=interpret)),
+             ("rms_norm", rms.rms_norm, (x, w, b), dict(interpret=interpret)))
   out = {}
   for name, fn, positional, keywords in calls:
     bound = inspect.signature(fn.fun).bind(*positional, **keywords)
@@ -231,8 +292,8 @@ def measure_policy(cfg, kernels, policy, params, tokens, interpret, args, log):
   return rec, bitwise, paired
 
 
-def goals(cfg, rec, bitwise, paired):
-  want = EX.expected_launches(cfg)
+def goals(cfg, rec, bitwise, paired, modules=("attention", "rms_norm")):
+  want = EX.expected_launches(cfg, modules)
   sh, sw = rec["shipped"], rec["swapped"]
   mem = lambda r: (r["memory"] or {}).get("total_bytes")
   ratio = sw["step"]["median_s"] / sh["step"]["median_s"]
@@ -314,6 +375,10 @@ def parse(argv):
   p.add_argument("--dtype", default=None)
   p.add_argument("--policies", nargs="+", choices=list(EX.POLICIES),
                  default=list(EX.POLICIES))
+  p.add_argument("--attention", choices=("triton", "mgpu"), default="triton",
+                 help="triton: JAX's Triton attention and RMSNorm (bf16 on "
+                 "a GPU); mgpu: JAX's Mosaic GPU attention (attention_mgpu, "
+                 "a Hopper GPU only, f16, non-causal) with XLA's RMSNorm")
   p.add_argument("--schedules", nargs="+", choices=ALL_SCHEDULES,
                  default=list(ALL_SCHEDULES),
                  help="shipped and swapped always run; optimize_remat: the "
@@ -345,20 +410,27 @@ def main(argv=None):
       doc = json.load(fh)
     print(table(doc))
     return doc
-  if importlib.util.find_spec(EX.ATTENTION) is None:
+  on_gpu = jax.default_backend() == "gpu"
+  msg = None
+  if args.attention == "mgpu" and not on_gpu:
+    msg = ("attention_mgpu runs on a Hopper GPU only (no interpret mode "
+           "here); tests/test_attention_mgpu.py lowers this model for CUDA")
+  elif args.attention == "triton" and importlib.util.find_spec(
+      EX.ATTENTION) is None:
     msg = (f"jax {jax.__version__} ships no Triton Pallas kernels "
            f"({EX.ATTENTION}: jax 0.12.1 removed them); nothing to measure")
+  if msg:
     print(f"gpu_transformer.py: {msg}.")
     if args.out:
       save(dict(schema=SCHEMA, status="skipped", reason=msg, argv=argv),
            args.out)
     return None
-  on_gpu = jax.default_backend() == "gpu"
   if not (args.smoke or on_gpu):
     print("gpu_transformer.py: no GPU here; use --smoke for a CPU run of tiny "
           "shapes. Exiting.")
     return None
-  base = SMOKE_CONFIG if args.smoke else GPU_CONFIG
+  base = SMOKE_CONFIG if args.smoke else (
+      MGPU_CONFIG if args.attention == "mgpu" else GPU_CONFIG)
   cfg = dataclasses.replace(base, **{
       f: getattr(args, f) for f in ("layers", "batch", "seq", "heads",
                                      "head_dim", "mlp", "vocab", "dtype")
@@ -383,7 +455,7 @@ def main(argv=None):
         flush=True)
   args.schedules = list(SCHEDULES) + [s for s in args.schedules
                                       if s not in SCHEDULES]
-  kernels = load_all_kernels()
+  kernels = load_all_kernels(args.attention)
   params = EX.init_params(cfg, jax.random.key(0))
   tokens = EX.make_data(cfg, jax.random.key(1))
   try:
@@ -399,7 +471,8 @@ def main(argv=None):
       rec["paired_step_ratio"] = paired
       rec["ideal_swapped_s"] = ideal_swapped(
           cfg, rec["shipped"]["step"]["median_s"], times)
-      rec["goals"] = goals(cfg, rec, bitwise, paired)
+      rec["goals"] = goals(cfg, rec, bitwise, paired,
+                           kernel_modules(args.attention))
       doc["policies"][pname] = rec
       save(doc, out)
     doc["status"] = "complete"

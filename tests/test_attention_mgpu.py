@@ -15,6 +15,8 @@ to trace: the kernel's shared-memory scratch is f16 whatever the inputs;
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -114,3 +116,37 @@ def test_gpu_gradients_bitwise_equal_shipped(modules):
     assert bool(jnp.all(jnp.isfinite(a)))
     assert (jax.lax.bitcast_convert_type(a, jnp.uint16)
             == jax.lax.bitcast_convert_type(b, jnp.uint16)).all()
+
+
+def test_the_transformer_with_mgpu_attention_lowers_for_cuda(monkeypatch):
+  """``benchmarks/gpu_transformer.py --attention mgpu``'s model at its GPU
+  size (f16), lowered for CUDA as shipped and swapped: per layer, swapped
+  runs the minimum and writes the lse residual once, shipped twice."""
+  spec = importlib.util.spec_from_file_location(
+      "gpu_transformer", os.path.join(SK.ROOT, "benchmarks",
+                                      "gpu_transformer.py"))
+  bench = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, "gpu_transformer", bench)
+  spec.loader.exec_module(bench)
+  cfg = bench.MGPU_CONFIG
+  kernels = bench.load_all_kernels("mgpu")
+  for schedule in SCHEDULES:
+    monkeypatch.setattr(kernels[schedule][0].module, "cuda_versions",
+                        SK.CudaVersionsStub)
+  params = jax.eval_shape(lambda: EX.init_params(cfg, jax.random.key(0)))
+  tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), "int32")
+  want = EX.expected_launches(cfg, bench.kernel_modules("mgpu"))
+  residual = {}
+  for schedule in SCHEDULES:
+    launches = EX.count_step(cfg, kernels[schedule],
+                             EX.POLICIES["nothing_saveable"], params, tokens)
+    assert EX.by_label(launches) == want[schedule], schedule
+    residual[schedule] = EX.residual_bytes(launches)
+  lse = cfg.batch * cfg.heads * cfg.seq * 4          # f32, once per layer
+  assert residual["swapped"] == cfg.layers * lse
+  assert residual["shipped"] == 2 * residual["swapped"]
+  assert want["swapped"] == {
+      "attention_mgpu forward (o)": cfg.layers,
+      "attention_mgpu forward (o, lse)": cfg.layers,
+      "attention_mgpu backward (dq)": cfg.layers,
+      "attention_mgpu backward (dk, dv)": cfg.layers}

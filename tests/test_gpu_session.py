@@ -96,6 +96,9 @@ def test_smoke_runs_every_stage_within_its_budget(gs, tmp_path):
   assert time.monotonic() - t < budget + 15     # kills take up to 10 s
   files = sorted(os.listdir(out))
   assert len(files) <= gs.MAX_FILES and "session.json" in files
+  assert set(files) <= {"session.json", "log.txt", gs.RESULTS,
+                        "gpu_transformer.json", "gpu_transformer_mgpu.json",
+                        "accel_mlp.json", "audit_gpu.json"}   # 7 at most
   record = json.loads((out / "session.json").read_text())
   assert record["files"] == files and record["smoke"] is True
   assert list(record["stages"]) == list(gs.NAMES)
@@ -107,8 +110,8 @@ def test_smoke_runs_every_stage_within_its_budget(gs, tmp_path):
       out / gs.RESULTS).exists() else []:
     assert json.loads(line)["stage"] in gs.NAMES
   if record["stages"]["env"]["status"] == "ok":   # not cut off on this CPU
-    env = json.loads((out / "env.json").read_text())
+    env = record["environment"]
     assert env["peaks"]["TFLOP/s"] > 0 and env["audit_peaks"]["bytes"] > 0
-    assert record["environment"] == env
+    assert env["backend"] == "cpu"
   assert record["plan"][0] == dict(stage="env", cap_s=pytest.approx(
       45 * budget / gs.BUDGET_S), worst_start_s=0.0)

@@ -11,7 +11,8 @@ prints each stage's cap and worst-case start without running anything.
     Python, jax/jaxlib/triton/jax_triton versions, the devices,
     ``nvidia-smi``; the carried wheels installed; this chip's own bf16 matmul
     rate and copy bandwidth (``benchmarks/_report.measured_peaks``), which
-    the later stages read (``env.json``) instead of a datasheet.
+    the later stages read (from a temporary ``env.json``; ``session.json``
+    keeps it as ``environment``) instead of a datasheet.
 ``seed`` (mission)
     seed 000 (jax-ml/jax#21303) on its platform: the GPU tests
     (``-k test_gpu_``) of the two Pallas examples and ``tests/test_gpu_seed.py``
@@ -28,7 +29,9 @@ prints each stage's cap and worst-case start without running anything.
 ``shipped-bench`` (mission)
     ``benchmarks/gpu_transformer.py``: the checkpointed transformer on the
     shipped kernels, as shipped, swapped, ``optimize_remat=True`` and XLA
-    alone; paired step times, memory, bitwise values, the ideal step.
+    alone; paired step times, memory, bitwise values, the ideal step. First
+    with the Triton attention and RMSNorm (bf16), then with the Mosaic GPU
+    attention (``--attention mgpu``, f16).
 ``kernels-vs-xla`` (mission)
     ``benchmarks/accel_mlp.py`` at hidden 4096: the project's kernels
     against XLA alone, TFLOP/s and GB/s against ``env``'s measured rates.
@@ -44,8 +47,9 @@ command: each stage's commands, status, seconds, the end of its output, and
 for test stages the counts and failing tests), ``log.txt`` (all output),
 ``tests.jsonl`` (one line per test as it finishes, written by
 ``tools/pytest_results.py``: a stage cut off keeps the tests it finished),
-``env.json``, ``gpu_transformer.json``, ``accel_mlp.json`` and
-``audit_gpu.json`` (each benchmark rewrites its own as it goes).
+``gpu_transformer.json``, ``gpu_transformer_mgpu.json``, ``accel_mlp.json``
+and ``audit_gpu.json`` (each benchmark rewrites its own as it goes): 7, so
+that a temporary file left by a write cut off still fits.
 
 A test stage's pytest exit code 5 ("no tests collected") is recorded as
 status ``no tests``, not as a failure; a stage cut off at its cap is
@@ -101,10 +105,10 @@ STAGES = (
     Stage("seed", 90, True, "seed 000's GPU tests"),
     Stage("jax-triton", 60, True, "the Triton example's tests"),
     Stage("shipped-tests", 45, True, "JAX's shipped kernels' GPU tests"),
-    Stage("shipped-bench", 110, True, "benchmarks/gpu_transformer.py"),
+    Stage("shipped-bench", 130, True, "benchmarks/gpu_transformer.py"),
     Stage("kernels-vs-xla", 90, True, "benchmarks/accel_mlp.py, hidden 4096"),
     Stage("audit", 60, True, "benchmarks/audit_gpu.py"),
-    Stage("rest", 40, False, "the rest of the suite, in what is left"),
+    Stage("rest", 20, False, "the rest of the suite, in what is left"),
 )
 NAMES = tuple(s.name for s in STAGES)
 
@@ -248,6 +252,8 @@ def run_tests(session, stage, arguments, deadline, env, results):
   """pytest with ``arguments`` as ``stage``, each test's result appended to
   ``results`` as it finishes (``tools/pytest_results.py``); records the
   stage's status (exit 5, no test collected, is ``no tests``) and counts."""
+  env = {k: v for k, v in env.items()        # not an outer pytest's
+         if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
   status, rc, _ = session.command(
       stage, [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider",
               "-p", "pytest_results", *arguments], deadline,
@@ -309,16 +315,22 @@ def probe_env(path, smoke):
 def stage_commands(stage, args, py, cap):
   """The commands of a non-test stage (``cap``: its seconds)."""
   out = lambda name: os.path.join(args.out, name)
-  env_json = out("env.json")
+  env_json = args.env_json
   peaks = ["--peaks", env_json] if os.path.exists(env_json) else []
   if stage == "shipped-bench":
     extra = (["--smoke", "--layers", "1", "--batch", "1", "--seq", "16",
               "--policies", "nothing_saveable", "--rounds", "1",
               "--schedules", "shipped", "swapped",
               "--check-steps", "1"] if args.smoke else [])
-    extra = extra or ["--rounds", "6"]
+    if args.smoke:
+      return [[py, "benchmarks/gpu_transformer.py", "--out",
+               out("gpu_transformer.json"), *extra]]
+    # Triton attention and RMSNorm (bf16), then Mosaic GPU attention (f16)
     return [[py, "benchmarks/gpu_transformer.py", "--out",
-             out("gpu_transformer.json"), *extra]]
+             out("gpu_transformer.json"), "--rounds", "6"],
+            [py, "benchmarks/gpu_transformer.py", "--attention", "mgpu",
+             "--policies", "nothing_saveable", "--rounds", "6", "--out",
+             out("gpu_transformer_mgpu.json")]]
   if stage == "kernels-vs-xla":
     extra = (["--smoke", "--workload", "rmsnorm_gelu", "--layers", "1",
               "--batch", "16", "--no-largest-batch", "--rounds", "1"]
@@ -363,6 +375,10 @@ def main(argv=None):
     p.error(f"unknown stages {sorted(unknown)}; known: {', '.join(NAMES)}")
   os.makedirs(args.out, exist_ok=True)
   session = Session(args.out, args.budget, args.smoke)
+  # the env stage's measurements, read by later stages; they come back in
+  # session.json ("environment"), so the file stays out of --out
+  args.env_json = os.path.join(tempfile.mkdtemp(prefix="gpu_session_"),
+                               "env.json")
   py = sys.executable
   results = os.path.join(args.out, RESULTS)
   env = dict(os.environ)
@@ -383,11 +399,10 @@ def main(argv=None):
       if site:     # after the machine's own packages: its jax stays first
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], site])
       status, _, _ = session.command(
-          "env", [py, "tools/gpu_session.py", "--probe-env",
-                  os.path.join(args.out, "env.json"),
+          "env", [py, "tools/gpu_session.py", "--probe-env", args.env_json,
                   *(["--smoke"] if args.smoke else [])], deadline, env=env)
       try:
-        with open(os.path.join(args.out, "env.json")) as fh:
+        with open(args.env_json) as fh:
           session.record["environment"] = json.load(fh)
       except (OSError, ValueError):
         pass

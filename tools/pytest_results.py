@@ -16,6 +16,11 @@ import os
 
 _PATH = os.environ.get("SMARTVJP_TEST_RESULTS")
 _STAGE = os.environ.get("SMARTVJP_TEST_STAGE", "")
+_WORKER = [False]      # this process is a pytest-xdist worker
+
+
+def pytest_configure(config):
+  _WORKER[0] = hasattr(config, "workerinput")
 
 
 def _write(nodeid, outcome, seconds, message=""):
@@ -39,7 +44,7 @@ def _message(report):
 
 
 def pytest_runtest_logreport(report):
-  if os.environ.get("PYTEST_XDIST_WORKER"):
+  if _WORKER[0]:
     return      # an xdist worker: its controller relays the report and writes
   if report.when == "call":
     outcome = report.outcome
@@ -55,7 +60,7 @@ def pytest_runtest_logreport(report):
 def pytest_collectreport(report):
   """A file that fails to collect is an error; one skipped whole (no GPU,
   no jax_triton) a skip."""
-  if os.environ.get("PYTEST_XDIST_WORKER") or report.passed:
+  if _WORKER[0] or report.passed:
     return
   _write(report.nodeid, "error" if report.failed else "skipped", 0.0,
          _message(report))
