@@ -180,19 +180,20 @@ def new_outputs(rule):
   return wrapped
 
 
-def measured_peaks(rounds: int = 5) -> dict:
+def measured_peaks(rounds: int = 5, n: int = 8192,
+                   copy_elements: int = 2 ** 29) -> dict:
   """This chip's bf16 matmul rate and copy bandwidth, measured now:
-  ``{"TFLOP/s", "GB/s", "matmul", "copy"}``. The matmul is ``8192^3``
-  (``2 * 8192^3`` flops), the copy ``y = 2 * x`` of a 1 GiB bf16 array
-  (bytes read + written); each rate is from the fastest round."""
+  ``{"TFLOP/s", "GB/s", "matmul", "copy"}``. The matmul is ``n^3``
+  (``2 * n^3`` flops; 8192 by default), the copy ``y = 2 * x`` of a bf16
+  array of ``copy_elements`` (1 GiB by default; bytes read + written); each
+  rate is from the fastest round."""
   import jax
   import jax.numpy as jnp
-  n = 8192
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
   b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
   mm = timed(jax.jit(lambda a, b: a @ b), a, b, rounds=rounds, inner=10)
   del a, b
-  big = jnp.ones((2**29,), jnp.bfloat16)
+  big = jnp.ones((copy_elements,), jnp.bfloat16)
   cp = timed(jax.jit(lambda x: x * 2), big, rounds=rounds, inner=10)
   nbytes = big.nbytes
   del big

@@ -875,6 +875,10 @@ def parse(argv):
   p.add_argument("--max-batch", type=int, default=2 ** 23)
   p.add_argument("--compile-workers", type=int,
                  default=max(1, min(8, (os.cpu_count() or 2) // 2)))
+  p.add_argument("--peaks", metavar="PATH", default=None,
+                 help="a JSON whose \"peaks\" ({\"TFLOP/s\", \"GB/s\"}) this "
+                 "chip's rates, measured earlier (tools/gpu_session.py's "
+                 "env.json), instead of measuring them here")
   p.add_argument("--deadline", type=float, default=None,
                  help="seconds after start (of main(), backend start-up "
                  "included) past which no new measurement starts")
@@ -982,7 +986,13 @@ def main(argv=None):
         flush=True)
   bench = Bench(args, cfg, doc, out, t0)
   try:
-    if on_accel and not smoke:
+    if args.peaks:      # measured earlier in the same session
+      with open(args.peaks) as fh:
+        doc["peaks"] = json.load(fh)["peaks"]
+      bench.log(f"peaks from {args.peaks}: bf16 matmul "
+                f"{doc['peaks']['TFLOP/s']:.1f} TFLOP/s, copy "
+                f"{doc['peaks']['GB/s']:.1f} GB/s")
+    elif on_accel and not smoke:
       doc["peaks"] = R.measured_peaks()
       bench.log(f"measured peaks: bf16 matmul {doc['peaks']['TFLOP/s']:.1f} "
                 f"TFLOP/s, copy {doc['peaks']['GB/s']:.1f} GB/s")

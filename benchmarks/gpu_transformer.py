@@ -6,8 +6,13 @@ attention and RMSNorm are JAX's Pallas GPU kernels
 (``jax.experimental.pallas.ops.gpu.attention.mha``, ``...rms_norm``), the
 MLP plain JAX, each layer under ``jax.checkpoint`` (``nothing_saveable`` and
 ``dots_saveable``), scanned; one step is ``jit(value_and_grad)`` plus SGD.
-Two schedules: the kernels as shipped (``jax.custom_vjp``), and swapped
-(``smartvjp.import_swapped``). For each policy and schedule:
+Schedules: the kernels as shipped (``jax.custom_vjp``), swapped
+(``smartvjp.import_swapped``), the shipped rules rebuilt with
+``optimize_remat=True``, and XLA alone (``jax.nn.dot_product_attention(...,
+implementation="xla")`` and a ``jax.numpy`` RMSNorm: no kernel). With
+``--attention mgpu`` the attention is JAX's Mosaic GPU kernel
+(``attention_mgpu.attention``: a Hopper GPU, f16, non-causal) and the
+RMSNorm XLA's. For each policy and schedule:
 
 * kernel launches per step and the residual bytes the kernels write, counted
   in the lowered program (``examples/pallas_ops_transformer.py``);
@@ -18,7 +23,10 @@ Two schedules: the kernels as shipped (``jax.custom_vjp``), and swapped
   ``inner`` back-to-back steps (so a sample lasts ``--min-sample-ms``);
   median with min-max, and the median of the per-round ratios;
 * values: ``--check-steps`` SGD steps from the same start, losses and
-  parameters compared bit for bit.
+  parameters compared bit for bit with shipped's;
+* the ideal swapped step: shipped's measured step less, per checkpointed
+  call, the residual-writing kernel's time over the kernel without
+  residuals, each timed alone at the model's shapes (``kernel_times_s``).
 
 Goals, each printed with a verdict (met / not met): launches: swapped runs
 the minimum (per checkpointed call: the kernel without residual outputs
@@ -38,6 +46,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -45,8 +57,10 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import jax
+import jax.numpy as jnp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -56,14 +70,18 @@ sys.path.insert(2, ROOT)   # smartvjp from this checkout where it is not install
 import _report as R  # noqa: E402
 import accel_mlp  # noqa: E402  (machine_info, memory_parts, fmt_bytes, now)
 import pallas_ops_transformer as EX  # noqa: E402
+import smartvjp  # noqa: E402
 
 SCHEMA = "smartvjp/gpu_transformer/2"   # 2: CPU model and commit
-SCHEDULES = EX.SCHEDULES
+SCHEDULES = EX.SCHEDULES          # the kernel modules, shipped and swapped
+ALL_SCHEDULES = SCHEDULES + ("optimize_remat", "xla")
 STEP_TOLERANCE = 1.02
 # the model on an H200: 4 layers, 8 x 2048 tokens, 16 heads of 64, bf16
 GPU_CONFIG = EX.Config(layers=4, batch=8, seq=2048, heads=16, head_dim=64,
                        mlp=4096, vocab=8192, dtype="bfloat16", steps=3,
                        learning_rate=0.05)
+# with attention_mgpu (f16: bf16 does not trace, design/upstream/bugs/)
+MGPU_CONFIG = dataclasses.replace(GPU_CONFIG, dtype="float16")
 SMOKE_CONFIG = EX.Config(steps=2)
 
 
@@ -81,11 +99,146 @@ def save(doc, path):
   os.replace(tmp, path)
 
 
+class _Kernels:
+  """A stand-in for the pair of kernel modules ``make_loss`` reads
+  (``.mha``, ``.rms_norm``)."""
+
+  def __init__(self, **fns):
+    vars(self).update(fns)
+
+
+def rewrapped(fn):
+  """JAX's shipped ``custom_vjp`` ``fn`` rebuilt with the same rules and
+  ``optimize_remat=True``, called positionally (jax 0.11.2's
+  ``optimize_remat`` fails an assertion when ``mha``'s nondiff arguments
+  come by keyword)."""
+  g = jax.custom_vjp(fn.fun, nondiff_argnums=fn.nondiff_argnums)
+  g.defvjp(fn.fwd, fn.bwd, optimize_remat=True)
+  sig = inspect.signature(fn.fun)
+
+  def call(*args, **kwargs):
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return g(*bound.args)
+  return call
+
+
+def xla_mha(q, k, v, segment_ids, sm_scale=None, causal=False,
+            interpret=False):
+  """Attention as XLA alone computes it (``jax.nn.dot_product_attention``,
+  ``implementation="xla"``), for ``make_loss``'s call of ``mha``."""
+  del segment_ids, interpret
+  return jax.nn.dot_product_attention(q, k, v, scale=sm_scale,
+                                      is_causal=causal, implementation="xla")
+
+
+def xla_rms_norm(x, weight, bias, interpret=False, eps=1e-5):
+  """RMSNorm in ``jax.numpy`` (f32 statistics, as the kernel's)."""
+  del interpret
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)
+  return (y * weight + bias).astype(x.dtype)
+
+
+MGPU = "jax.experimental.pallas.ops.gpu.attention_mgpu"
+
+
+class MgpuAttention:
+  """JAX's Mosaic GPU attention (``attention_mgpu.attention``, Hopper, f16)
+  behind ``make_loss``'s call of ``mha``: non-causal (its backward pass
+  refuses causal masking) and scaled as the kernel scales."""
+
+  def __init__(self, module, block=64):
+    self.module = module
+    self.attention = module.attention
+    self.config = module.TuningConfig(
+        block_q=block, block_kv=block, max_concurrent_steps=2, causal=False,
+        block_q_dkv=block, block_kv_dkv=block, block_q_dq=block,
+        block_kv_dq=block)
+
+  def mha(self, q, k, v, segment_ids, sm_scale, causal, interpret=False):
+    del segment_ids, sm_scale, causal, interpret
+    return self.module.attention(q, k, v, self.config)
+
+
+def load_all_kernels(attention="triton"):
+  """``{schedule: (attention, rms_norm)}`` for every schedule timed. With
+  ``attention="mgpu"`` the attention is ``attention_mgpu`` and the RMSNorm
+  XLA's in every schedule (the one kernel module is the attention's)."""
+  if attention == "mgpu":
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      shipped = MgpuAttention(importlib.import_module(MGPU))
+      swapped = MgpuAttention(smartvjp.import_swapped(MGPU))
+    rms = _Kernels(rms_norm=xla_rms_norm)
+    opt = rewrapped(shipped.attention)
+    return {
+        "shipped": (shipped, rms), "swapped": (swapped, rms),
+        "optimize_remat": (_Kernels(mha=lambda q, k, v, *a, **kw: opt(
+            q, k, v, shipped.config)), rms),
+        "xla": (_Kernels(mha=functools.partial(xla_mha, causal=False)), rms),
+    }
+  shipped, swapped = EX.load_kernels(False), EX.load_kernels(True)
+  return {
+      "shipped": shipped, "swapped": swapped,
+      "optimize_remat": (_Kernels(mha=rewrapped(shipped[0].mha)),
+                         _Kernels(rms_norm=rewrapped(shipped[1].rms_norm))),
+      "xla": (_Kernels(mha=xla_mha), _Kernels(rms_norm=xla_rms_norm)),
+  }
+
+
+def kernel_modules(attention):
+  """The model's kernel modules, as ``EX.expected_launches`` names them."""
+  return ("attention_mgpu",) if attention == "mgpu" else ("attention",
+                                                          "rms_norm")
+
+
+def kernel_times(cfg, kernels, args, interpret):
+  """Each shipped kernel rule timed alone at the model's shapes: ``{"attention",
+  "rms_norm"}: {"f", "fwd"}`` seconds (median over ``--rounds``)."""
+  attention, rms = kernels["shipped"]
+  dt = jnp.dtype(cfg.dtype)
+  qkv = jnp.ones((cfg.batch, cfg.seq, cfg.heads, cfg.head_dim), dt)
+  x = jnp.ones((cfg.batch, cfg.seq, cfg.width), dt)
+  w, b = jnp.ones((cfg.width,), dt), jnp.zeros((cfg.width,), dt)
+  if isinstance(attention, MgpuAttention):
+    calls = (("attention_mgpu", attention.attention,
+              (qkv, qkv, qkv, attention.config), {}),)
+  else:
+    calls = (("attention", attention.mha, (qkv, qkv, qkv, None),
+              dict(sm_scale=1 / math.sqrt(cfg.head_dim), causal=True,
+                   interpret=interpret)),
+             ("rms_norm", rms.rms_norm, (x, w, b), dict(interpret=interpret)))
+  out = {}
+  for name, fn, positional, keywords in calls:
+    bound = inspect.signature(fn.fun).bind(*positional, **keywords)
+    bound.apply_defaults()      # as make_loss calls it, every argument
+    a = bound.args
+    nd = set(fn.nondiff_argnums)
+    static = [i for i in range(len(a)) if i in nd]
+    rules = {"f": fn.fun, "fwd": R.new_outputs(fn.fwd)}
+    out[name] = {}
+    for rule, r in rules.items():
+      jitted = jax.jit(r, static_argnums=static)
+      out[name][rule] = R.timed(jitted, *a, rounds=max(args.rounds, 1),
+                                inner=1)["median_s"]
+  return out
+
+
+def ideal_swapped(cfg, shipped_s, times):
+  """The swapped step if only the kernels changed: shipped's measured step
+  less, per checkpointed call, the residual-writing kernel's time over the
+  kernel without residuals (attention once per layer, RMSNorm twice)."""
+  saved = sum(EX.CALLS_PER_LAYER[k] * cfg.layers * (t["fwd"] - t["f"])
+              for k, t in times.items())
+  return shipped_s - saved
+
+
 def measure_policy(cfg, kernels, policy, params, tokens, interpret, args, log):
-  """Launches, memory, values and step times of both schedules."""
-  rec = {s: {} for s in SCHEDULES}
+  """Launches, memory, values and paired step times of every schedule."""
+  rec = {s: {} for s in args.schedules}
   steps = {}
-  for s in SCHEDULES:
+  for s in args.schedules:
     launches = EX.count_step(cfg, kernels[s], policy, params, tokens)
     rec[s]["launches"] = EX.by_label(launches)
     rec[s]["residual_bytes"] = EX.residual_bytes(launches)
@@ -99,42 +252,48 @@ def measure_policy(cfg, kernels, policy, params, tokens, interpret, args, log):
         f"{accel_mlp.fmt_bytes((rec[s]['memory'] or {}).get('total_bytes'))}")
   # values: the same SGD steps from the same start
   finals = {}
-  for s in SCHEDULES:
+  for s in args.schedules:
     p, losses = params, []
     for _ in range(args.check_steps):
       loss, p = steps[s](p, tokens)
       losses.append(loss)
     finals[s] = (jax.block_until_ready(losses), p)
     rec[s]["losses"] = [float(x) for x in losses]
-  bitwise = EX.bitwise_equal(finals["shipped"], finals["swapped"])
+  for s in args.schedules:
+    rec[s]["bitwise_equal_shipped"] = EX.bitwise_equal(finals["shipped"],
+                                                       finals[s])
+  bitwise = rec["swapped"]["bitwise_equal_shipped"]
   # step time, interleaved
   warm = {}
-  for s in SCHEDULES:
+  for s in args.schedules:
     for _ in range(max(args.warmup, 1)):
       t = time.perf_counter()
       jax.block_until_ready(steps[s](params, tokens))
       warm[s] = time.perf_counter() - t
   inner = max(1, math.ceil(args.min_sample_ms / 1e3 / min(warm.values())))
-  samples = {s: [] for s in SCHEDULES}
+  samples = {s: [] for s in args.schedules}
+  n = len(args.schedules)
   for r in range(args.rounds):
-    order = SCHEDULES[r % 2:] + SCHEDULES[:r % 2]
+    order = args.schedules[r % n:] + args.schedules[:r % n]
     for s in order:
       t = time.perf_counter()
       for _ in range(inner):
         out = steps[s](params, tokens)
       jax.block_until_ready(out)
       samples[s].append((time.perf_counter() - t) / inner)
-  for s in SCHEDULES:
+  for s in args.schedules:
     xs = samples[s]
+    ratios = [a / b for a, b in zip(xs, samples["shipped"])]
     rec[s]["step"] = dict(median_s=statistics.median(xs), min_s=min(xs),
                           max_s=max(xs), samples_s=xs, inner=inner)
-  paired = statistics.median(a / b for a, b in zip(samples["swapped"],
-                                                   samples["shipped"]))
+    rec[s]["paired_to_shipped"] = dict(
+        median=statistics.median(ratios), min=min(ratios), max=max(ratios))
+  paired = rec["swapped"]["paired_to_shipped"]["median"]
   return rec, bitwise, paired
 
 
-def goals(cfg, rec, bitwise, paired):
-  want = EX.expected_launches(cfg)
+def goals(cfg, rec, bitwise, paired, modules=("attention", "rms_norm")):
+  want = EX.expected_launches(cfg, modules)
   sh, sw = rec["shipped"], rec["swapped"]
   mem = lambda r: (r["memory"] or {}).get("total_bytes")
   ratio = sw["step"]["median_s"] / sh["step"]["median_s"]
@@ -164,21 +323,34 @@ def table(doc):
                "interleaved rounds")
   for pname, r in doc["policies"].items():
     lines.append(f"\n== {pname} ==")
-    lines.append(f"  {'schedule':9s} {'step ms':>10s} {'[min-max]':>21s} "
-                 f"{'memory':>11s} {'launches':>8s} {'residual B':>11s}")
-    for s in SCHEDULES:
+    lines.append(f"  {'schedule':14s} {'step ms':>10s} {'[min-max]':>21s} "
+                 f"{'memory':>11s} {'launches':>8s} {'residual B':>11s} "
+                 "paired/shipped [min-max]")
+    for s in [s for s in ALL_SCHEDULES if s in r]:
       x = r[s]
       st = x["step"]
+      pair = x.get("paired_to_shipped") or {}
+      launches = (f"{sum(x['launches'].values()):8d} "
+                  f"{x['residual_bytes']:11d}" if "launches" in x else
+                  f"{'-':>8s} {'-':>11s}")
       lines.append(
-          f"  {s:9s} {st['median_s'] * 1e3:10.3f} "
+          f"  {s:14s} {st['median_s'] * 1e3:10.3f} "
           f"[{st['min_s'] * 1e3:8.3f}-{st['max_s'] * 1e3:8.3f}] "
           f"{accel_mlp.fmt_bytes((x['memory'] or {}).get('total_bytes')):>11s} "
-          f"{sum(x['launches'].values()):8d} {x['residual_bytes']:11d}")
-    lines.append("  launches per step by kernel (shipped / swapped):")
-    names = sorted(set(r["shipped"]["launches"]) | set(r["swapped"]["launches"]))
+          f"{launches} paired {pair.get('median', float('nan')):.3f} "
+          f"[{pair.get('min', float('nan')):.3f}-"
+          f"{pair.get('max', float('nan')):.3f}] bitwise "
+          f"{'yes' if x.get('bitwise_equal_shipped') else 'no'}")
+    if r.get("ideal_swapped_s") is not None:
+      lines.append(f"  ideal swapped step (shipped less the kernels' "
+                   f"residual writes, timed alone): "
+                   f"{r['ideal_swapped_s'] * 1e3:.3f} ms")
+    shown = [s for s in ALL_SCHEDULES if s in r and s != "xla"]
+    lines.append(f"  launches per step by kernel ({' / '.join(shown)}):")
+    names = sorted(set().union(*(r[s]["launches"] for s in shown)))
     for name in names:
-      lines.append(f"    {name:44s} {r['shipped']['launches'].get(name, 0):4d}"
-                   f" / {r['swapped']['launches'].get(name, 0):4d}")
+      lines.append(f"    {name:44s} " + " / ".join(
+          f"{r[s]['launches'].get(name, 0):4d}" for s in shown))
     for goal, ok in r["goals"].items():
       lines.append(f"  goal {goal}: {verdict(ok)}")
   goals = R.Goals()
@@ -203,6 +375,16 @@ def parse(argv):
   p.add_argument("--dtype", default=None)
   p.add_argument("--policies", nargs="+", choices=list(EX.POLICIES),
                  default=list(EX.POLICIES))
+  p.add_argument("--attention", choices=("triton", "mgpu"), default="triton",
+                 help="triton: JAX's Triton attention and RMSNorm (bf16 on "
+                 "a GPU); mgpu: JAX's Mosaic GPU attention (attention_mgpu, "
+                 "a Hopper GPU only, f16, non-causal) with XLA's RMSNorm")
+  p.add_argument("--schedules", nargs="+", choices=ALL_SCHEDULES,
+                 default=list(ALL_SCHEDULES),
+                 help="shipped and swapped always run; optimize_remat: the "
+                 "shipped rules in jax.custom_vjp(optimize_remat=True); xla: "
+                 "jax.nn.dot_product_attention(implementation='xla') and a "
+                 "jax.numpy RMSNorm")
   p.add_argument("--rounds", type=int, default=None,
                  help="interleaved timing rounds (default 10; smoke 3)")
   p.add_argument("--warmup", type=int, default=2)
@@ -229,11 +411,26 @@ def main(argv=None):
     print(table(doc))
     return doc
   on_gpu = jax.default_backend() == "gpu"
+  msg = None
+  if args.attention == "mgpu" and not on_gpu:
+    msg = ("attention_mgpu runs on a Hopper GPU only (no interpret mode "
+           "here); tests/test_attention_mgpu.py lowers this model for CUDA")
+  elif args.attention == "triton" and importlib.util.find_spec(
+      EX.ATTENTION) is None:
+    msg = (f"jax {jax.__version__} ships no Triton Pallas kernels "
+           f"({EX.ATTENTION}: jax 0.12.1 removed them); nothing to measure")
+  if msg:
+    print(f"gpu_transformer.py: {msg}.")
+    if args.out:
+      save(dict(schema=SCHEMA, status="skipped", reason=msg, argv=argv),
+           args.out)
+    return None
   if not (args.smoke or on_gpu):
     print("gpu_transformer.py: no GPU here; use --smoke for a CPU run of tiny "
           "shapes. Exiting.")
     return None
-  base = SMOKE_CONFIG if args.smoke else GPU_CONFIG
+  base = SMOKE_CONFIG if args.smoke else (
+      MGPU_CONFIG if args.attention == "mgpu" else GPU_CONFIG)
   cfg = dataclasses.replace(base, **{
       f: getattr(args, f) for f in ("layers", "batch", "seq", "heads",
                                      "head_dim", "mlp", "vocab", "dtype")
@@ -256,10 +453,15 @@ def main(argv=None):
   print(f"jax {versions['jax']} on {machine['device_kind']} "
         f"({'interpret mode' if interpret else 'Triton'}); {cfg}; JSON: {out}",
         flush=True)
-  kernels = {s: EX.load_kernels(s == "swapped") for s in SCHEDULES}
+  args.schedules = list(SCHEDULES) + [s for s in args.schedules
+                                      if s not in SCHEDULES]
+  kernels = load_all_kernels(args.attention)
   params = EX.init_params(cfg, jax.random.key(0))
   tokens = EX.make_data(cfg, jax.random.key(1))
   try:
+    doc["kernel_times_s"] = times = kernel_times(cfg, kernels, args,
+                                                 interpret)
+    save(doc, out)
     for pname in args.policies:
       log(f"policy {pname}")
       rec, bitwise, paired = measure_policy(
@@ -267,7 +469,10 @@ def main(argv=None):
           log)
       rec["values_bitwise_equal"] = bitwise
       rec["paired_step_ratio"] = paired
-      rec["goals"] = goals(cfg, rec, bitwise, paired)
+      rec["ideal_swapped_s"] = ideal_swapped(
+          cfg, rec["shipped"]["step"]["median_s"], times)
+      rec["goals"] = goals(cfg, rec, bitwise, paired,
+                           kernel_modules(args.attention))
       doc["policies"][pname] = rec
       save(doc, out)
     doc["status"] = "complete"

@@ -159,6 +159,7 @@ def make_data(cfg: Config, key):
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = "tpu_custom_call"
+MOSAIC_GPU_CALL = "mosaic_gpu_v2"   # a Mosaic GPU kernel (plgpu.kernel)
 # Single-operand ops that only annotate sharding: looked through when a loop
 # bound is read.
 _ANNOTATIONS = ("sdy.sharding_constraint", "mhlo.sharding")
@@ -277,11 +278,15 @@ def kernel_launches(module) -> collections.Counter:
 
 def _kernel_name(op):
   """The kernel a custom call launches: a Triton kernel (GPU; its name in
-  the backend config) or a Mosaic one (TPU; its ``kernel_name``
+  the backend config), a Mosaic GPU one (which carries no name, only a hash
+  of its module: ``mosaic_gpu/<operands>``, its operand count, tells JAX's
+  attention_mgpu kernels apart) or a Mosaic TPU one (its ``kernel_name``
   attribute); ``None`` for any other custom call."""
   target = _attr_str(op, "call_target_name")
   if target == TRITON_CALL:
     return str(op.attributes["mhlo.backend_config"]["name"]).strip('"')
+  if target == MOSAIC_GPU_CALL:
+    return f"mosaic_gpu/{len(op.operands)}"
   if target == MOSAIC_CALL and "kernel_name" in op.attributes:
     return _attr_str(op, "kernel_name")
   return None
@@ -353,8 +358,13 @@ KERNELS = {
     ("rms_forward", 2): ("rms_norm rms_forward (o, rstd)", "fwd", (1,)),
     ("ln_backward_dx", 1): ("rms_norm ln_backward_dx", "bwd", ()),
     ("ln_backward_dw_db", 2): ("rms_norm ln_backward_dw_db", "bwd", ()),
+    # JAX's Mosaic GPU attention (attention_mgpu; its kernels carry no name)
+    ("mosaic_gpu/3", 1): ("attention_mgpu forward (o)", "f", ()),
+    ("mosaic_gpu/3", 2): ("attention_mgpu forward (o, lse)", "fwd", (1,)),
+    ("mosaic_gpu/6", 1): ("attention_mgpu backward (dq)", "bwd", ()),
+    ("mosaic_gpu/6", 2): ("attention_mgpu backward (dk, dv)", "bwd", ()),
 }
-CALLS_PER_LAYER = {"attention": 1, "rms_norm": 2}
+CALLS_PER_LAYER = {"attention": 1, "rms_norm": 2, "attention_mgpu": 1}
 # Rule calls per checkpointed call and step: jax.custom_vjp runs fwd in the
 # forward pass and again in the backward pass; smartvjp f, then fwd once.
 RULE_CALLS = {"shipped": {"fwd": 2, "bwd": 1},
@@ -381,13 +391,17 @@ def residual_bytes(launches) -> int:
              for i in describe(kernel)[2])
 
 
-def expected_launches(cfg: Config) -> dict[str, dict[str, int]]:
+def expected_launches(cfg: Config, modules=("attention", "rms_norm")
+                      ) -> dict[str, dict[str, int]]:
   """``{schedule: {label: launches per step}}``: every kernel of a rule runs
-  once per rule call, for each call of its module in each layer."""
+  once per rule call, for each call of its module (of ``modules``, the
+  kernel modules the model uses) in each layer."""
   out = {}
   for schedule, rule_calls in RULE_CALLS.items():
     want = collections.Counter()
     for label, rule, _ in KERNELS.values():
+      if label.split()[0] not in modules:
+        continue
       calls = cfg.layers * CALLS_PER_LAYER[label.split()[0]]
       want[label] += rule_calls.get(rule, 0) * calls
     out[schedule] = {k: v for k, v in want.items() if v}

@@ -22,9 +22,11 @@ COLLECTIVE_PRIMITIVES = frozenset({
     "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute",
     "psum_scatter", "reduce_scatter", "pbroadcast", "psum_invariant",
     "all_gather_invariant"})
+# mpmd_map: a Mosaic GPU kernel (plgpu.kernel, e.g. JAX's attention_mgpu) on
+# jax 0.10.2 through 0.12.1 (tests/test_attention_mgpu.py)
 KERNEL_PRIMITIVES = frozenset({
-    "pallas_call", "custom_call", "ffi_call", "pure_callback", "io_callback",
-    "callback", "triton_kernel_call", "tpu_custom_call", "mosaic_gpu_call"})
+    "pallas_call", "mpmd_map", "custom_call", "ffi_call", "pure_callback",
+    "io_callback", "callback", "triton_kernel_call", "tpu_custom_call"})
 _MORE_KERNELS: set = set()            # register_opaque_kernel's
 _INNER: dict = {}                     # register_inner_jaxprs's
 

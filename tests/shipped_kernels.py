@@ -254,3 +254,34 @@ def static_launches(example, fn, *args):
   for kernel, n in counts.items():
     out[kernel.name, len(kernel.outputs)] += n
   return dict(out)
+
+
+# -- JAX's Mosaic GPU attention (attention_mgpu), lowered only -----------------------
+
+MGPU = "jax.experimental.pallas.ops.gpu.attention_mgpu"
+
+
+class CudaVersionsStub:
+  """What attention_mgpu reads of ``jax._src.lib.cuda_versions`` (``None``
+  in a CPU-only jaxlib): a CUDA 12.9.1 runtime, outside the range where the
+  module refuses causal masking. Set on a module with ``monkeypatch``."""
+
+  @staticmethod
+  def cuda_runtime_get_version():
+    return 12091
+
+
+def mgpu_config(module, block=64):
+  """A ``TuningConfig`` with forward and backward blocks (the backward
+  pass needs them), non-causal (its backward pass refuses causal)."""
+  return module.TuningConfig(
+      block_q=block, block_kv=block, max_concurrent_steps=2, causal=False,
+      block_q_dkv=block, block_kv_dkv=block, block_q_dq=block,
+      block_kv_dq=block)
+
+
+# The Mosaic GPU kernels of attention_mgpu per rule, ``(name, outputs)`` as
+# the example's counter names them (``mosaic_gpu/<operands>``): f and fwd
+# read q, k, v; the two backward kernels (dq; dk and dv) six operands each.
+MGPU_RULES = {"f": (("mosaic_gpu/3", 1),), "fwd": (("mosaic_gpu/3", 2),),
+              "bwd": (("mosaic_gpu/6", 1), ("mosaic_gpu/6", 2))}

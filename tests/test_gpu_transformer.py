@@ -10,6 +10,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
@@ -35,8 +36,9 @@ def bench():
 
 def test_smoke_runs_on_cpu(bench, tmp_path, capsys):
   out = tmp_path / "smoke.json"
-  argv = ["--smoke", "--layers", "1", "--policies", "nothing_saveable",
-          "--rounds", "2", "--check-steps", "1", "--out", str(out)]
+  argv = ["--smoke", "--layers", "1", "--batch", "1", "--seq", "16",
+          "--policies", "nothing_saveable", "--rounds", "2",
+          "--check-steps", "1", "--out", str(out)]
   bench.main(argv)
   doc = json.loads(out.read_text())
   assert doc["schema"] == bench.SCHEMA and doc["status"] == "complete"
@@ -45,11 +47,28 @@ def test_smoke_runs_on_cpu(bench, tmp_path, capsys):
   assert {"device_kind", "platform", "host", "cpu_count"} <= set(doc["machine"])
   assert {"jax", "jaxlib", "python"} <= set(doc["versions"])
   r = doc["policies"]["nothing_saveable"]
-  for s in bench.SCHEDULES:
+  for s in bench.ALL_SCHEDULES:
     step = r[s]["step"]
     assert 0 < step["min_s"] <= step["median_s"] <= step["max_s"]
     assert len(step["samples_s"]) == 2
     assert r[s]["memory"]["total_bytes"] > 0 and len(r[s]["losses"]) == 1
+    pair = r[s]["paired_to_shipped"]
+    assert pair["min"] <= pair["median"] <= pair["max"]
+  # optimize_remat=True runs the shipped rules, bitwise too; in this model
+  # (each kernel's f its fwd less the residuals) it launches what swapped
+  # does. XLA alone computes the model another way, with no Pallas kernel.
+  assert r["optimize_remat"]["bitwise_equal_shipped"]
+  assert r["optimize_remat"]["launches"] == r["swapped"]["launches"]
+  assert r["xla"]["launches"] == {} and r["xla"]["residual_bytes"] == 0
+  np.testing.assert_allclose(r["xla"]["losses"], r["shipped"]["losses"],
+                             rtol=2e-5)
+  times = doc["kernel_times_s"]
+  assert set(times) == {"attention", "rms_norm"}
+  assert all(t[k] > 0 for t in times.values() for k in ("f", "fwd"))
+  assert r["ideal_swapped_s"] == pytest.approx(
+      r["shipped"]["step"]["median_s"] - sum(
+          n * (times[k]["fwd"] - times[k]["f"])
+          for k, n in (("attention", 1), ("rms_norm", 2))))
   goals = r["goals"]
   assert len(goals) == 5
   # the deterministic goals hold on any machine; step time is a measurement

@@ -1,57 +1,72 @@
-"""One GPU session, prepared: the checks that need a GPU, in one command.
+"""One GPU session, prepared: what needs a GPU, in one device call.
 
-Device time is short (about 15 minutes, start-up included), so everything a
-session on the GPU machine should do runs from this one script, stage after
-stage, each under its own time limit, and ``session.json`` is rewritten after
-every stage: a run cut off at its limit still leaves what finished.
+A session is lent an NVIDIA H200 for about 15 minutes of device time, the
+machine's start included, each command at most 10. This script is that one
+command. Its stages run in the order below, the mission first; each has a
+cap (seconds), the caps add up to ``--budget`` (540 s by default: a
+9-minute call), and a stage never starts past ``--budget``. ``--dry-plan``
+prints each stage's cap and worst-case start without running anything.
 
-Stages (``--stages`` picks some; they run in this order, the ones the
-issue's "done when" needs first, each under its own limit):
+``env`` (mission)
+    Python, jax/jaxlib/triton/jax_triton versions, the devices,
+    ``nvidia-smi``; the carried wheels installed; this chip's own bf16 matmul
+    rate and copy bandwidth (``benchmarks/_report.measured_peaks``), which
+    the later stages read (from a temporary ``env.json``; ``session.json``
+    keeps it as ``environment``) instead of a datasheet.
+``seed`` (mission)
+    seed 000 (jax-ml/jax#21303) on its platform: the GPU tests
+    (``-k test_gpu_``) of the two Pallas examples and ``tests/test_gpu_seed.py``
+    (launches counted by the profiler against the lowered counts, as
+    written, ``optimize_remat=True`` and swapped; values and gradients in
+    bf16 and f32).
+``jax-triton`` (mission)
+    ``tests/test_triton_gelu_matmul.py``: the Triton example through
+    jax-triton 0.3.1 (``tools/gpu_wheels.sh`` says why that version).
+``shipped-tests`` (mission)
+    the GPU tests of JAX's shipped kernels: the profiler's launches against
+    the lowered program and bitwise gradients (``tests/test_pallas_ops.py``),
+    ``attention_mgpu``'s bitwise gradients (``tests/test_attention_mgpu.py``).
+``shipped-bench`` (mission)
+    ``benchmarks/gpu_transformer.py``: the checkpointed transformer on the
+    shipped kernels, as shipped, swapped, ``optimize_remat=True`` and XLA
+    alone; paired step times, memory, bitwise values, the ideal step. First
+    with the Triton attention and RMSNorm (bf16), then with the Mosaic GPU
+    attention (``--attention mgpu``, f16).
+``kernels-vs-xla`` (mission)
+    ``benchmarks/accel_mlp.py`` at hidden 4096: the project's kernels
+    against XLA alone, TFLOP/s and GB/s against ``env``'s measured rates.
+``audit`` (mission)
+    ``benchmarks/audit_gpu.py``: ``smartvjp.audit(..., measure=True)`` on the
+    shipped-kernel step and one stack, ``peaks=`` the measured rates.
+``rest``
+    the rest of the suite (pytest-xdist), in whatever time is left.
 
-``env``
-    nvidia-smi, Python, jax/jaxlib/triton/jax_triton versions, the devices.
-``pallas-tests``
-    the Pallas examples' tests: lowered through Triton (values and gradients
-    in f32 and bf16 on ragged shapes, launches counted by the profiler), and
-    in interpret mode.
-``bench``
-    ``benchmarks/accel_mlp.py`` (step time, compiled memory, largest batch),
-    its JSON written as it goes.
-``transformer``
-    ``examples/pallas_ops_transformer.py`` as a user runs it: JAX's shipped
-    Pallas attention and RMSNorm kernels through Triton, as shipped and
-    swapped (``smartvjp.import_swapped``); launches, bitwise loss curves.
-``transformer-bench``
-    ``benchmarks/gpu_transformer.py`` (step time, compiled memory, launches,
-    bitwise values, with a verdict per goal), its JSON written per policy.
-``pallas-ops-tests``
-    the shipped kernels' tests: the profiler's launches against the lowered
-    program's and bitwise gradients of the real kernels (GPU-only tests), and
-    the interpret-mode and lowering tests.
-``triton-tests``
-    the jax_triton example's tests (values, gradients, launches).
-``triton-example``
-    ``examples/triton_gelu_matmul.py`` as a user runs it.
-``offload-tests``
-    the tests that offload residuals to ``pinned_host``.
-``full-tests``
-    the whole suite with pytest-xdist, in what time is left.
+What comes back (``--out``, the device tool's ``$OUT``; at most 8 files,
+each written as it is made): ``session.json`` (rewritten after every
+command: each stage's commands, status, seconds, the end of its output, and
+for test stages the counts and failing tests), ``log.txt`` (all output),
+``tests.jsonl`` (one line per test as it finishes, written by
+``tools/pytest_results.py``: a stage cut off keeps the tests it finished),
+``gpu_transformer.json``, ``gpu_transformer_mgpu.json``, ``accel_mlp.json``
+and ``audit_gpu.json`` (each benchmark rewrites its own as it goes): 7, so
+that a temporary file left by a write cut off still fits.
 
-Files under ``--out`` (the device tool brings back at most 8): ``session.json``
-(every stage: command, status, seconds, the end of its output, and for test
-stages the counts and failing tests), ``log.txt`` (all output),
-``accel_mlp.json`` and ``gpu_transformer.json``.
+A test stage's pytest exit code 5 ("no tests collected") is recorded as
+status ``no tests``, not as a failure; a stage cut off at its cap is
+``cut off``.
 
-jax-triton is not installed on the GPU machine and it cannot reach a package
-registry: ``tools/gpu_wheels.sh`` downloads the wheel into ``.whl/`` here,
-the device call carries ``.whl``, and this script installs it into
-``/tmp/site`` first.
+jax-triton is not on the GPU machine, which reaches no package registry:
+``tools/gpu_wheels.sh`` downloads its wheel into ``.whl/`` here, the device
+call carries ``.whl``, and ``env`` installs it ``--no-deps --target
+/tmp/site`` (leaving the machine's jax and CUDA plugin alone).
 
-On the GPU machine (one ``run`` call, carry ``[".whl"]``, timeout 600)::
+On the GPU machine (one ``run`` call, carry ``[".whl"]``, ``timeout_s``
+600)::
 
-  PYTHONUNBUFFERED=1 python3 tools/gpu_session.py --out $OUT --budget 540
+  PYTHONUNBUFFERED=1 python3 tools/gpu_session.py --out $OUT
 
-Dry run on a CPU (every stage, tiny shapes, GPU tests skip)::
+On a CPU (``tests/test_gpu_session.py``), the whole session at tiny sizes,
+GPU tests skipping::
 
   python tools/gpu_session.py --smoke --out /tmp/gpu_out
 """
@@ -59,67 +74,95 @@ Dry run on a CPU (every stage, tiny shapes, GPU tests skip)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import tempfile
 import time
-import xml.etree.ElementTree as ET
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-STAGES = ("env", "pallas-tests", "bench", "transformer", "transformer-bench",
-          "pallas-ops-tests", "triton-tests", "triton-example", "offload-tests",
-          "full-tests")
-# test stage -> (pytest arguments, seconds)
-TEST_STAGES = {
-    "pallas-tests": (["tests/test_pallas_gelu_matmul.py",
-                      "tests/test_pallas_rmsnorm_gelu.py"], 180),
-    "pallas-ops-tests": (["tests/test_pallas_ops.py",
-                          "tests/test_gpu_transformer.py"], 150),
-    "triton-tests": (["tests/test_triton_gelu_matmul.py"], 150),
-    "offload-tests": (["-k", "offload or pinned_host", "tests/test_contract.py",
-                       "tests/test_shard_map_types.py"], 60),
+BUDGET_S = 540.0
+MAX_FILES = 8
+RESULTS = "tests.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  name: str
+  cap_s: float             # seconds of the default budget (BUDGET_S)
+  mission: bool
+  what: str
+
+
+STAGES = (
+    Stage("env", 45, True, "versions, nvidia-smi, wheels, measured peaks"),
+    Stage("seed", 90, True, "seed 000's GPU tests"),
+    Stage("jax-triton", 60, True, "the Triton example's tests"),
+    Stage("shipped-tests", 45, True, "JAX's shipped kernels' GPU tests"),
+    Stage("shipped-bench", 130, True, "benchmarks/gpu_transformer.py"),
+    Stage("kernels-vs-xla", 90, True, "benchmarks/accel_mlp.py, hidden 4096"),
+    Stage("audit", 60, True, "benchmarks/audit_gpu.py"),
+    Stage("rest", 20, False, "the rest of the suite, in what is left"),
+)
+NAMES = tuple(s.name for s in STAGES)
+
+# test stage -> pytest arguments (files, and a -k selection)
+TESTS = {
+    "seed": ["-k", "test_gpu_", "tests/test_gpu_seed.py",
+             "tests/test_pallas_gelu_matmul.py",
+             "tests/test_pallas_rmsnorm_gelu.py"],
+    "jax-triton": ["tests/test_triton_gelu_matmul.py"],
+    "shipped-tests": ["-k", "test_gpu_", "tests/test_pallas_ops.py",
+                      "tests/test_attention_mgpu.py"],
 }
-# Files that a stage above runs whole: the full-suite stage leaves them out.
-RUN_WHOLE = [f for stage in ("pallas-tests", "pallas-ops-tests",
-                              "triton-tests")
-             for f in TEST_STAGES[stage][0]]
-ENV_SCRIPT = r"""
-import json, platform, sys
-info = {"python": sys.version.split()[0], "platform": platform.platform()}
-try:
-  import jax, jaxlib
-  info.update(jax=jax.__version__, jaxlib=jaxlib.__version__,
-              backend=jax.default_backend(),
-              devices=[f"{d.platform}:{d.device_kind}" for d in jax.devices()])
-except Exception as e:
-  info["jax_error"] = repr(e)
-for name in ("triton", "jax_triton", "equinox", "hypothesis", "xdist"):
-  try:
-    info[name] = getattr(__import__(name), "__version__", "present")
-  except Exception as e:
-    info[name] = f"missing ({type(e).__name__}: {e})"
-print(json.dumps(info))
-"""
+# files whose every test a stage above ran: the rest leaves them out
+RUN_BEFORE = ["tests/test_triton_gelu_matmul.py", "tests/test_gpu_seed.py"]
+
+
+def plan(budget_s: float = BUDGET_S):
+  """``[(stage, cap, worst-case start)]``: the caps scaled so they add up
+  to ``budget_s`` (at the default budget, ``Stage.cap_s`` itself), and the
+  second each stage starts at the latest, every stage before it having run
+  to its cap. The last stage also takes what earlier ones leave unused."""
+  total = sum(s.cap_s for s in STAGES)
+  out, start = [], 0.0
+  for stage in STAGES:
+    cap = stage.cap_s * budget_s / total
+    out.append((stage, cap, start))
+    start += cap
+  return out
+
+
+def print_plan(budget_s):
+  print(f"budget {budget_s:.0f} s; stages in order (cap, worst-case start):")
+  for stage, cap, start in plan(budget_s):
+    print(f"  {stage.name:15s} cap {cap:5.0f} s  starts by {start:5.0f} s  "
+          f"{'mission' if stage.mission else 'if time is left':15s} "
+          f"{stage.what}")
 
 
 class Session:
-  """Runs stages under a total budget and keeps ``session.json`` current."""
+  """Runs commands under caps and the budget; keeps ``session.json``."""
 
   def __init__(self, out, budget_s, smoke):
     self.out, self.budget_s, self.smoke = out, budget_s, smoke
     self.t0 = time.monotonic()
-    self.log = open(os.path.join(out, "log.txt"), "a", buffering=1)
+    self.log_path = os.path.join(out, "log.txt")
     self.record = dict(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        host=platform.node(), smoke=smoke, budget_s=budget_s,
-                       argv=sys.argv[1:], stages={})
+                       argv=sys.argv[1:], plan=[
+                           dict(stage=s.name, cap_s=c, worst_start_s=t)
+                           for s, c, t in plan(budget_s)], stages={})
     self.save()
 
-  def left(self):
-    return self.budget_s - (time.monotonic() - self.t0)
+  def elapsed(self):
+    return time.monotonic() - self.t0
 
   def save(self):
     path = os.path.join(self.out, "session.json")
@@ -127,180 +170,282 @@ class Session:
       json.dump(self.record, fh, indent=1)
     os.replace(path + ".tmp", path)
 
-  def run(self, stage, argv, limit_s, env=None, **extra):
-    """Runs ``argv`` for at most ``limit_s`` seconds (and never past the
-    budget), logs its output, records the stage, and returns its output."""
-    limit = max(0.0, min(limit_s, self.left() - 5))
-    entry = dict(command=" ".join(argv), limit_s=round(limit, 1), **extra)
-    if limit < 10:
-      entry.update(status="skipped", reason="out of time")
-      self.record["stages"][stage] = entry
+  def command(self, stage, argv, deadline, env=None):
+    """Runs ``argv`` until the monotonic ``deadline`` (its process group
+    killed then), output appended to ``log.txt``; records and returns
+    ``(status, rc, output)``."""
+    entry = self.record["stages"].setdefault(stage, dict(commands=[]))
+    limit = deadline - time.monotonic()
+    cmd = dict(command=" ".join(argv), limit_s=round(limit, 1))
+    entry["commands"].append(cmd)
+    if limit < 1:
+      cmd.update(status="skipped", reason="out of time")
       self.save()
-      print(f"[{stage}] skipped: out of time", flush=True)
-      return ""
-    print(f"[{stage}] {entry['command']}  (limit {limit:.0f} s)", flush=True)
-    self.log.write(f"\n===== {stage}: {entry['command']}\n")
-    t = time.monotonic()
-    try:
-      done = subprocess.run(argv, cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            timeout=limit)
-      output, rc = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as e:
-      output = e.stdout if isinstance(e.stdout, str) else (
-          (e.stdout or b"").decode(errors="replace"))
-      rc = "timeout"
-    except OSError as e:      # e.g. no nvidia-smi on this machine
-      output, rc = f"{type(e).__name__}: {e}\n", "not run"
-    self.log.write(output)
-    entry.update(status="ok" if rc == 0 else "failed", rc=rc,
-                 seconds=round(time.monotonic() - t, 1),
-                 tail=output[-3000:])
-    self.record["stages"][stage] = entry
+      print(f"[{stage}] skipped (out of time): {cmd['command']}", flush=True)
+      return "skipped", None, ""
+    print(f"[{stage}] {cmd['command']}  (limit {limit:.0f} s)", flush=True)
+    with open(self.log_path, "a") as log:
+      log.write(f"\n===== {stage}: {cmd['command']}\n")
+      log.flush()
+      start = log.tell()
+      t = time.monotonic()
+      try:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT,
+                                start_new_session=True)
+      except OSError as e:      # e.g. no nvidia-smi on this machine
+        log.write(f"{type(e).__name__}: {e}\n")
+        rc = "not run"
+      else:
+        try:
+          rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+          stop(proc)
+          rc = "cut off"
+    with open(self.log_path, errors="replace") as log:
+      log.seek(start)
+      output = log.read()
+    status = ("ok" if rc == 0 else "cut off" if rc == "cut off" else
+              "not run" if rc == "not run" else "failed")
+    cmd.update(status=status, rc=rc, seconds=round(time.monotonic() - t, 1),
+               tail=output[-3000:])
     self.save()
-    print(f"[{stage}] rc={rc} in {entry['seconds']} s", flush=True)
-    return output
+    print(f"[{stage}] {status} (rc {rc}) in {cmd['seconds']} s", flush=True)
+    return status, rc, output
 
 
-def junit_summary(path):
-  """Counts and failing test ids from a pytest JUnit XML file."""
-  if not os.path.exists(path):
-    return None
-  root = ET.parse(path).getroot()
-  suites = [root] if root.tag == "testsuite" else list(root)
-  counts = {k: sum(int(s.get(k, 0)) for s in suites)
-            for k in ("tests", "failures", "errors", "skipped")}
-  failing = []
-  for case in root.iter("testcase"):
-    if case.find("failure") is not None or case.find("error") is not None:
-      failing.append(f"{case.get('classname')}::{case.get('name')}")
-  counts["failing"] = failing[:50]
-  return counts
+def stop(proc):
+  """Ends ``proc``'s process group (pytest-xdist workers included): SIGTERM,
+  then SIGKILL after 5 s."""
+  for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+    try:
+      os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+      return
+    try:
+      proc.wait(timeout=wait)
+      return
+    except subprocess.TimeoutExpired:
+      continue
 
 
-def bench(session, args, py, env):
-  """``benchmarks/accel_mlp.py``, told to stop starting work in time."""
-  out_json = os.path.join(args.out, "accel_mlp.json")
-  argv = [py, "benchmarks/accel_mlp.py", "--out", out_json]
-  argv += ["--smoke"] if args.smoke else ["--compile-workers", "8",
-                                          "--markdown"]
-  argv += args.bench_args.split()
-  limit = 300 if not args.smoke else 600
-  if "--deadline" not in args.bench_args:
-    argv += ["--deadline", str(int(max(30, min(limit, session.left()) - 20)))]
-  session.run("bench", argv, limit, env=env)
+def test_results(path, stage):
+  """Counts by outcome and the failing test ids of ``stage`` in the
+  per-test results file (``tools/pytest_results.py``)."""
+  counts, failing = {}, []
+  if os.path.exists(path):
+    with open(path) as fh:
+      for line in fh:
+        try:
+          r = json.loads(line)
+        except ValueError:          # a line cut off by a kill
+          continue
+        if r.get("stage") != stage:
+          continue
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+        if r["outcome"] in ("failed", "error"):
+          failing.append(r["nodeid"])
+  return dict(counts=counts, failing=failing[:50])
 
 
-def transformer_bench(session, args, py, env):
-  """``benchmarks/gpu_transformer.py``; its JSON is saved after each policy,
-  so a run cut off at the limit keeps the policies it finished."""
-  out_json = os.path.join(args.out, "gpu_transformer.json")
-  argv = [py, "benchmarks/gpu_transformer.py", "--out", out_json]
-  argv += ["--smoke"] if args.smoke else []
-  argv += args.transformer_args.split()
-  session.run("transformer-bench", argv, 150 if not args.smoke else 300,
-              env=env)
+def run_tests(session, stage, arguments, deadline, env, results):
+  """pytest with ``arguments`` as ``stage``, each test's result appended to
+  ``results`` as it finishes (``tools/pytest_results.py``); records the
+  stage's status (exit 5, no test collected, is ``no tests``) and counts."""
+  env = {k: v for k, v in env.items()        # not an outer pytest's
+         if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+  status, rc, _ = session.command(
+      stage, [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider",
+              "-p", "pytest_results", *arguments], deadline,
+      env=dict(env, SMARTVJP_TEST_RESULTS=results, SMARTVJP_TEST_STAGE=stage,
+               PYTHONPATH=os.pathsep.join(
+                   [q for q in (os.path.join(ROOT, "tools"),
+                                env.get("PYTHONPATH")) if q])))
+  entry = session.record["stages"][stage]
+  entry.update(status="no tests" if rc == 5 else status,
+               tests=test_results(results, stage))
+  session.save()
+  return entry["status"]
 
 
-def install_wheels(session):
-  """Installs the carried wheels (``.whl/*.whl``) into ``/tmp/site``."""
+def install_wheels(session, deadline):
+  """The carried wheels (``.whl/*.whl``) installed into ``/tmp/site``
+  (``--no-deps``: the machine's jax, jaxlib and CUDA plugin stay)."""
   wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
   if not wheels:
     session.record["wheels"] = "none carried"
     return None
-  session.run("wheels", [sys.executable, "-m", "pip", "install", "-q",
-                         "--no-index", "--no-deps", "--no-compile",
-                         "--no-cache-dir", "--upgrade", "--target",
-                         "/tmp/site", *wheels], 60)
-  session.record["wheels"] = [os.path.basename(w) for w in wheels]
-  return "/tmp/site"
+  site = (tempfile.mkdtemp(prefix="gpu_session_site_") if session.smoke
+          else os.path.join("/tmp", "site"))
+  status, _, _ = session.command(
+      "env", [sys.executable, "-m", "pip", "install", "--isolated", "-q",
+              "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+              "--upgrade", "--target", site, *wheels], deadline,
+      env=dict(os.environ, PIP_CONFIG_FILE=os.devnull))
+  session.record["wheels"] = dict(installed=[os.path.basename(w)
+                                             for w in wheels], status=status)
+  return site
+
+
+def probe_env(path, smoke):
+  """(``--probe-env``, in a subprocess) versions, devices and this chip's
+  measured peaks, to ``path``."""
+  info = {"python": sys.version.split()[0], "platform": platform.platform()}
+  for name in ("jax", "jaxlib", "triton", "jax_triton", "equinox", "xdist"):
+    try:
+      info[name] = getattr(__import__(name), "__version__", "present")
+    except Exception as e:   # noqa: BLE001 -- recorded
+      info[name] = f"missing ({type(e).__name__}: {e})"
+  import jax
+  info.update(backend=jax.default_backend(),
+              devices=[f"{d.platform}:{d.device_kind}" for d in jax.devices()])
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import _report
+  peaks = (_report.measured_peaks(rounds=2, n=256, copy_elements=2 ** 20)
+           if smoke else _report.measured_peaks())
+  info["peaks"] = peaks
+  info["audit_peaks"] = {"flops": peaks["TFLOP/s"] * 1e12,
+                         "bytes": peaks["GB/s"] * 1e9}
+  with open(path, "w") as fh:
+    json.dump(info, fh, indent=1)
+  print(f"{info['devices']}: bf16 matmul {peaks['TFLOP/s']:.1f} TFLOP/s, "
+        f"copy {peaks['GB/s']:.1f} GB/s")
+
+
+def stage_commands(stage, args, py, cap):
+  """The commands of a non-test stage (``cap``: its seconds)."""
+  out = lambda name: os.path.join(args.out, name)
+  env_json = args.env_json
+  peaks = ["--peaks", env_json] if os.path.exists(env_json) else []
+  if stage == "shipped-bench":
+    extra = (["--smoke", "--layers", "1", "--batch", "1", "--seq", "16",
+              "--policies", "nothing_saveable", "--rounds", "1",
+              "--schedules", "shipped", "swapped",
+              "--check-steps", "1"] if args.smoke else [])
+    if args.smoke:
+      return [[py, "benchmarks/gpu_transformer.py", "--out",
+               out("gpu_transformer.json"), *extra]]
+    # Triton attention and RMSNorm (bf16), then Mosaic GPU attention (f16)
+    return [[py, "benchmarks/gpu_transformer.py", "--out",
+             out("gpu_transformer.json"), "--rounds", "6"],
+            [py, "benchmarks/gpu_transformer.py", "--attention", "mgpu",
+             "--policies", "nothing_saveable", "--rounds", "6", "--out",
+             out("gpu_transformer_mgpu.json")]]
+  if stage == "kernels-vs-xla":
+    extra = (["--smoke", "--workload", "rmsnorm_gelu", "--layers", "1",
+              "--batch", "16", "--no-largest-batch", "--rounds", "1"]
+             if args.smoke else
+             ["--hidden", "4096", "--no-largest-batch", "--compile-workers",
+              "8"])
+    # stop starting measurements in time to write the JSON before the cap
+    deadline = ["--deadline", str(int(max(10, cap - 20)))]
+    return [[py, "benchmarks/accel_mlp.py", "--out", out("accel_mlp.json"),
+             *extra, *peaks, *deadline]]
+  if stage == "audit":
+    return [[py, "benchmarks/audit_gpu.py", "--out", out("audit_gpu.json"),
+             *(["--smoke", "--only", "accel_mlp"] if args.smoke else []),
+             *peaks]]
+  raise ValueError(stage)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
-  p.add_argument("--budget", type=float, default=540,
+  p.add_argument("--budget", type=float, default=BUDGET_S,
                  help="seconds for all stages together")
-  p.add_argument("--stages", default=",".join(STAGES),
-                 help=f"comma-separated, from {', '.join(STAGES)}")
+  p.add_argument("--stages", default=",".join(NAMES),
+                 help=f"comma-separated, run in the plan's order: "
+                 f"{', '.join(NAMES)}")
   p.add_argument("--smoke", action="store_true",
-                 help="a CPU dry run: tiny benchmark, a few full-suite files")
-  p.add_argument("--bench-args", default="",
-                 help="extra arguments for benchmarks/accel_mlp.py")
-  p.add_argument("--transformer-args", default="",
-                 help="extra arguments for benchmarks/gpu_transformer.py")
+                 help="a CPU dry run of every stage at tiny sizes")
+  p.add_argument("--dry-plan", action="store_true",
+                 help="print the stages' caps and worst-case starts; run "
+                 "nothing")
+  p.add_argument("--probe-env", metavar="PATH", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  stages = [s for s in args.stages.split(",") if s]
-  unknown = set(stages) - set(STAGES)
+  if args.probe_env:
+    probe_env(args.probe_env, args.smoke)
+    return 0
+  if args.dry_plan:
+    print_plan(args.budget)
+    return 0
+  chosen = [s for s in args.stages.split(",") if s]
+  unknown = set(chosen) - set(NAMES)
   if unknown:
-    p.error(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
+    p.error(f"unknown stages {sorted(unknown)}; known: {', '.join(NAMES)}")
   os.makedirs(args.out, exist_ok=True)
   session = Session(args.out, args.budget, args.smoke)
-
-  site = install_wheels(session)
+  # the env stage's measurements, read by later stages; they come back in
+  # session.json ("environment"), so the file stays out of --out
+  args.env_json = os.path.join(tempfile.mkdtemp(prefix="gpu_session_"),
+                               "env.json")
+  py = sys.executable
+  results = os.path.join(args.out, RESULTS)
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      [p for p in (site, ROOT, env.get("PYTHONPATH")) if p])
-  # Several test processes share the GPU: none may take 75% of it up front.
-  test_env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  py = sys.executable
+      [q for q in (ROOT, env.get("PYTHONPATH")) if q])
+  test_env = None
+  budget_end = session.t0 + args.budget
 
-  def pytest_stage(stage, arguments, limit, extra=(), verbosity="-v"):
-    xml = os.path.join(args.out, f"{stage}.xml")
-    session.run(stage, [py, "-m", "pytest", verbosity, "-rs", "-p",
-                        "no:cacheprovider", f"--junitxml={xml}", *extra,
-                        *arguments], limit, env=test_env)
-    if stage in session.record["stages"]:
-      session.record["stages"][stage]["junit"] = junit_summary(xml)
-      session.save()
-    if os.path.exists(xml):   # summarized in session.json; keep 8 files
-      os.remove(xml)
-
-  for stage in [s for s in STAGES if s in stages]:
-    if stage in TEST_STAGES:
-      arguments, limit = TEST_STAGES[stage]
-      pytest_stage(stage, arguments, limit if not args.smoke else 300)
-    elif stage == "env":
-      out = session.run("env", [py, "-c", ENV_SCRIPT], 120, env=env)
+  for stage, cap, _ in plan(args.budget):
+    if stage.name not in chosen:
+      continue
+    deadline = (budget_end if stage is STAGES[-1] else
+                min(time.monotonic() + cap, budget_end))
+    entry = session.record["stages"].setdefault(stage.name, dict(commands=[]))
+    entry.update(cap_s=cap, started_s=round(session.elapsed(), 1))
+    if stage.name == "env":
+      site = install_wheels(session, deadline)
+      if site:     # after the machine's own packages: its jax stays first
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], site])
+      status, _, _ = session.command(
+          "env", [py, "tools/gpu_session.py", "--probe-env", args.env_json,
+                  *(["--smoke"] if args.smoke else [])], deadline, env=env)
       try:
-        session.record["environment"] = json.loads(
-            out.strip().splitlines()[-1])
-      except (ValueError, IndexError):
+        with open(args.env_json) as fh:
+          session.record["environment"] = json.load(fh)
+      except (OSError, ValueError):
         pass
-      session.run("nvidia-smi", ["nvidia-smi", "--query-gpu=name,memory.total,"
-                                 "driver_version,clocks.sm,clocks.max.sm",
-                                 "--format=csv"], 20)
-    elif stage == "bench":
-      bench(session, args, py, env)
-    elif stage == "transformer":
-      session.run("transformer", [py, "examples/pallas_ops_transformer.py"],
-                  90 if not args.smoke else 300, env=env)
-    elif stage == "transformer-bench":
-      transformer_bench(session, args, py, env)
-    elif stage == "triton-example":
-      session.run("triton-example", [py, "examples/triton_gelu_matmul.py"],
-                  90, env=env)
-    elif stage == "full-tests":
-      if args.smoke:
-        selection, workers = ["tests/test_api.py", "tests/test_policy.py"], 2
-      else:
-        selection = ["tests"] + [f"--ignore={f}" for f in RUN_WHOLE]
-        workers = 12
-      parallel = (["-n", str(workers)] if importlib.util.find_spec("xdist")
-                  else [])
-      pytest_stage("full-tests", selection, session.left(),
-                   extra=["--maxfail=50", *parallel], verbosity="-q")
+      session.command("env", ["nvidia-smi", "--query-gpu=name,memory.total,"
+                              "driver_version,clocks.sm,clocks.max.sm",
+                              "--format=csv"], deadline, env=env)
+      entry["status"] = status    # nvidia-smi's own status is its command's
+    elif stage.name in TESTS or stage.name == "rest":
+      if test_env is None:
+        # several test processes share the GPU: none takes 75% up front
+        test_env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+      if stage.name == "rest":
+        if args.smoke:
+          selection, workers = ["tests/test_versions.py"], 0
+        else:
+          selection = ["tests", *[f"--ignore={f}" for f in RUN_BEFORE]]
+          workers = 12
+        parallel = (["-n", str(workers)] if workers and
+                    importlib.util.find_spec("xdist") else [])
+        arguments = ["-q", "--maxfail=50", *parallel, *selection]
+      else:     # 4 processes compile Triton kernels side by side
+        parallel = (["-n", "4"] if not args.smoke and
+                    importlib.util.find_spec("xdist") else [])
+        arguments = ["-v", *parallel, *TESTS[stage.name]]
+      run_tests(session, stage.name, arguments, deadline, test_env, results)
+    else:
+      for argv_ in stage_commands(stage.name, args, py, cap):
+        session.command(stage.name, argv_, deadline, env=env)
+    commands = entry["commands"]
+    entry.setdefault("status", "ok" if commands and all(
+        c["status"] == "ok" for c in commands) else
+        commands[-1]["status"] if commands else "skipped")
+    entry["seconds"] = round(session.elapsed() - entry["started_s"], 1)
+    session.save()
 
-  session.record["seconds"] = round(time.monotonic() - session.t0, 1)
+  session.record["seconds"] = round(session.elapsed(), 1)
+  session.record["files"] = sorted(os.listdir(args.out))
   session.save()
   print("\nsummary:")
   for name, entry in session.record["stages"].items():
-    junit = entry.get("junit") or {}
-    counts = (f" tests {junit.get('tests')} failures {junit.get('failures')} "
-              f"errors {junit.get('errors')} skipped {junit.get('skipped')}"
-              if junit else "")
-    print(f"  {name:18s} {entry.get('status'):8s} {entry.get('seconds', '-')}"
-          f" s{counts}")
+    tests = entry.get("tests", {}).get("counts")
+    print(f"  {name:15s} {entry.get('status'):9s} {entry.get('seconds')} s"
+          + (f"  tests {tests}" if tests is not None else ""))
   return 0
 
 

@@ -37,6 +37,10 @@ PEAKS = {
     "TPU v5": dict(flops=459e12, bytes=2765e9, launch=2e-6),        # v5p
     "TPU v5p": dict(flops=459e12, bytes=2765e9, launch=2e-6),
     "TPU v6 lite": dict(flops=918e12, bytes=1640e9, launch=2e-6),   # v6e
+    # datasheet (H200 SXM: bf16 dense 989 TFLOP/s, HBM3e 4.8 TB/s), not
+    # measured: to be replaced by a GPU session's own numbers, which
+    # tools/gpu_session.py measures and passes as peaks=
+    "NVIDIA H200": dict(flops=989e12, bytes=4.8e12, launch=4e-6),
     "cpu": dict(flops=1e11, bytes=2e10, launch=1e-5),
 }
 KEYS = ("flops", "bytes", "launch")
