@@ -104,3 +104,61 @@ def test_repeat_in_loop_is_not_hoisted():
   assert "while" in hlo
   assert "sine" in hlo
   assert float(looped(jnp.asarray(False), jnp.ones(16))) == 0.0
+
+
+# -- the advice and the agreement, from intervals (issue 68 items 1 and 6) ------
+
+from smartvjp.audit import _calibrate as K   # noqa: E402
+
+I = lambda m, lo, hi: T.Interval(m, lo, hi, 20)
+
+
+@pytest.mark.parametrize("estimate,measured,kind,text", [
+    (I(0.10, 0.08, 0.12), None, "swap", "swap"),
+    # the measurement leads where there is one
+    (I(0.10, 0.08, 0.12), I(0.001, -0.002, 0.004), "no action", "no action"),
+    (None, I(0.10, 0.08, 0.12), "swap", "swap"),
+    # above 0 but below 0.5% of the step: not worth a change
+    (I(0.003, 0.001, 0.0045), None, "no action", "no action"),
+    # holds 0, narrower than the band (1 point): no action
+    (I(0.002, -0.006, 0.009), None, "no action", "no action"),
+    # a predicted slowdown: no action, never "within noise"
+    (I(-0.079, -0.09, -0.07), None, "no action", "no action"),
+    # holds 0, wider than the band: cannot tell, with its half-width
+    (I(0.02, -0.05, 0.09), None, "cannot tell", "cannot tell (±7.0 points)"),
+    # above 0 at its median but the interval reaches below: cannot tell
+    (I(0.06, -0.01, 0.20), None, "cannot tell", "cannot tell (±10.5 points)"),
+    # nothing timed
+    (None, None, "cannot tell", "cannot tell (nothing timed)"),
+    # a point (the time model): swap or no action by its value
+    (I(0.02, 0.02, 0.02), None, "swap", "swap"),
+    (I(0.0, 0.0, 0.0), None, "no action", "no action"),
+])
+def test_advice_table(estimate, measured, kind, text):
+  a = K.advice(estimate, measured)
+  assert a.kind == kind and a.kind in K.ADVICE
+  assert str(a) == text
+  assert a.source == ("measured" if measured is not None else
+                      "estimate" if estimate is not None else "none")
+
+
+@pytest.mark.parametrize("estimate,measured,want", [
+    (0.10, I(0.12, 0.11, 0.13), "agrees"),          # within a quarter
+    (0.05, I(0.12, 0.11, 0.13), "disagrees"),
+    (0.20, I(0.12, 0.11, 0.13), "disagrees"),
+    (0.004, I(0.006, 0.004, 0.008), "agrees"),      # within 1 point
+    (0.0, I(0.006, 0.004, 0.008), "agrees"),
+    (0.0, I(0.11, 0.10, 0.12), "disagrees"),        # the model's 0.0%
+    # the measurement's interval is wider than the band: it cannot tell
+    (0.0, I(0.11, -0.05, 0.31), "cannot tell"),
+    (0.243, I(0.085, 0.02, 0.15), "cannot tell"),
+    (None, I(0.1, 0.09, 0.11), None),
+])
+def test_agreement_table(estimate, measured, want):
+  assert K.agreement(estimate, measured) == want
+
+
+def test_the_band_is_a_quarter_or_a_point():
+  assert K.band(0.40) == pytest.approx(0.10)
+  assert K.band(-0.40) == pytest.approx(0.10)
+  assert K.band(0.02) == 0.01

@@ -14,6 +14,7 @@ takes the same inputs and does nothing is subtracted.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -22,28 +23,118 @@ import numpy as np
 
 from smartvjp import _facade as jx
 from smartvjp.audit import _model as M
+from smartvjp.audit._timing import Interval
 
-# the tolerance the audit is held to (issue 63): a prediction agrees with a
-# measured saving within a quarter of it, or, where the measured saving is
-# below 1.2% of the step, within 0.3 percentage points of the step
+# the tolerance the audit is held to (issue 68): an estimate agrees with a
+# measured saving within a quarter of it, or within 1 point of the step,
+# whichever is larger (``band``); the swap is advised from 0.5% of the step
 RELATIVE = 0.25
-SMALL, ABSOLUTE = 0.012, 0.003
+ABSOLUTE = 0.01
+SMALL = ABSOLUTE / RELATIVE   # below this saving the 1 point is the larger
+WORTH = 0.005
+
+ADVICE = ("swap", "no action", "cannot tell")
+
+
+def band(saving: float, relative: float = RELATIVE,
+         absolute: float = ABSOLUTE) -> float:
+  """The tolerance's half-width around a saving (a share of the step):
+  ``max(relative * |saving|, absolute)``."""
+  return max(relative * abs(saving), absolute)
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+  """What to do at a site, decided from a saving's interval (``advice``).
+
+  ``kind``: one of ``ADVICE``; ``source``: ``"measured"``, ``"estimate"``
+  or ``"none"`` (which interval decided); ``saving``: that interval
+  (shares of the step, positive = the swap saves time), or ``None``.
+  ``str(advice)`` is the words: ``"swap"``, ``"no action"`` or
+  ``"cannot tell (±x points)"``, ``x`` the interval's half-width in
+  points of the step."""
+  kind: str
+  source: str
+  saving: Interval | None
+
+  @property
+  def points(self) -> float | None:
+    """The interval's half-width, in points of the step (1 = 1%)."""
+    return None if self.saving is None else 100 * self.saving.half_width
+
+  def __str__(self) -> str:
+    if self.kind != "cannot tell":
+      return self.kind
+    if self.saving is None:
+      return "cannot tell (nothing timed)"
+    return f"cannot tell (±{self.points:.1f} points)"
+
+
+def advice(estimate: Interval | None, measured: Interval | None = None, *,
+           worth: float = WORTH, relative: float = RELATIVE,
+           absolute: float = ABSOLUTE) -> Advice:
+  """The advice at one site, from the 95% interval of its saving (shares of
+  the step, positive = the swap saves time): ``measured`` (the site's
+  saving measured in the step) where given, else ``estimate`` (its rules'
+  timings; a point estimate is an ``Interval`` with ``low == high``).
+
+  * ``"swap"``: the interval lies above 0 and its median is at least
+    ``worth`` of the step;
+  * ``"no action"``: the interval lies below ``worth`` (the saving, if
+    any, is too small to act on; below 0 the swap costs time), or it holds
+    0 and is no wider than the tolerance band around its median
+    (``band``: ``max(relative * |median|, absolute)``);
+  * ``"cannot tell"`` otherwise (and with neither interval): the interval
+    is wider than the tolerance; ``str`` of the result gives its
+    half-width in points.
+
+  Pure: the same intervals give the same advice (tested as a table in
+  tests/test_audit_timing.py)."""
+  iv, source = ((measured, "measured") if measured is not None else
+                (estimate, "estimate") if estimate is not None else
+                (None, "none"))
+  if iv is None:
+    return Advice("cannot tell", source, None)
+  if iv.low > 0 and iv.median >= worth:
+    return Advice("swap", source, iv)
+  if iv.high < worth:
+    return Advice("no action", source, iv)
+  if iv.holds(0.0) and iv.half_width <= band(iv.median, relative, absolute):
+    return Advice("no action", source, iv)
+  return Advice("cannot tell", source, iv)
+
+
+def agreement(estimate: float | None, measured: Interval, *,
+              relative: float = RELATIVE, absolute: float = ABSOLUTE
+              ) -> str | None:
+  """An estimate of a saving (share of the step) against the 95% interval
+  of its measurement: ``"agrees"`` within the tolerance band of the
+  measured median (``band``), ``"disagrees"`` outside it, and
+  ``"cannot tell"`` where the measurement's own interval is wider than
+  that band (then no estimate could be told right or wrong); ``None``
+  without an estimate."""
+  if estimate is None:
+    return None
+  tol = band(measured.median, relative, absolute)
+  if measured.half_width > tol:
+    return "cannot tell"
+  return "agrees" if abs(estimate - measured.median) <= tol else "disagrees"
 
 
 def agrees(predicted: float | None, measured: float,
            spread: tuple[float, float] | None = None) -> bool | None:
-  """Whether a predicted saving (share of the step, ``1 - ratio``) is
-  within the tolerance of the measured one, or inside the measurement's
-  own ``spread`` (the savings of its paired interquartile range, where
-  the measurement cannot tell them apart); ``None`` without a
-  prediction."""
+  """Whether a predicted saving (share of the step) is within the
+  tolerance of the measured one (``band``); ``None`` without a prediction.
+  ``spread``: the measurement's 95% interval ``(low, high)``, where known:
+  where it is wider than the band the measurement cannot tell, and the
+  answer is ``None`` (``agreement`` gives the words)."""
   if predicted is None:
     return None
-  if spread is not None and min(spread) <= predicted <= max(spread):
-    return True
-  if abs(measured) < SMALL:
-    return abs(predicted - measured) <= ABSOLUTE
-  return abs(predicted - measured) <= RELATIVE * abs(measured)
+  if spread is None:
+    return abs(predicted - measured) <= band(measured)
+  lo, hi = min(spread), max(spread)
+  verdict = agreement(predicted, Interval(measured, lo, hi, 0))
+  return None if verdict == "cannot tell" else verdict == "agrees"
 
 
 def _inputs(avals, seed: int) -> list:
