@@ -67,8 +67,9 @@ def table(data: dict) -> str:
     cal = s["predicted"].get("calibrated")
     if cal and cal.get("seconds_saved") is not None:
       lines.append(f"    predicted saving {seconds_text(cal['seconds_saved'])}"
-                   " per step" + _of_step(cal.get("share_of_step"))
-                   + " (its rules timed alone)")
+                   " per step" + _of_step(cal.get("share_of_step"),
+                                          cal.get("share_of_step_interval"))
+                   + " (its rules timed)")
     saved = s["predicted"].get("seconds_saved")
     if saved is not None:
       lines.append(f"    {'model' if cal else 'predicted'} saving "
@@ -96,14 +97,41 @@ def table(data: dict) -> str:
                  f" bytes accessed x{_ratio(p['bytes_accessed_ratio'])},"
                  f" {p['launches_saved']} kernel launches fewer;"
                  f" time x{_ratio(p.get('predicted_ratio'))} (roofline)")
+  st = data.get("step_time")
+  cal = data.get("calibrated")
+  if st:
+    lines.append(f"    as written, timed: {seconds_text(st['median'])} per step"
+                 f" (95% interval {seconds_text(st['low'])} to "
+                 f"{seconds_text(st['high'])}, {st['samples']} rounds"
+                 + (f", {st['loop']} runs a sample" if st["loop"] > 1 else "")
+                 + (f"; on {cal['inputs']})" if cal else ")"))
+  if cal and cal.get("share_of_step") is not None:
+    lines.append("    timed: the swap saves"
+                 + _of_step(cal["share_of_step"],
+                            cal.get("share_of_step_interval"))[2:-1]
+                 + f" (timing stopped: {cal['stopped']}, budget "
+                 f"{cal['budget_s']:g} s)")
   m = data.get("measured")
   if m:
     lines.append(f"    measured: {m['summary']}")
   for c, e in data["errors"].items():
     lines.append(f"    {_SHORT.get(c, c)} did not trace: {e}")
-  lines.append(f"    audit took {data['audit_seconds']:.2f} s "
-               f"({data['audit_cost_in_compiles']:.1f}x one trace+compile)")
+  lines.append(f"    audit took {cost_text(data)}")
   return "\n".join(lines)
+
+
+def cost_text(data: dict) -> str:
+  """What the audit took, all of it, with its parts (``audit_cost``)."""
+  c = data.get("audit_cost")
+  ratio = f"{data['audit_cost_in_compiles']:.1f}x one trace+compile"
+  if not c:
+    return f"{data['audit_seconds']:.2f} s ({ratio})"
+  parts = [f"trace and compile {c['trace_compile_s']:.2f} s"]
+  if c.get("rule_timing_s"):
+    parts.append(f"rule and step timing {c['rule_timing_s']:.2f} s")
+  if c.get("measure_s"):
+    parts.append(f"A/B {c['measure_s']:.2f} s")
+  return f"{c['total_s']:.2f} s ({', '.join(parts)}; {ratio})"
 
 
 def seconds_text(x: float) -> str:
@@ -117,10 +145,13 @@ def seconds_text(x: float) -> str:
   return f"{x * 1e9:.3g} ns"
 
 
-def _of_step(share) -> str:
+def _of_step(share, interval=None) -> str:
   if share is None:
     return ""
-  return f" ({0.0 if abs(share) < 5e-4 else share:.1%} of the step)"
+  text = f"{0.0 if abs(share) < 5e-4 else share:.1%} of the step"
+  if interval:
+    text += f", 95% interval {interval[0]:+.1%} to {interval[1]:+.1%}"
+  return f" ({text})"
 
 
 def _share(r) -> str:
