@@ -37,6 +37,7 @@ import jax
 
 from smartvjp.audit import _analysis as _audit
 from smartvjp.audit import _calibrate
+from smartvjp.audit import _capture
 from smartvjp.audit import _report as _audit_report
 from smartvjp.audit import _trace as _audit_trace
 from smartvjp.audit._analysis import AuditError, SCHEMA
@@ -191,7 +192,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       where they are ``jax.ShapeDtypeStruct``), each in a compiled loop of
       K runs, and the as-written step beside them (``data["step_time"]``),
       in interleaved rounds until each median's 95% interval is within
-      ±5% or ``timing_budget`` runs out (``_calibrate``); predict each
+      ±5% or ``timing_budget`` runs out (``_capture``); predict each
       site's saving from its runs saved times those times, as a share of
       the measured step with its 95% interval (``predicted["calibrated"]``
       per site, ``calibrated`` for the step), reported before the time
@@ -250,7 +251,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   if calibrate or measure:
     t = time.perf_counter()
     concrete = _calibrate.made_up(_audit.dynamic_arguments(fn, args, kwargs))
-    _calibrate.attach(data, builds, _audit.advise, fn, args, kwargs,
+    _capture.attach(data, builds, _audit.advise, fn, args, kwargs,
                       concrete, timing_budget)
     cost["rule_timing_s"] = time.perf_counter() - t
   data["audit_cost"] = dict(total_s=time.perf_counter() - start, **cost)
