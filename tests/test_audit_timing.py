@@ -297,6 +297,24 @@ def test_capture_under_scan_checkpoint_and_vmap_keeps_real_calls():
   aval = jax.ShapeDtypeStruct((6,), jnp.float32)
   fit = C._fit([v], [aval])
   assert fit is not None and fit[0].shape == (6,)
+  # a while loop (forward only: f runs each iteration)
+  spin = lambda x: jax.lax.while_loop(lambda c: c[1] < 4,
+                                      lambda c: (f(c[0]), c[1] + 1),
+                                      (x, 0))[0]
+  looped = C.capture(spin, (x,), {}, ((x,), {}))
+  assert looped.seen[(0, "primal")] == 4
+  # shard_map: each shard's values, as the rule sees them
+  from jax.sharding import PartitionSpec as P
+  shard_map = getattr(jax, "shard_map", None)
+  if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+  mesh = jax.make_mesh((1,), ("d",))
+  sharded = jax.grad(lambda x: shard_map(loss, mesh=mesh, in_specs=P(),
+                                         out_specs=P())(x))
+  cap = C.capture(sharded, (x,), {}, ((x,), {}))
+  assert cap.seen[(0, "primal")] == 10 and cap.seen[(0, "bwd")] == 5
+  for (v,) in cap.kept[(0, "primal")]:
+    assert any(np.allclose(v, layer) for layer in layers)
 
 
 def test_linear_interval_holds_the_combination():

@@ -11,14 +11,15 @@ interval.
    the values it is given to the host, and run once on the user's
    arguments (where they are ``jax.ShapeDtypeStruct``, on made-up values,
    ``_calibrate.made_up``; the report says which). A debug callback is an
-   effect that no transformation removes or forbids: it runs under
+   effect that dead-code elimination keeps and these transformations
+   allow (tests/test_audit_timing.py runs it under each): it runs under
    ``jit``, ``scan`` and ``while`` (each iteration), ``jax.checkpoint``
    (and again in the rematerialized region), ``vmap`` (batched values: the
    first example is kept) and ``shard_map`` (one shard's values, as the
    rule sees them); returning the values as extra outputs instead would
    need a twin of every transformation around the site. Up to ``SETS``
-   calls of each
-   rule are kept, drawn uniformly from all its calls (reservoir sampling),
+   calls of each rule (one where a call's values exceed ``BIG`` bytes)
+   are kept, drawn uniformly from all its calls (reservoir sampling),
    so that a rule called in every layer of a scan is timed on several
    layers' values. This is the audit's one extra trace, compile and run of
    the step: effects in the step (an ``io_callback``) happen once more.
@@ -53,8 +54,11 @@ from smartvjp.audit import _calibrate as K
 from smartvjp.audit import _timing as TM
 from smartvjp.audit import _trace as TR
 
-# the calls of each rule whose values are kept to time it on
+# the calls of each rule whose values are kept to time it on; one where a
+# call's values are larger than BIG bytes (they are kept on the host, and
+# stacked on the device to be timed)
 SETS = 3
+BIG = 64 << 20
 
 
 class Capture:
@@ -75,15 +79,16 @@ class Capture:
 
   def put(self, key, *leaves) -> None:
     values = [np.asarray(x) for x in leaves]
+    sets = 1 if sum(v.nbytes for v in values) > BIG else self.sets
     with self._lock:
       n = self.seen[key] = self.seen.get(key, 0) + 1
       kept = self.kept.setdefault(key, [])
-      if len(kept) < self.sets:
+      if len(kept) < sets:
         kept.append(values)
       else:
         j = self._rng.randrange(n)
-        if j < self.sets:
-          kept[j] = values
+        if j < sets:
+          kept[j % len(kept)] = values
 
   def _send(self, key, tree) -> None:
     primal = jx.cd.CustomVJPPrimal
