@@ -13,12 +13,11 @@ PyTorch's ``SACEstimator`` offers both.
 
 Per round of ``_capture``'s timing, each site's saving is its runs per
 configuration times that round's rule times (``_model.site_seconds``:
-linear in them, ``coefficients``) and the share is that over the step's
-median: the saving's interval is the order-statistics interval of the
-per-round savings (rules timed in one round share its load, which cancels
-in their difference), and the share's holds it and the step's median at
-once (``_timing.linear_interval``). A rule's time is what the clock gave:
-never clamped, never less an empty program's.
+linear in them, ``coefficients``) and its share is that over the same
+round's step: the intervals are the order-statistics intervals of the
+per-round savings and shares (rules timed in one round share its load,
+which cancels in their difference and in the share). A rule's time is
+what the clock gave: never clamped, never less an empty program's.
 """
 
 from __future__ import annotations
@@ -220,10 +219,12 @@ def site_estimate(info: dict, timed: dict, samples: dict, step: list | None
   rule's median (as ``_model.site_seconds`` prices them: a JAX-coded
   site's extra ``fwd`` runs as ``f``). ``seconds_saved``: the median of
   the per-round savings (``per_round``) and ``seconds_saved_interval``
-  its 95% interval; ``share_of_step``: that over the step's median, and
-  ``share_of_step_interval`` from the intervals of both, each at 97.5%
-  (``_timing.linear_interval``; ``level``: the probability bound reached,
-  less where the rounds were too few)."""
+  its 95% interval; ``share_of_step``: the median of each round's saving
+  over the same round's step, and ``share_of_step_interval`` its 95%
+  interval (``level``: the probability that it holds the median, less
+  than 0.95 where the rounds were too few: ``_timing.median_interval``).
+  Paired per round, the machine's load falls on the rules and the step
+  alike."""
   own = {role: t["seconds"] for role, t in timed.items() if "seconds" in t}
   per = {c: M.site_seconds(_runs(info, c), own, info["opaque"], 0,
                            {"launch": 0.0})
@@ -242,11 +243,17 @@ def site_estimate(info: dict, timed: dict, samples: dict, step: list | None
                                                               iv.high],
              rounds=iv.samples, level=iv.level)
   if step:
-    share = TM.linear_interval([(1.0, saved)], step)
+    share = share_interval(saved, step)
     out.update(share_of_step=share.median,
                share_of_step_interval=[share.low, share.high],
                level=share.level)
   return out
+
+
+def share_interval(saved: list, step: list) -> Interval:
+  """The median of ``saved[r] / step[r]`` (seconds saved and the step's
+  seconds in round ``r``) and its 95% interval."""
+  return TM.median_interval([a / b for a, b in zip(saved, step)])
 
 
 def interval_of(pair, median, samples: int = MIN_SAMPLES,

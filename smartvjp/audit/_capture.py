@@ -239,12 +239,9 @@ def time_programs(programs: dict, budget: float) -> tuple[dict, str, int]:
   """``({name: [seconds per run, one per round]}, stopped, rounds)``: the
   ``programs`` (``{name: Program}``) in interleaved rounds until each
   median's 95% interval is within ±5% of it, or ``budget`` seconds."""
-  # enough rounds for simultaneous intervals of every median (the
-  # step's saving combines them all: _timing.linear_interval)
-  least = TM.samples_for(1.0 - (1.0 - TM.LEVEL) / max(len(programs), 1))
   samples, why = TM.rounds({k: p.run for k, p in programs.items()},
                            done=TM.narrow(0.05), budget_s=budget,
-                           min_rounds=max(K.MIN_SAMPLES, least))
+                           min_rounds=K.MIN_SAMPLES)
   per_run = {k: [x / programs[k].loop for x in v] for k, v in samples.items()}
   return per_run, why, len(next(iter(per_run.values()), []))
 
@@ -312,7 +309,7 @@ def attach(data: dict, builds: dict, advise, fn, args, kwargs,
     s["advice"], s["suggestion"] = advise(s)
     if own and est["seconds_saved"] is not None:
       total = [a + b for a, b in zip(total, K.per_round(s, own))]
-  whole = TM.linear_interval([(1.0, total)], step) if step else None
+  whole = K.share_interval(total, step) if step else None
   share = whole.median if whole else None
   inputs = ("made up (the step was given jax.ShapeDtypeStruct arguments: "
             "floating arrays of two or more axes N(0, 1/fan-in), others "

@@ -106,7 +106,7 @@ def table(data: dict) -> str:
                  + (f", {st['loop']} runs a sample" if st["loop"] > 1 else "")
                  + (f"; on {cal['inputs']})" if cal else ")"))
   if cal and cal.get("share_of_step") is not None:
-    lines.append("    timed: the swap saves"
+    lines.append("    timed: the swap saves "
                  + _of_step(cal["share_of_step"],
                             cal.get("share_of_step_interval"))[2:-1]
                  + f" (timing stopped: {cal['stopped']}, budget "

@@ -69,15 +69,6 @@ def coverage(n: int, j: int) -> float:
   return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(j + 1)) / 2.0 ** n
 
 
-def samples_for(level: float = LEVEL) -> int:
-  """The fewest samples whose range or order statistics give a median's
-  ``level`` interval."""
-  n = 1
-  while _ranks(n, level) is None:
-    n += 1
-  return n
-
-
 def median_interval(xs: Sequence[float], level: float = LEVEL) -> Interval:
   """The median of ``xs`` and its distribution-free ``level`` interval
   (order statistics; with too few samples for ``level``, the range, and
@@ -224,34 +215,3 @@ def loop_length(run: Callable[[int], object], target_s: float = TARGET_S,
       return k, took
     k = min(max_loop, max(2 * k, math.ceil(k * 1.2 * target_s
                                             / max(took, 1e-9))))
-
-
-def linear_interval(terms: Sequence[tuple[float, Sequence[float]]],
-                    divisor: Sequence[float] | None = None,
-                    level: float = LEVEL) -> Interval:
-  """An interval of ``sum(c * median(xs) for c, xs in terms)`` (over
-  ``median(divisor)`` where given, a positive quantity), from simultaneous
-  intervals of each median: each at ``1 - (1 - level) / m`` for ``m``
-  medians, so that all hold at once with probability at least ``level``
-  (Bonferroni's inequality), and the combination's extremes taken over
-  them. ``level`` of the result: that bound, from the intervals' own
-  levels (less where there were too few samples); ``samples``: the fewest
-  samples of any median."""
-  used = [(c, xs) for c, xs in terms if c]
-  m = len(used) + (divisor is not None)
-  each = 1.0 - (1.0 - level) / max(m, 1)
-  mid = lo = hi = 0.0
-  miss, n = 0.0, min((len(xs) for _, xs in used), default=0)
-  for c, xs in used:
-    iv = median_interval(xs, each)
-    mid += c * iv.median
-    lo += c * (iv.low if c > 0 else iv.high)
-    hi += c * (iv.high if c > 0 else iv.low)
-    miss += 1.0 - iv.level
-  if divisor is not None:
-    d = median_interval(divisor, each)
-    miss += 1.0 - d.level
-    n = min(n, d.samples) if used else d.samples
-    mid, lo, hi = (mid / d.median, lo / (d.high if lo >= 0 else d.low),
-                   hi / (d.low if hi >= 0 else d.high))
-  return Interval(mid, lo, hi, n, max(1.0 - miss, 0.0))
