@@ -61,7 +61,7 @@ SETS = 3
 BIG = 64 << 20
 
 
-class Capture:
+class StepValues:
   """The values each rule of each site is given in one run of the step:
   ``kept[(site index, key)]``, up to ``sets`` lists of numpy arrays (one
   per input leaf), drawn uniformly from ``seen[(index, key)]`` calls
@@ -122,11 +122,11 @@ class Capture:
     return sending
 
 
-def capture(fn, args, kwargs, concrete: tuple, sets: int = SETS) -> Capture:
+def capture(fn, args, kwargs, concrete: tuple, sets: int = SETS) -> StepValues:
   """One run of ``fn`` (traced on ``args``/``kwargs``, run on
   ``concrete``: its dynamic arguments as arrays) with every site as
-  written and its rules sending their values (``Capture``)."""
-  cap = Capture(sets)
+  written and its rules sending their values (``StepValues``)."""
+  cap = StepValues(sets)
   jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
   with TR.recording("as_written", {}, wrap=cap.wrap):
     compiled = jitted.trace(*args, **kwargs).lower().compile()
@@ -157,7 +157,7 @@ _KEYS = {"f": ("primal",), "fwd": ("primal",), "bwd": ("bwd",),
          "fwd_bwd": ("cotangent", "primal")}
 
 
-def rule_inputs(cap: Capture | None, index: int, role: str, closed,
+def rule_inputs(cap: StepValues | None, index: int, role: str, closed,
                 seed: int) -> tuple[list, str]:
   """The input sets to time ``role`` of site ``index`` on (each a list of
   arrays matching ``closed.in_avals``) and where they come from: the
