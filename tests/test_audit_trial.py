@@ -315,7 +315,8 @@ def test_host_callbacks_priced_from_a_measurement():
   # the share is of the as-written step, timed beside the rules
   step_time = report.data["step_time"]
   assert step_time["low"] <= step_time["median"] <= step_time["high"]
-  assert step_time["median"] >= 6 * delay      # fwd runs 6 times as written
+  # the step runs the slow fwd as often as the count says
+  assert step_time["low"] >= runs["as_written"]["compiled"]["fwd"] * delay
   assert cal["share_of_step"] == pytest.approx(
       cal["seconds_saved"] / step_time["median"], rel=0.5)
   lo, hi = cal["share_of_step_interval"]
