@@ -566,3 +566,7 @@ def test_the_html_table_leads_with_the_timed_saving():
   assert _report._saving_cell(dict(
       share_of_step=0.244, calibrated=dict(share_of_step=0.215))) == (
           "+21.5% timed; +24.4% model")
+  assert _report._saving_cell(dict(
+      share_of_step=0.244, calibrated=dict(
+          share_of_step=0.215, share_of_step_interval=[0.18, 0.25]))) == (
+          "+21.5% (+18.0% to +25.0%) timed; +24.4% model")

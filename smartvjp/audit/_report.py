@@ -162,8 +162,12 @@ def _saving_cell(predicted: dict) -> str:
   """The HTML table's saving: the rules' timed estimate first where there
   is one (as the text table leads with it), then the time model's."""
   model = _share(predicted.get("share_of_step"))
-  cal = (predicted.get("calibrated") or {}).get("share_of_step")
-  return model if cal is None else f"{_share(cal)} timed; {model} model"
+  timed = predicted.get("calibrated") or {}
+  cal, iv = timed.get("share_of_step"), timed.get("share_of_step_interval")
+  if cal is None:
+    return model
+  within = f" ({_share(iv[0])} to {_share(iv[1])})" if iv else ""
+  return f"{_share(cal)}{within} timed; {model} model"
 
 
 def _ratio(r) -> str:
