@@ -163,6 +163,7 @@ def test_site_identity_residuals_and_suggestion(ad_mode):
     assert s["suggestion"].startswith("swap: ")
     assert "(the time model: unpriced: calibrate=True times it)" in \
         s["suggestion"]
+    assert s["advice"] == "swap"
 
 
 def _remat3_equation():
@@ -412,7 +413,7 @@ def test_measure_reports_a_paired_ratio():
   F = jax.custom_vjp(lambda x: jnp.sin(x))
   F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
   a = smartvjp.audit(jax.grad(_loss(F, True)), jax.ShapeDtypeStruct(
-      (64,), jnp.float32), measure=True)
+      (64,), jnp.float32), measure=True, timing_budget=0.2)
   m = a.measured
   assert m["pairs"] == 20 and m["paired_ratio"] > 0
   assert set(m["seconds"]) == {"as_written", "smartvjp"}

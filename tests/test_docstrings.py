@@ -152,8 +152,11 @@ CLAIMS = [
     C("audit.audit", "an argument is a string (bind it with functools.partial",
       "tests/test_audit_trial.py::test_argument_checks", raises="TypeError"),
     C("audit.audit", "checks both estimates against the step's measured saving",
-      "tests/test_audit_trial.py::test_verdict_replaces_advice_when_the_"
-      "estimates_disagree"),
+      "tests/test_audit_trial.py::test_verdict_against_the_measurements_"
+      "interval"),
+    C("audit.audit", "timing_budget is not a number of seconds >= 0",
+      "tests/test_audit_timing.py::test_the_budget_is_honoured_and_recorded",
+      raises="ValueError"),
     C("audit.audit", "configs names an unknown configuration",
       AU + "test_unknown_configuration_is_a_clear_error", raises="ValueError"),
     C("audit.audit", "peaks has a key other than flops, bytes, launch",

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
+import time
 import types
 from typing import Any, Callable, Iterator
 
@@ -35,6 +37,7 @@ import jax
 
 from smartvjp.audit import _analysis as _audit
 from smartvjp.audit import _calibrate
+from smartvjp.audit import _capture
 from smartvjp.audit import _report as _audit_report
 from smartvjp.audit import _trace as _audit_trace
 from smartvjp.audit._analysis import AuditError, SCHEMA
@@ -132,8 +135,8 @@ def _name(fn) -> str:
   return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-def check_arguments(fn, args, kwargs, *, configs, measure, calibrate
-                    ) -> None:
+def check_arguments(fn, args, kwargs, *, configs, measure, calibrate,
+                    timing_budget=_calibrate.BUDGET_S) -> None:
   """Raises on arguments ``audit`` cannot take (see its ``Raises``)."""
   if not callable(fn):
     raise TypeError(f"smartvjp.audit: the step must be a function, got "
@@ -143,6 +146,11 @@ def check_arguments(fn, args, kwargs, *, configs, measure, calibrate
     if not isinstance(value, bool):
       raise TypeError(f"smartvjp.audit: {name} must be True or False, got "
                       f"{value!r} ({type(value).__name__})")
+  if (isinstance(timing_budget, bool)
+      or not isinstance(timing_budget, (int, float))
+      or not math.isfinite(timing_budget) or timing_budget < 0):
+    raise ValueError(f"smartvjp.audit: timing_budget must be a number of "
+                     f"seconds >= 0, got {timing_budget!r}")
   if isinstance(configs, str) or not configs:
     raise ValueError(f"smartvjp.audit: configs must be a tuple of some of "
                      f"{CONFIGS}, got {configs!r}")
@@ -166,6 +174,7 @@ def check_arguments(fn, args, kwargs, *, configs, measure, calibrate
 
 def audit(fn: Callable, *args: Any, measure: bool = False,
           calibrate: bool = False,
+          timing_budget: float = _calibrate.BUDGET_S,
           configs: tuple[str, ...] = CONFIGS,
           peaks: dict[str, float] | None = None, **kwargs: Any) -> Audit:
   """Audits every custom_vjp site of ``fn(*args, **kwargs)``.
@@ -180,15 +189,25 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       (``_analysis.measure``: 20 pairs after a warm-up), and report median,
       min-max and the paired ratio beside the prediction. Needs concrete
       arrays or fills ``ShapeDtypeStruct`` arguments with random values.
-    calibrate: also time each site's rules alone on this device, at the
-      shapes and dtypes traced (``_calibrate``: warm-up, then the median
-      of up to 21 interleaved rounds, less an empty program's), and
-      predict each site's saving from its runs saved times those times
-      (``predicted["calibrated"]`` per site, ``calibrated`` for the
-      step), reported before the time model's. Implied by ``measure=True``, which then
-      checks both estimates against the step's measured saving (±25%, or
-      0.3 points of the step below 1.2%, or inside the paired IQR) and,
-      where the leading one disagrees, says so in place of advice.
+    calibrate: also time each site's rules on this device, on the values
+      the step gives them (captured from one more run of the step, as
+      written, on these arguments; on made-up values of a realistic scale
+      where they are ``jax.ShapeDtypeStruct``), each in a compiled loop of
+      K runs, and the as-written step beside them (``data["step_time"]``),
+      in interleaved rounds until each median's 95% interval is within
+      ±5% or ``timing_budget`` runs out (``_capture``); predict each
+      site's saving from its runs saved times those times, as a share of
+      the measured step with its 95% interval (``predicted["calibrated"]``
+      per site, ``calibrated`` for the step), reported before the time
+      model's, and advise from that interval (``site["advice"]``).
+      Implied by ``measure=True``, which then checks both estimates
+      against the step's measured saving (within ±25% of it or 1 point of
+      the step, whichever is larger; "cannot tell" where the
+      measurement's own interval is wider).
+    timing_budget: seconds of timing rounds for ``calibrate`` (default
+      ``_calibrate.BUDGET_S``, 10 s), beside the capture's trace, compile
+      and run and the loops' compiles (``data["audit_cost"]`` says what
+      each took); the rounds stop earlier where every interval is narrow.
     configs: the configurations to trace and compile, a subset of
       ``CONFIGS`` starting with ``"as_written"`` (fewer compiles: a cheaper
       audit).
@@ -209,7 +228,8 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       (the first error is quoted), makes no ``jax.custom_vjp`` or
       ``smart_custom_vjp`` call, or donates arguments.
     ValueError: ``configs`` names an unknown configuration or does not
-      start with ``"as_written"``, or ``peaks`` has a key other than
+      start with ``"as_written"``, ``timing_budget`` is not a number of
+      seconds >= 0, or ``peaks`` has a key other than
       ``flops``, ``bytes``, ``launch`` or a value that is not a positive
       number.
     TypeError: ``fn`` is not callable, ``peaks`` is not a dict,
@@ -221,16 +241,26 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   each configuration, so that nothing traced with one is reused by another
   or by your program afterwards: functions jitted before it compile again.
   """
+  start = time.perf_counter()
   check_arguments(fn, args, kwargs, configs=configs, measure=measure,
-                  calibrate=calibrate)
+                  calibrate=calibrate, timing_budget=timing_budget)
   data, builds = _audit.analyse(fn, args, kwargs, tuple(configs), peaks)
+  cost = dict(trace_compile_s=time.perf_counter() - start, rule_timing_s=0.0,
+              measure_s=0.0)
   if measure:
+    t = time.perf_counter()
     try:
       data["measured"] = _audit.measure(builds, data, args, kwargs, fn=fn)
     except _audit.AuditError as e:   # the report, with why nothing was timed
       data["errors"]["measure"] = str(e)
+    cost["measure_s"] = time.perf_counter() - t
   if calibrate or measure:
-    _calibrate.attach(data, builds, _audit.suggestion)
+    t = time.perf_counter()
+    concrete = _calibrate.made_up(_audit.dynamic_arguments(fn, args, kwargs))
+    _capture.attach(data, builds, _audit.advise, fn, args, kwargs,
+                      concrete, timing_budget)
+    cost["rule_timing_s"] = time.perf_counter() - t
+  data["audit_cost"] = dict(total_s=time.perf_counter() - start, **cost)
   return Audit(data, builds)
 
 

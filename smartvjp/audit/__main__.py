@@ -7,7 +7,8 @@ does not run) and ``function`` is audited on the arguments named by
 ``<function>_args`` where the script defines it, else with no arguments
 (its defaults). Prints the table; ``--json``/``--html`` write the report;
 ``--measure`` times the compiled steps too, ``--calibrate`` each site's
-rules alone.
+rules on the values the step gives them (``--timing-budget`` seconds of
+timing rounds at most).
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ def main(argv=None) -> int:
   parser.add_argument("--measure", action="store_true",
                       help="also time the compiled steps (A/B, interleaved)")
   parser.add_argument("--calibrate", action="store_true",
-                      help="also time each site's rules alone and predict "
-                      "from those times (implied by --measure)")
+                      help="also time each site's rules on the values the "
+                      "step gives them, and the step, and predict from "
+                      "those times (implied by --measure)")
+  parser.add_argument("--timing-budget", type=float, metavar="SECONDS",
+                      default=_audit._calibrate.BUDGET_S,
+                      help="seconds of timing rounds for --calibrate "
+                      "(default %(default)s)")
   opts = parser.parse_args(argv)
   path, sep, function = opts.target.rpartition(":")
   if not sep or not path:
@@ -67,8 +73,9 @@ def main(argv=None) -> int:
           "tuple of arguments, or a function returning one)", file=sys.stderr)
   try:
     report = _audit.audit(ns[function], *args, measure=opts.measure,
-                          calibrate=opts.calibrate)
-  except (_audit.AuditError, TypeError) as e:
+                          calibrate=opts.calibrate,
+                          timing_budget=opts.timing_budget)
+  except (_audit.AuditError, TypeError, ValueError) as e:
     print(e, file=sys.stderr)
     return 2
   print(report.table())

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from smartvjp.audit import _calibrate
 from smartvjp.audit import _count as C
 from smartvjp.audit import _model as M
 from smartvjp.audit import _trace as T
@@ -22,7 +23,7 @@ from smartvjp import _jaxprs
 from smartvjp import _primitive as P
 from smartvjp import _swap
 
-SCHEMA = "smartvjp.audit/1"
+SCHEMA = "smartvjp.audit/2"
 
 
 class AuditError(ValueError):
@@ -524,7 +525,7 @@ def _fate(leaf, eqn, policy, remat, runs, opaque, fused) -> str:
 # the swap is advised where a site's predicted saving is at least this
 # share of the step; below it a measurement of the step cannot tell it
 # from noise (issue 63: the paired IQR of a TPU step holds 1 below ~0.5%)
-WORTH = 0.005
+WORTH = _calibrate.WORTH
 
 
 def _ran_fused(runs: dict | None) -> bool:
@@ -563,11 +564,95 @@ def leading_share(predicted: dict):
   return share if share is not None else predicted.get("share_of_step")
 
 
-def suggestion(info) -> str:
-  """``advice(info)``, and where the site has a ``fwd_bwd_opportunity``
+def _saving_text(a) -> str:
+  """The saving an advice was decided from, for people: its median share
+  of the step and, for a timed or measured one, its 95% interval."""
+  what = {"measured": "measured", "estimate": "predicted"}.get(a.source, "")
+  iv = a.saving
+  text = f"the swap's {what} saving is {iv.median:.2%} of the step"
+  if iv.samples:
+    text += f" (95% interval {iv.low:+.2%} to {iv.high:+.2%})"
+  return text
+
+
+def _advise(info) -> tuple[str, str]:
+  """``(advice, suggestion)`` at a site: the advice (``"swap"``, ``"no
+  action"`` or ``"cannot tell"``) decided by ``_calibrate.site_advice``
+  from the interval of its saving (measured in the step where it was,
+  else timed, else the time model's point), and one line of words that
+  follow it; a fused rule only where a configuration ran it. Without any
+  estimate, a kernel site's counts decide (fewer ``fwd`` runs or kernel
+  launches: swap). ``info`` is a site of the report."""
+  if info["refused"] is not None:
+    return "no action", f"none: left as JAX's ({info['refused']})"
+  aw = info["runs"].get("as_written")
+  sv = info["runs"].get(info["best_config"])
+  library = any(d in info["defined_at"] for d in _LIBRARY_DIRS)
+  how = ("wrap the step's first trace in `with smartvjp.swap_custom_vjp("
+         "existing=True):` (or load the library with smartvjp.import_swapped)"
+         if library else
+         f"decorate {info['name']} with smartvjp.smart_custom_vjp (one import)")
+  if info["kind"] == "smart_custom_vjp":
+    return "no action", "no action: already smart_custom_vjp"
+  if aw is None or sv is None:
+    missing = [c for c in dict.fromkeys(("as_written", info["best_config"]))
+               if c not in info["runs"]]
+    if missing:
+      return "cannot tell", (
+          "no suggestion: this audit compiled only "
+          f"{', '.join(info['runs'])}; comparing needs "
+          f"{' and '.join(missing)} too (smartvjp.audit(step))")
+    return ("cannot tell",
+            "no suggestion: a configuration did not trace (see errors)")
+  idle = [r for r in ("f", "fwd") if r in info.get("no_work", ())]
+  if len(idle) == 2 or (idle == ["fwd"] and not info["opaque"]):
+    return "no action", (
+        f"no action: {' and '.join(idle)} do{'es' if len(idle) == 1 else ''}"
+        " no work (no operations), so running one in place of the other "
+        "changes nothing")
+  if not info["remat"]:
+    return "no action", ("no action: no jax.checkpoint around this site, so "
+                         "every configuration runs fwd once and bwd once per "
+                         "call")
+  a = _calibrate.site_advice(info)
+  share = a.saving.median if a.saving is not None else None
+  if a.source == "none" and info["opaque"]:   # no estimate: the counts say
+    a_fwd = aw.get("compiled", aw["jaxpr"])["fwd"]
+    s_fwd = sv.get("compiled", sv["jaxpr"])["fwd"]
+    if info["predicted"]["launches_saved"] > 0 or s_fwd < a_fwd:
+      return "swap", _swap_line(info, how, None)
+    named = [r["name"] for r in info["residuals"] if r["name"]
+             and r["fate"]["as_written"] != "saved"]
+    if named:
+      return "no action", (
+          f"name-based policy: save residual {named[0]!r} with "
+          f"jax.checkpoint_policies.save_only_these_names({named[0]!r})")
+    return "no action", ("no action: the swap launches no fewer kernels "
+                         "here and runs fwd no less often")
+  if a.kind == "swap":
+    return "swap", _swap_line(info, how, share)
+  if a.kind == "cannot tell":
+    return "cannot tell", (
+        f"{a}: " + (_saving_text(a) + "; " if a.saving is not None else "")
+        + "measure it in the step (smartvjp.audit(..., measure=True))")
+  if not info["opaque"]:
+    return "no action", (
+        "no action: XLA already removes the duplicate (JAX-coded rules: "
+        "XLA drops the work only the residuals need; "
+        + _saving_text(a) + ")")
+  if share < 0:
+    return "no action", ("no action: the swap would cost time here ("
+                         + _saving_text(a) + ")")
+  return "no action", ("no action: " + _saving_text(a) + ", too small to "
+                       f"act on (the swap is advised from {WORTH:.1%})")
+
+
+def advise(info) -> tuple[str, str]:
+  """``_advise(info)``, its words completed: where the time model could
+  not price the site, and where the site has a ``fwd_bwd_opportunity``
   and the advice is to swap or to leave it, what a fused ``fwd_bwd``
   would save (``info`` is a site of the report)."""
-  text = advice(info)
+  kind, text = _advise(info)
   if (info["predicted"].get("unpriced") and leading_share(info["predicted"])
       is None and text.startswith(("swap", "no action"))):
     text += f" (the time model: {UNPRICED})"
@@ -580,70 +665,12 @@ def suggestion(info) -> str:
              + (f" and would make {opp['launches_not_made']} kernel "
                 "launches fewer" if opp["launches_not_made"] else "")
              + " per step")
-  return text
+  return kind, text
 
 
-def advice(info) -> str:
-  """One line of advice from the numbers: "swap" where the leading
-  estimate (``leading_share``) of the saving is at least ``WORTH`` of the
-  step (without a time model, for a kernel site, where it launches fewer
-  kernels), "no action" where it is within noise; a fused rule only where
-  a configuration ran it. ``info`` is a site of the report."""
-  if info["refused"] is not None:
-    return f"none: left as JAX's ({info['refused']})"
-  aw = info["runs"].get("as_written")
-  sv = info["runs"].get(info["best_config"])
-  library = any(d in info["defined_at"] for d in _LIBRARY_DIRS)
-  how = ("wrap the step's first trace in `with smartvjp.swap_custom_vjp("
-         "existing=True):` (or load the library with smartvjp.import_swapped)"
-         if library else
-         f"decorate {info['name']} with smartvjp.smart_custom_vjp (one import)")
-  if info["kind"] == "smart_custom_vjp":
-    return "no action: already smart_custom_vjp"
-  if aw is None or sv is None:
-    missing = [c for c in dict.fromkeys(("as_written", info["best_config"]))
-               if c not in info["runs"]]
-    if missing:
-      return ("no suggestion: this audit compiled only "
-              f"{', '.join(info['runs'])}; comparing needs "
-              f"{' and '.join(missing)} too (smartvjp.audit(step))")
-    return "no suggestion: a configuration did not trace (see errors)"
-  idle = [r for r in ("f", "fwd") if r in info.get("no_work", ())]
-  if len(idle) == 2 or (idle == ["fwd"] and not info["opaque"]):
-    return (f"no action: {' and '.join(idle)} do{'es' if len(idle) == 1 else ''}"
-            " no work (no operations), so running one in place of the "
-            "other changes nothing")
-  if not info["remat"]:
-    return ("no action: no jax.checkpoint around this site, so every "
-            "configuration runs fwd once and bwd once per call")
-  share = leading_share(info["predicted"])
-  # the rules' timings cannot tell the configurations apart, and no
-  # kernel launch is saved to make the saving certain (f and fwd running
-  # one kernel alike)
-  noisy = ((info["predicted"].get("calibrated") or {}).get("within_noise")
-           and not info["predicted"]["launches_saved"])
-  if share is None and info["opaque"]:   # no time model: the counts say
-    a_fwd = aw.get("compiled", aw["jaxpr"])["fwd"]
-    s_fwd = sv.get("compiled", sv["jaxpr"])["fwd"]
-    if info["predicted"]["launches_saved"] > 0 or s_fwd < a_fwd:
-      return _swap_line(info, how, share)
-  elif share is not None and share >= WORTH and not noisy:
-    return _swap_line(info, how, share)
-  if info["opaque"]:
-    named = [r["name"] for r in info["residuals"] if r["name"]
-             and r["fate"]["as_written"] != "saved"]
-    if named and share is None:
-      return (f"name-based policy: save residual {named[0]!r} with "
-              f"jax.checkpoint_policies.save_only_these_names({named[0]!r})")
-    return ("no action: the swap's predicted saving is within noise"
-            + (f" ({share:.2%} of the step, inside the spread of its rules' "
-               "timings)" if noisy else
-               f" ({share:.2%} of the step)" if share is not None else
-               " (it launches no fewer kernels here)"))
-  return ("no action: XLA already removes the duplicate (JAX-coded rules: "
-          "XLA drops the work only the residuals need"
-          + (f"; predicted {share:.2%} of the step"
-             if share and abs(share) >= 5e-5 else "") + ")")
+def suggestion(info) -> str:
+  """The words of ``advise(info)``."""
+  return advise(info)[1]
 
 
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "callback"})
@@ -1026,7 +1053,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
       info["predicted"].update(_site_model(
           info, rules[idx], builds, info["best_config"], peaks,
           (step_seconds.get("as_written") or {}).get("total"), cost_cache))
-    info["suggestion"] = suggestion(info)
+    info["advice"], info["suggestion"] = advise(info)
     out_sites.append(info)
   out_sites.sort(key=lambda s: (-(s["predicted"].get("seconds_saved") or 0),
                                 -s["predicted"]["launches_saved"],

@@ -74,8 +74,9 @@ def table(data: dict) -> str:
     cal = s["predicted"].get("calibrated")
     if cal and cal.get("seconds_saved") is not None:
       lines.append(f"    predicted saving {seconds_text(cal['seconds_saved'])}"
-                   " per step" + _of_step(cal.get("share_of_step"))
-                   + " (its rules timed alone)")
+                   " per step" + _of_step(cal.get("share_of_step"),
+                                          cal.get("share_of_step_interval"))
+                   + " (its rules timed)")
     saved = s["predicted"].get("seconds_saved")
     if s["predicted"].get("unpriced"):
       lines.append("    model saving: —, unpriced: calibrate=True times it ("
@@ -118,15 +119,42 @@ def table(data: dict) -> str:
                  + (f"; partial: it cannot price {', '.join(p['unpriced_kernels'] or ['some kernels'])}"
                     f"{' in ' + ', '.join(p['unpriced_sites']) if p.get('unpriced_sites') else ''}"
                     if p.get("partial") else "") + ")")
+  st = data.get("step_time")
+  cal = data.get("calibrated")
+  if st:
+    lines.append(f"    as written, timed: {seconds_text(st['median'])} per step"
+                 f" (95% interval {seconds_text(st['low'])} to "
+                 f"{seconds_text(st['high'])}, {st['samples']} rounds"
+                 + (f", {st['loop']} runs a sample" if st["loop"] > 1 else "")
+                 + (f"; on {cal['inputs']})" if cal else ")"))
+  if cal and cal.get("share_of_step") is not None:
+    lines.append("    timed: the swap saves "
+                 + _of_step(cal["share_of_step"],
+                            cal.get("share_of_step_interval"))[2:-1]
+                 + f" (timing stopped: {cal['stopped']}, budget "
+                 f"{cal['budget_s']:g} s)")
   m = data.get("measured")
   if m:
     lines.append(f"    measured: {m['summary']}")
   for c, e in data["errors"].items():
     lines.append(f"    measure=True: {e}" if c == "measure" else
                  f"    {_SHORT.get(c, c)} did not trace: {e}")
-  lines.append(f"    audit took {data['audit_seconds']:.2f} s "
-               f"({data['audit_cost_in_compiles']:.1f}x one trace+compile)")
+  lines.append(f"    audit took {cost_text(data)}")
   return "\n".join(lines)
+
+
+def cost_text(data: dict) -> str:
+  """What the audit took, all of it, with its parts (``audit_cost``)."""
+  c = data.get("audit_cost")
+  ratio = f"{data['audit_cost_in_compiles']:.1f}x one trace+compile"
+  if not c:
+    return f"{data['audit_seconds']:.2f} s ({ratio})"
+  parts = [f"trace and compile {c['trace_compile_s']:.2f} s"]
+  if c.get("rule_timing_s"):
+    parts.append(f"rule and step timing {c['rule_timing_s']:.2f} s")
+  if c.get("measure_s"):
+    parts.append(f"A/B {c['measure_s']:.2f} s")
+  return f"{c['total_s']:.2f} s ({', '.join(parts)}; {ratio})"
 
 
 def seconds_text(x: float) -> str:
@@ -140,10 +168,13 @@ def seconds_text(x: float) -> str:
   return f"{x * 1e9:.3g} ns"
 
 
-def _of_step(share) -> str:
+def _of_step(share, interval=None) -> str:
   if share is None:
     return ""
-  return f" ({0.0 if abs(share) < 5e-4 else share:.1%} of the step)"
+  text = f"{0.0 if abs(share) < 5e-4 else share:.1%} of the step"
+  if interval:
+    text += f", 95% interval {interval[0]:+.1%} to {interval[1]:+.1%}"
+  return f" ({text})"
 
 
 def _share(r) -> str:
@@ -154,8 +185,12 @@ def _saving_cell(predicted: dict) -> str:
   """The HTML table's saving: the rules' timed estimate first where there
   is one (as the text table leads with it), then the time model's."""
   model = _share(predicted.get("share_of_step"))
-  cal = (predicted.get("calibrated") or {}).get("share_of_step")
-  return model if cal is None else f"{_share(cal)} timed; {model} model"
+  timed = predicted.get("calibrated") or {}
+  cal, iv = timed.get("share_of_step"), timed.get("share_of_step_interval")
+  if cal is None:
+    return model
+  within = f" ({_share(iv[0])} to {_share(iv[1])})" if iv else ""
+  return f"{_share(cal)}{within} timed; {model} model"
 
 
 def _ratio(r) -> str:

@@ -28,11 +28,15 @@ LEVEL = 0.95
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-  """A median and its ``LEVEL`` interval, over ``samples`` samples."""
+  """A median and its interval, over ``samples`` samples; ``level``: the
+  probability that the interval holds the true median (``LEVEL`` asked;
+  less where there were too few samples for it; a point estimate, with
+  ``samples == 0``, keeps the default)."""
   median: float
   low: float
   high: float
   samples: int
+  level: float = LEVEL
 
   @property
   def half_width(self) -> float:
@@ -59,9 +63,16 @@ def _ranks(n: int, level: float) -> tuple[int, int] | None:
   return None if j < 0 else (j, n - 1 - j)
 
 
+def coverage(n: int, j: int) -> float:
+  """The probability that ``[x(j), x(n-1-j)]`` (0-based order statistics
+  of ``n`` samples) holds the median: ``1 - 2 P(B <= j)``."""
+  return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(j + 1)) / 2.0 ** n
+
+
 def median_interval(xs: Sequence[float], level: float = LEVEL) -> Interval:
   """The median of ``xs`` and its distribution-free ``level`` interval
-  (order statistics; with too few samples for ``level``, the range)."""
+  (order statistics; with too few samples for ``level``, the range, and
+  ``Interval.level`` says how likely it is to hold the median)."""
   v = sorted(float(x) for x in xs)
   n = len(v)
   if n == 0:
@@ -69,8 +80,8 @@ def median_interval(xs: Sequence[float], level: float = LEVEL) -> Interval:
   mid = (v[(n - 1) // 2] + v[n // 2]) / 2
   ranks = _ranks(n, level)
   if ranks is None:
-    return Interval(mid, v[0], v[-1], n)
-  return Interval(mid, v[ranks[0]], v[ranks[1]], n)
+    return Interval(mid, v[0], v[-1], n, coverage(n, 0))
+  return Interval(mid, v[ranks[0]], v[ranks[1]], n, coverage(n, ranks[0]))
 
 
 def ratio_interval(num: Sequence[float], den: Sequence[float],
@@ -124,27 +135,83 @@ def rounds(programs: dict[Hashable, Callable[[], object]], *,
       return samples, "budget"
 
 
-def repeat_in_loop(fn: Callable, k: int) -> Callable:
+# a sample of a looped program is made this long (seconds) where one run is
+# shorter: long against a dispatch (tens of microseconds on a CPU, a few on
+# an accelerator), so that no subtraction is needed
+TARGET_S = 5e-3
+MAX_LOOP = 100_000
+
+
+def loop_program(fn: Callable, sets: int = 1) -> Callable:
   """``fn`` (arrays in, a pytree of arrays out) run ``k`` times in one
-  compiled loop, each run's inputs depending on the previous run's outputs
-  so that XLA can neither hoist a run out of the loop nor merge two: each
-  inexact input gets ``where(flag, s, 0)`` added, ``s`` one element of the
-  previous outputs and ``flag`` a traced ``False``, so every run sees the
-  original values. The result takes ``(flag, *args)``; pass
-  ``jnp.asarray(False)``. Inputs that are not inexact arrays pass through
-  unchanged (a rule with none still runs ``k`` times, chained by its
-  outputs where XLA cannot prove them unused: a kernel, a callback)."""
-  def looped(flag, *args):
-    def body(_, carry):
-      ins, acc = carry
-      outs = jax.tree.leaves(fn(*ins))
-      s = sum((jnp.ravel(o)[0].astype(jnp.float32) for o in outs
+  compiled loop: the result takes ``(k, flag, *args)`` (``k`` a traced
+  int32, so that one compile serves every ``k``; ``flag``: pass
+  ``jnp.asarray(False)``) and returns a float32 scalar.
+
+  Each run's inputs depend on the previous run's outputs, so that XLA can
+  neither hoist a run out of the loop nor merge two: each inexact input
+  gets ``where(flag, s, 0)`` added, ``s`` the first element of each of the
+  previous run's outputs, and ``flag`` is a traced ``False``, so every run
+  sees the original values. The outputs are carried by the loop, so that
+  each run computes all of them (a fused consumer of one element alone
+  would compute one element of an elementwise rule). The added term is
+  fused into the rule's first operations where XLA can (a JAX-coded rule);
+  a kernel's operand is materialized, as in the step.
+
+  ``sets > 1``: each argument has a leading axis of ``sets`` input sets,
+  and run ``i`` takes set ``i % sets`` (a rule timed on several calls'
+  values at once: its mean time over them). Inputs that are not inexact
+  arrays pass through unchanged."""
+  def looped(k, flag, *args):
+    pick = ((lambda i, x: jax.lax.dynamic_index_in_dim(
+        x, i % sets, keepdims=False)) if sets > 1 else (lambda i, x: x))
+    shapes = jax.eval_shape(fn, *[pick(0, x) for x in args])
+    first = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    def body(i, carry):
+      outs, acc = carry
+      s = sum((jnp.ravel(o)[0].astype(jnp.float32)
+               for o in jax.tree.leaves(outs)
                if o.size and jnp.issubdtype(o.dtype, jnp.number)),
               jnp.float32(0))
       bump = jnp.where(flag, s, jnp.float32(0))
-      ins = tuple(x + bump.astype(x.dtype)
-                  if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
-                  for x in ins)
-      return ins, acc + bump
-    return jax.lax.fori_loop(0, k, body, (tuple(args), jnp.float32(0)))[1]
+      ins = tuple(pick(i, x) + bump.astype(x.dtype)
+                  if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+                  else pick(i, x) for x in args)
+      return fn(*ins), acc + bump
+    return jax.lax.fori_loop(0, k, body, (first, jnp.float32(0)))[1]
   return jax.jit(looped)
+
+
+def repeat_in_loop(fn: Callable, k: int) -> Callable:
+  """``fn`` run ``k`` times in one compiled loop (``loop_program``): the
+  result takes ``(flag, *args)``; pass ``jnp.asarray(False)``. A rule with
+  no inexact input still runs ``k`` times, chained by its carried outputs
+  where XLA cannot prove them unchanged (a kernel, a callback)."""
+  program = loop_program(fn)
+  return lambda flag, *args: program(jnp.int32(k), flag, *args)
+
+
+def loop_length(run: Callable[[int], object], target_s: float = TARGET_S,
+                max_loop: int = MAX_LOOP, tries: int = 3,
+                clock: Callable[[], float] = time.perf_counter
+                ) -> tuple[int, float]:
+  """The ``k`` for which one sample of ``run(k)`` (a looped program;
+  waited for) lasts at least ``target_s``: from ``k = 1`` up, each guess
+  scaled by the target over the last sample (at least doubled), at most
+  ``max_loop``; each sample the least of ``tries`` (a sample the machine's
+  load interrupted would otherwise stop the search early). Returns ``(k,
+  seconds of the last sample)``; ``run(1)`` first runs once more (a first
+  run may compile or allocate)."""
+  jax.block_until_ready(run(1))
+  k = 1
+  while True:
+    took = math.inf
+    for _ in range(tries):
+      t = clock()
+      jax.block_until_ready(run(k))
+      took = min(took, clock() - t)
+    if took >= target_s or k >= max_loop:
+      return k, took
+    k = min(max_loop, max(2 * k, math.ceil(k * 1.2 * target_s
+                                            / max(took, 1e-9))))

@@ -138,8 +138,11 @@ def _scoped(fn, name):
 class Recorder:
   """The sites found while one configuration is traced."""
 
-  def __init__(self, config: str, sites: dict):
+  def __init__(self, config: str, sites: dict, wrap=None):
     self.config = config
+    # wrap(site, role, rule) -> rule: each twin's scoped rule wrapped once
+    # more (``_calibrate``'s capture of the values the rules are given)
+    self.wrap = wrap or (lambda site, role, rule: rule)
     self.sites = sites          # id(original) -> Site, shared by configs
     self.calls: dict = {}       # site index -> calls made in this trace
     self.twins: set = set()
@@ -181,9 +184,10 @@ class Recorder:
     if config == "as_is":   # each site as its own decorator makes it
       config = ("as_written" if site.kind == "jax.custom_vjp"
                 else "smartvjp_fused")
-    name = lambda role: C.tag(site.index, call, role)
-    fun = _scoped(site.fun, name("f"))
-    fwd, bwd = _scoped(site.fwd, name("fwd")), _scoped(site.bwd, name("bwd"))
+    scoped = lambda fn, role: fn and self.wrap(
+        site, role, _scoped(fn, C.tag(site.index, call, role)))
+    fun = scoped(site.fun, "f")
+    fwd, bwd = scoped(site.fwd, "fwd"), scoped(site.bwd, "bwd")
     if config in ("as_written", "optimize_remat"):
       if site.fwd is None or site.bwd is None:
         return "unavailable"
@@ -198,7 +202,7 @@ class Recorder:
       twin.defvjp(fwd if site.fwd is not None else None, bwd,
                   symbolic_zeros=site.symbolic_zeros,
                   generic_batching=site.generic_batching or None,
-                  fwd_bwd=_scoped(site.fwd_bwd, name("fwd_bwd"))
+                  fwd_bwd=scoped(site.fwd_bwd, "fwd_bwd")
                   if fused else None,
                   # smartvjp_fused runs the fused pair wherever it can
                   fused=True if fused and site.fwd is not None
@@ -240,11 +244,12 @@ _HOOKS = [(cls, _hook(kind, call)) for cls, kind, call in _CLASSES]
 
 
 @contextlib.contextmanager
-def recording(config: str, sites: dict):
-  """Inside the block, custom-VJP calls go through ``config``'s twins."""
+def recording(config: str, sites: dict, wrap=None):
+  """Inside the block, custom-VJP calls go through ``config``'s twins
+  (``wrap``: see ``Recorder``)."""
   with _LOCK:
     saved = [(cls, cls.__call__) for cls, _ in _HOOKS]
-    rec = Recorder(config, sites)
+    rec = Recorder(config, sites, wrap)
     _ACTIVE.append(rec)
     for cls, hook in _HOOKS:
       cls.__call__ = hook
