@@ -47,61 +47,66 @@ def _signed(n, fmt=human_bytes) -> str:
 
 
 def table(data: dict) -> str:
-  configs = data["configs"]
   lines = [f"smartvjp.audit of {data['function']} (jax {data['jax_version']}, "
            f"{data['backend']}; runs per step, compiled)"]
   for s in data["sites"]:
-    lines.append("")
-    lines.append(f"[{s['index']}] {s['name']}  ({s['kind']}, "
-                 f"{'opaque' if s['opaque'] else 'JAX-coded'})")
-    lines.append(f"    defined at {s['defined_at']}")
-    for c in dict.fromkeys(s["called_at"]):
-      lines.append(f"    called at  {c}")
-    lines.append(f"    path {s['path']}  ×{s['multiplicity']} per step"
-                 + (f", policy {s['policy']}" if s["policy"] else ""))
-    for c in configs:
-      rb = s["residual_bytes"].get(c, {})
-      lines.append(f"    {_SHORT.get(c, c):17} {runs_text(s['runs'].get(c), no_work=s.get('no_work', ())):40}"
-                   f" residuals written {human_bytes(rb.get('written'))},"
-                   f" dropped {human_bytes(rb.get('dropped'))}")
-    for leaf in s["residuals"]:
-      fates = ", ".join(f"{_SHORT.get(c, c)}: {f}"
-                        for c, f in leaf["fate"].items())
-      lines.append(f"    residual {leaf['path']} {leaf['dtype']}{leaf['shape']}"
-                   f" {human_bytes(leaf['bytes'])}"
-                   + (f" name={leaf['name']!r}" if leaf["name"] else "")
-                   + f" ({fates})")
-    cal = s["predicted"].get("calibrated")
-    if cal and cal.get("seconds_saved") is not None:
-      lines.append(f"    predicted saving {seconds_text(cal['seconds_saved'])}"
-                   " per step" + _of_step(cal.get("share_of_step"),
-                                          cal.get("share_of_step_interval"))
-                   + " (its rules timed)")
-    saved = s["predicted"].get("seconds_saved")
-    if s["predicted"].get("unpriced"):
-      lines.append("    model saving: —, unpriced: calibrate=True times it ("
-                   + "; ".join(f"{r}: {', '.join(k)}" for r, k in
-                               s["predicted"]["unpriced"].items())
-                   + ": kernels whose cost XLA cannot see)")
-    elif saved is not None:
-      lines.append(f"    {'model' if cal else 'predicted'} saving "
-                   f"{seconds_text(saved)} per step"
-                   + _of_step(s["predicted"].get("share_of_step"))
-                   + " (roofline of its rules' own costs)")
-    opp = s.get("fwd_bwd_opportunity")
-    if opp:
-      lines.append(f"    fwd_bwd opportunity: fwd then bwd {opp['runs']}x "
-                   "per step in the backward region; fused, "
-                   f"{human_bytes(opp['residual_bytes_not_written'])} of "
-                   f"residuals not written, {opp['launches_not_made']} "
-                   "kernel launches not made")
-    lines.append(f"    suggestion: {s['suggestion']}")
-    for h in s["hazards"]:
-      lines.append(f"    hazard: {h}")
-  p = data.get("predicted") or {}
-  lines.append("")
-  lines.append("step:")
+    lines += ["", *_site_lines(s, data["configs"])]
+  return "\n".join(lines + ["", "step:", *_step_lines(data)])
+
+
+def _site_lines(s: dict, configs) -> list[str]:
+  lines = [f"[{s['index']}] {s['name']}  ({s['kind']}, "
+           f"{'opaque' if s['opaque'] else 'JAX-coded'})",
+           f"    defined at {s['defined_at']}"]
+  for c in dict.fromkeys(s["called_at"]):
+    lines.append(f"    called at  {c}")
+  lines.append(f"    path {s['path']}  ×{s['multiplicity']} per step"
+               + (f", policy {s['policy']}" if s["policy"] else ""))
   for c in configs:
+    rb = s["residual_bytes"].get(c, {})
+    lines.append(f"    {_SHORT.get(c, c):17} {runs_text(s['runs'].get(c), no_work=s.get('no_work', ())):40}"
+                 f" residuals written {human_bytes(rb.get('written'))},"
+                 f" dropped {human_bytes(rb.get('dropped'))}")
+  for leaf in s["residuals"]:
+    fates = ", ".join(f"{_SHORT.get(c, c)}: {f}"
+                      for c, f in leaf["fate"].items())
+    lines.append(f"    residual {leaf['path']} {leaf['dtype']}{leaf['shape']}"
+                 f" {human_bytes(leaf['bytes'])}"
+                 + (f" name={leaf['name']!r}" if leaf["name"] else "")
+                 + f" ({fates})")
+  cal = s["predicted"].get("calibrated")
+  if cal and cal.get("seconds_saved") is not None:
+    lines.append(f"    predicted saving {seconds_text(cal['seconds_saved'])}"
+                 " per step" + _of_step(cal.get("share_of_step"),
+                                        cal.get("share_of_step_interval"))
+                 + " (its rules timed)")
+  saved = s["predicted"].get("seconds_saved")
+  if s["predicted"].get("unpriced"):
+    lines.append("    model saving: —, unpriced: calibrate=True times it ("
+                 + "; ".join(f"{r}: {', '.join(k)}" for r, k in
+                             s["predicted"]["unpriced"].items())
+                 + ": kernels whose cost XLA cannot see)")
+  elif saved is not None:
+    lines.append(f"    {'model' if cal else 'predicted'} saving "
+                 f"{seconds_text(saved)} per step"
+                 + _of_step(s["predicted"].get("share_of_step"))
+                 + " (roofline of its rules' own costs)")
+  opp = s.get("fwd_bwd_opportunity")
+  if opp:
+    lines.append(f"    fwd_bwd opportunity: fwd then bwd {opp['runs']}x "
+                 "per step in the backward region; fused, "
+                 f"{human_bytes(opp['residual_bytes_not_written'])} of "
+                 f"residuals not written, {opp['launches_not_made']} "
+                 "kernel launches not made")
+  lines.append(f"    suggestion: {s['suggestion']}")
+  for h in s["hazards"]:
+    lines.append(f"    hazard: {h}")
+  return lines
+
+
+def _step_lines(data: dict) -> list[str]:
+  lines, p = [], data.get("predicted") or {}
+  for c in data["configs"]:
     st = data["step"][c]
     lines.append(f"    {_SHORT.get(c, c):17} peak {human_bytes(st['memory'].get('peak'))}"
                  f", temp {human_bytes(st['memory'].get('temp'))}"
@@ -140,7 +145,7 @@ def table(data: dict) -> str:
     lines.append(f"    measure=True: {e}" if c == "measure" else
                  f"    {_SHORT.get(c, c)} did not trace: {e}")
   lines.append(f"    audit took {cost_text(data)}")
-  return "\n".join(lines)
+  return lines
 
 
 def cost_text(data: dict) -> str:
