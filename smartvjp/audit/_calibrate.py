@@ -182,7 +182,7 @@ def attach(data: dict, builds: dict, advise) -> None:
       step_seconds=step_seconds,
       step_seconds_source=source,
       timing_seconds=time.perf_counter() - t0)
-  if data.get("measured"):
+  if (data.get("measured") or {}).get("paired_ratio") is not None:
     verdict(data)
 
 

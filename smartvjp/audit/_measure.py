@@ -1,0 +1,328 @@
+"""``measure=True``: each site's saving measured in the step.
+
+The compiled step is run on the user's own arguments as written, with one
+site swapped (one program per site), and with every site swapped, in
+interleaved rounds (``_timing.rounds``: each program once a round, the order
+rotated), until the 95% interval of every paired saving is inside the
+tolerance band, or a time budget runs out. A saving is ``1 - r``, ``r`` the
+median of the paired ratios (the swapped program's seconds over the
+as-written one's in the same round; ``_timing.ratio_interval``), so a share
+of the whole step's wall time: the same basis for a site and for the step,
+on one device or on many (``shard_map``: every device runs its shard at
+once, and the step's time is theirs).
+
+A site is swapped to its ``best_config`` (``smartvjp_fused`` where it has a
+``fwd_bwd``, else ``smartvjp``); the configuration with only some sites
+swapped is ``_trace.swapped``, traced and compiled like the audit's others.
+A configuration that does not trace, compile or run is recorded with its
+error, not raised.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from smartvjp import _facade as jx
+from smartvjp.audit import _timing
+from smartvjp.audit import _trace as T
+
+# the tolerance band a measured saving is narrow enough within (issue 68):
+# its interval's half-width at most a quarter of it or one point of the
+# step, whichever is larger, or at most half a point
+RELATIVE, ABSOLUTE, NARROW = 0.25, 0.01, 0.005
+# default seconds of timing rounds (the warm-up and compiles come on top)
+BUDGET_S = 20.0
+# the fewest rounds whose order statistics give a 95% interval of a median
+MIN_ROUNDS = 6
+ALL = "all"
+
+
+def band(saving: float) -> float:
+  """The tolerance band around a saving (a share of the step)."""
+  return max(RELATIVE * abs(saving), ABSOLUTE)
+
+
+def settled(saving: _timing.Interval) -> bool:
+  """Whether a saving's interval is narrow enough to stop timing."""
+  if saving.samples < MIN_ROUNDS:
+    return False
+  return saving.half_width <= max(band(saving.median), NARROW)
+
+
+def dynamic_arguments(fn, args, kwargs) -> tuple[tuple, dict]:
+  """The arguments a compiled ``fn`` takes: without those ``jax.jit`` made
+  static (``static_argnums``/``static_argnames``), which it was compiled
+  for."""
+  nums, names = jx.jit_static_arguments(fn)
+  nums = {i % len(args) for i in nums if -len(args) <= i < len(args)}
+  return (tuple(a for i, a in enumerate(args) if i not in nums),
+          {k: v for k, v in kwargs.items() if k not in names})
+
+
+def concrete(tree, seed: int = 0) -> tuple:
+  """``(tree with each jax.ShapeDtypeStruct made an array, the pytree paths
+  made up)``: floats drawn from N(0, 1) (the scale of normalized
+  activations and initialized weights), integers and booleans zero (valid
+  indices); arrays as given."""
+  rng = np.random.default_rng(seed)
+  made: list = []
+
+  def leaf(path, x):
+    if not isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    made.append(jax.tree_util.keystr(path) or "(the argument)")
+    dtype = np.dtype(x.dtype)
+    if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+      return jax.numpy.zeros(x.shape, x.dtype)
+    return jax.numpy.asarray(rng.standard_normal(x.shape), x.dtype)
+  out = jax.tree_util.tree_map_with_path(leaf, tree)
+  return out, made
+
+
+def swap_choices(sites: list) -> dict:
+  """``{site index: its best configuration}`` of the report's sites that
+  can be swapped (not refused, not already ``smart_custom_vjp``)."""
+  return {s["index"]: s["best_config"] for s in sites
+          if s["refused"] is None and s["kind"] == "jax.custom_vjp"}
+
+
+def candidate(data: dict) -> str:
+  """The configuration with every site swapped: the report's candidate, or
+  where it did not build, the one that failed."""
+  return data["predicted"].get("candidate") or (
+      "smartvjp_fused" if "smartvjp_fused" in data["errors"] else "smartvjp")
+
+
+def plan(data: dict, builds: dict) -> tuple[dict, dict, dict]:
+  """``({program: configuration to build}, {program: Build already built},
+  {program: error})``: ``as_written``, ``ALL`` (every site swapped: the
+  report's ``candidate``, built already, or its error) and a program per
+  swappable site (``("site", index)``), whose configuration swaps it
+  alone. With one swappable site its program is ``ALL``'s."""
+  choices = swap_choices(data["sites"])
+  cand = candidate(data)
+  ready, todo, errors = {"as_written": builds["as_written"]}, {}, {}
+  if cand in builds:
+    ready[ALL] = builds[cand]
+  else:
+    errors[ALL] = data["errors"].get(cand, f"{cand} was not built")
+  for i, best in sorted(choices.items()):
+    key = ("site", i)
+    if len(choices) > 1:
+      todo[key] = T.swapped({i: best})
+    elif ALL in ready:
+      ready[key] = ready[ALL]
+    else:
+      errors[key] = errors[ALL]
+  return todo, ready, errors
+
+
+def _error(e: Exception) -> str:
+  return f"{type(e).__name__}: {str(e).strip()[:500]}"
+
+
+def _saving(ratio: _timing.Interval) -> _timing.Interval:
+  return _timing.Interval(1.0 - ratio.median, 1.0 - ratio.high,
+                          1.0 - ratio.low, ratio.samples)
+
+
+def measure(builds: dict, data: dict, args, kwargs, *, fn,
+            compile_configs: Callable, budget_s: float = BUDGET_S,
+            min_rounds: int = MIN_ROUNDS) -> dict:
+  """Measures the step's and each site's saving (see the module).
+
+  Args:
+    builds: ``{configuration: _analysis.Build}`` of the audit (compiled);
+      ``as_written`` must be among them.
+    data: the report (``_analysis.analyse``); each site that was timed
+      gets ``site["measured"]``: ``{"saving", "interval", "ratio",
+      "rounds", "stopped"}`` or ``{"error"}``.
+    args, kwargs: the step's arguments (arrays, or ``ShapeDtypeStruct``
+      filled by ``concrete``).
+    fn: the step (for its ``jax.jit`` static arguments).
+    compile_configs: ``configs -> ({config: Build}, {config: error})``,
+      ``_analysis._build_all`` bound to the step and its sites (traced in
+      turn, compiled in parallel threads).
+    budget_s: seconds of timing rounds at most (the first round always
+      completes).
+    min_rounds: rounds before the intervals are judged.
+
+  Returns:
+    ``data["measured"]``: the step's A/B (``docs/audit.md``, ``measured``);
+    ``measure_s``: the seconds it took (compiles, warm-up, rounds);
+    ``error`` where the step as written did not run.
+  """
+  t0 = time.perf_counter()
+  cand = candidate(data)
+  if "as_written" not in builds:
+    error = ("the step as written did not build: "
+             + data["errors"].get("as_written", "?"))
+    return dict(candidate=cand, error=error, summary=error, pairs=0,
+                rounds=0, stopped=None, measure_s=time.perf_counter() - t0)
+  todo, ready, errors = plan(data, builds)
+  distinct = sorted(set(todo.values()))
+  built, build_errors = (compile_configs(tuple(distinct)) if distinct
+                         else ({}, {}))
+  for key, config in todo.items():
+    if config in built:
+      ready[key] = built[config]
+    else:
+      errors[key] = build_errors.get(config, "did not build")
+  compile_s = time.perf_counter() - t0
+  dyn_args, dyn_kwargs = dynamic_arguments(fn, args, kwargs)
+  dyn_args, made_args = concrete(dyn_args, 0)
+  dyn_kwargs, made_kwargs = concrete(dyn_kwargs, 1)
+  made = made_args + [f"{k}" for k in made_kwargs]
+  programs = {}
+  for key, b in ready.items():
+    program = (lambda c=b.compiled: c(*dyn_args, **dyn_kwargs))
+    try:
+      jax.block_until_ready(program())   # the warm-up run
+    except Exception as e:   # noqa: BLE001  (recorded, not raised)
+      errors[key] = _error(e)
+      continue
+    programs[key] = program
+  inputs = ("the step's own arguments" if not made else
+            "made up for the ShapeDtypeStruct argument(s) "
+            + ", ".join(made) + ": N(0, 1) floats, zero integers")
+  out = dict(candidate=cand, inputs=inputs, budget_s=budget_s,
+             errors={_key_text(k): v for k, v in errors.items()})
+  if "as_written" not in programs:
+    error = "the step as written did not run: " + errors.get("as_written", "?")
+    out.update(error=error, summary=error, pairs=0, rounds=0,
+               stopped=None, measure_s=time.perf_counter() - t0)
+    _site_results(data, {}, errors, 0)
+    return out
+  swapped = [k for k in programs if k != "as_written"]
+
+  def savings(samples: dict) -> dict:
+    base = samples["as_written"]
+    return {k: _saving(_timing.ratio_interval(samples[k], base))
+            for k in swapped}
+
+  def done(samples: dict) -> bool:
+    return all(settled(s) for s in savings(samples).values())
+
+  t1 = time.perf_counter()
+  samples, why = _timing.rounds(programs, done=done, budget_s=budget_s,
+                                min_rounds=min_rounds)
+  timing_s = time.perf_counter() - t1
+  n = len(samples["as_written"])
+  stopped = "converged" if why == "converged" else "budget"
+  by_key = savings(samples)
+  _site_results(data, by_key, errors, n)
+  out.update(pairs=n, rounds=n, stopped=stopped,
+             seconds={c: _seconds(samples[k]) for c, k in (
+                 ("as_written", "as_written"), (cand, ALL)) if k in samples})
+  if ALL in by_key:
+    ratios = [b / a for a, b in zip(samples["as_written"], samples[ALL])]
+    step = by_key[ALL]
+    lo, hi = (float(np.percentile(ratios, q)) for q in (25, 75))
+    out.update(
+        paired_ratio=1.0 - step.median, paired_ratio_iqr=[lo, hi],
+        measured_saving=step.median,
+        measured_saving_interval=[step.low, step.high])
+    summary = (f"{cand} / jax.custom_vjp = {1.0 - step.median:.3f} (paired, "
+               f"median of {n}; its 95% interval {1.0 - step.high:.3f}-"
+               f"{1.0 - step.low:.3f})")
+  else:
+    out.update(paired_ratio=None, paired_ratio_iqr=None,
+               measured_saving=None, measured_saving_interval=None,
+               error=f"{cand}: {errors.get(ALL, '?')}")
+    summary = f"{cand} did not run: {errors.get(ALL, '?')}"
+  pred = data["predicted"].get("predicted_ratio")
+  out.update(
+      predicted_ratio=pred,
+      predicted_bytes_accessed_ratio=data["predicted"].get(
+          "bytes_accessed_ratio"),
+      disagrees=None,
+      summary=summary + "; predicted (roofline) "
+      + ("—" if pred is None else f"{pred:.3f}")
+      + f"; {stopped} after {n} rounds, {timing_s:.1f} s",
+      timing_s=timing_s, compile_s=compile_s,
+      measure_s=time.perf_counter() - t0)
+  return out
+
+
+def _key_text(key) -> str:
+  return f"site {key[1]}" if isinstance(key, tuple) else str(key)
+
+
+def _seconds(xs: list) -> dict:
+  iv = _timing.median_interval(xs)
+  return dict(median=iv.median, min=float(min(xs)), max=float(max(xs)),
+              low=iv.low, high=iv.high)
+
+
+def _site_results(data: dict, by_key: dict, errors: dict, n: int) -> None:
+  for s in data["sites"]:
+    key = ("site", s["index"])
+    if key in by_key:
+      iv = by_key[key]
+      s["measured"] = dict(
+          saving=iv.median, interval=[iv.low, iv.high],
+          ratio=1.0 - iv.median, rounds=n,
+          stopped="converged" if settled(iv) else "budget")
+    elif key in errors:
+      s["measured"] = {"error": errors[key]}
+
+
+def interval(site: dict) -> _timing.Interval | None:
+  """A site's measured saving as an ``Interval`` (``None`` where it was not
+  measured)."""
+  m = site.get("measured")
+  if not m or "saving" not in m:
+    return None
+  return _timing.Interval(m["saving"], m["interval"][0], m["interval"][1],
+                          m["rounds"])
+
+
+# -- the advice (a stand-in for a68time's _calibrate.advice, same rules) -------
+
+WORTH = 0.005
+
+
+def advice(estimate: _timing.Interval | None,
+           measured: _timing.Interval | None = None) -> str:
+  """``"swap"``, ``"no action"`` or ``"cannot tell"`` from a saving's
+  interval (a share of the step), the measured one where given, else the
+  estimate (a point estimate: an ``Interval`` of zero width): "swap" where
+  it lies above 0 and its median is at least ``WORTH``; "no action" where
+  it lies below ``WORTH``, or holds 0 and is no wider than the tolerance
+  band (``band``); otherwise "cannot tell"."""
+  saving = measured if measured is not None else estimate
+  if saving is None:
+    return "cannot tell"
+  if saving.low > 0 and saving.median >= WORTH:
+    return "swap"
+  if saving.high < WORTH or (saving.holds(0.0) and saving.half_width
+                              <= band(saving.median)):
+    return "no action"
+  return "cannot tell"
+
+
+def estimate(site: dict) -> _timing.Interval | None:
+  """A site's estimated saving: its rules timed alone
+  (``predicted.calibrated``, with its interval where it has one), else the
+  time model's point (``predicted.share_of_step``); ``None`` without
+  either."""
+  cal = site["predicted"].get("calibrated") or {}
+  share = cal.get("share_of_step")
+  if share is not None:
+    lo, hi = cal.get("share_of_step_interval") or (share, share)
+    return _timing.Interval(share, lo, hi, 0)
+  share = site["predicted"].get("share_of_step")
+  return None if share is None else _timing.Interval(share, share, share, 0)
+
+
+def site_advice(site: dict) -> str:
+  """The advice for a site of the report: none but "no action" for a site
+  that cannot be swapped (refused, or already ``smart_custom_vjp``); else
+  ``advice`` of its measured saving where measured, else its estimate."""
+  if site["refused"] is not None or site["kind"] != "jax.custom_vjp":
+    return "no action"
+  return advice(estimate(site), interval(site))
