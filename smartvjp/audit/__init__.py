@@ -313,6 +313,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
     _calibrate.attach(data, builds, _audit.suggestion)
   for s in data["sites"]:
     s["advice"] = _measure.site_advice(s)
+    s["suggestion"] = _measure.suggestion(s)
   return Audit(data, builds)
 
 

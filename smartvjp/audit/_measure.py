@@ -177,8 +177,14 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
   dyn_args, made_args = concrete(dyn_args, 0)
   dyn_kwargs, made_kwargs = concrete(dyn_kwargs, 1)
   made = made_args + [f"{k}" for k in made_kwargs]
-  programs = {}
+  programs, alias, first = {}, {}, {}   # one program per distinct build
   for key, b in ready.items():
+    if id(b) in first:
+      alias[key] = first[id(b)]
+      if alias[key] in errors:
+        errors[key] = errors[alias[key]]
+      continue
+    first[id(b)] = alias[key] = key
     program = (lambda c=b.compiled: c(*dyn_args, **dyn_kwargs))
     try:
       jax.block_until_ready(program())   # the warm-up run
@@ -197,11 +203,11 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
                stopped=None, measure_s=time.perf_counter() - t0)
     _site_results(data, {}, errors, 0)
     return out
-  swapped = [k for k in programs if k != "as_written"]
+  swapped = [k for k in alias if k != "as_written" and alias[k] in programs]
 
   def savings(samples: dict) -> dict:
     base = samples["as_written"]
-    return {k: _saving(_timing.ratio_interval(samples[k], base))
+    return {k: _saving(_timing.ratio_interval(samples[alias[k]], base))
             for k in swapped}
 
   def done(samples: dict) -> bool:
@@ -216,10 +222,12 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
   by_key = savings(samples)
   _site_results(data, by_key, errors, n)
   out.update(pairs=n, rounds=n, stopped=stopped,
-             seconds={c: _seconds(samples[k]) for c, k in (
-                 ("as_written", "as_written"), (cand, ALL)) if k in samples})
+             seconds={c: _seconds(samples[alias[k]]) for c, k in (
+                 ("as_written", "as_written"), (cand, ALL)) if k in by_key
+                 or k == "as_written"})
   if ALL in by_key:
-    ratios = [b / a for a, b in zip(samples["as_written"], samples[ALL])]
+    ratios = [b / a for a, b in zip(samples["as_written"],
+                                    samples[alias[ALL]])]
     step = by_key[ALL]
     lo, hi = (float(np.percentile(ratios, q)) for q in (25, 75))
     out.update(
@@ -326,3 +334,37 @@ def site_advice(site: dict) -> str:
   if site["refused"] is not None or site["kind"] != "jax.custom_vjp":
     return "no action"
   return advice(estimate(site), interval(site))
+
+
+def _pct(x: float) -> str:
+  return f"{x:.1%}"
+
+
+def measured_text(m: dict) -> str:
+  """One line of a site's ``measured`` for people."""
+  if "error" in m:
+    return f"not measured: the step with it swapped failed: {m['error']}"
+  lo, hi = m["interval"]
+  return (f"{_pct(m['saving'])} of the step saved (95% interval "
+          f"{_pct(lo)} to {_pct(hi)}, {m['rounds']} rounds, {m['stopped']})")
+
+
+def suggestion(site: dict) -> str:
+  """The site's suggestion, following its measured saving where it was
+  measured (else the estimate's suggestion, ``site["suggestion"]``, as
+  it is)."""
+  m, current = site.get("measured"), site["suggestion"]
+  if not m or "error" in m:
+    return current
+  text = "measured in the step: " + measured_text(m)
+  kind = site["advice"]
+  if kind == "swap":
+    how = (current.removeprefix("swap: ") if current.startswith("swap: ")
+           else f"decorate {site['name']} with smartvjp.smart_custom_vjp, "
+           "or report.apply(step)")
+    return f"swap ({text}): {how}"
+  if kind == "no action":
+    return f"no action ({text})"
+  points = (m["interval"][1] - m["interval"][0]) / 2 * 100
+  return (f"cannot tell (±{points:.1f} points; {text}): a larger "
+          "budget= narrows the interval")

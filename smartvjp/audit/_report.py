@@ -75,6 +75,8 @@ def table(data: dict) -> str:
                    f"{seconds_text(saved)} per step"
                    + _of_step(s["predicted"].get("share_of_step"))
                    + " (roofline of its rules' own costs)")
+    if s.get("measured"):
+      lines.append("    measured " + _measured_text(s["measured"]))
     lines.append(f"    suggestion: {s['suggestion']}")
     for h in s["hazards"]:
       lines.append(f"    hazard: {h}")
@@ -104,6 +106,15 @@ def table(data: dict) -> str:
   lines.append(f"    audit took {data['audit_seconds']:.2f} s "
                f"({data['audit_cost_in_compiles']:.1f}x one trace+compile)")
   return "\n".join(lines)
+
+
+def _measured_text(m: dict) -> str:
+  """A site's ``measured`` (``measure=True``) in one line."""
+  if "error" in m:
+    return f"saving: none, its swapped step failed: {m['error']}"
+  lo, hi = m["interval"]
+  return (f"saving {m['saving']:.1%} of the step (95% interval {lo:.1%} to "
+          f"{hi:.1%}, {m['rounds']} rounds, {m['stopped']})")
 
 
 def seconds_text(x: float) -> str:
