@@ -58,7 +58,7 @@ def test_optax_scale_gradient_in_a_checkpointed_scan():
     return jax.grad(loss, argnums=(0, 1))(x, ws)
 
   a = smartvjp.audit(step, jnp.ones((8, 32)), jnp.full((3, 32, 32), 0.1),
-                     measure=True, budget=1.0,
+                     measure=True, timing_budget=1.0,
                      configs=("as_written", "smartvjp"))
   # scale_gradient's fwd saves no residual: the backward pass recomputes
   # none of it, so fwd runs once a layer. (The jaxpr once held one unread
@@ -78,7 +78,7 @@ def test_jax_cce_fused_cross_entropy_under_checkpoint():
   S = jax.ShapeDtypeStruct
   a = smartvjp.audit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)),
                      S((256, 64), jnp.float32), S((512, 64), jnp.float32),
-                     measure=True, budget=1.0,
+                     measure=True, timing_budget=1.0,
                      configs=("as_written", "smartvjp"))
   s = _check(a, _package_dir(jax_cce))
   assert s["remat"] and s["policy"] == "nothing_saveable"

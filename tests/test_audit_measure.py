@@ -64,7 +64,7 @@ STEP = jax.value_and_grad(_loss)
 
 @pytest.fixture(scope="module")
 def report():
-  return smartvjp.audit(STEP, X, measure=True, budget=3.0,
+  return smartvjp.audit(STEP, X, measure=True, timing_budget=3.0,
                         configs=("as_written", "smartvjp"))
 
 
@@ -118,7 +118,7 @@ def test_the_step_measured_on_the_same_basis(report):
 
 def test_the_budget_is_honoured():
   t = time.perf_counter()
-  report = smartvjp.audit(STEP, X, measure=True, budget=0.2,
+  report = smartvjp.audit(STEP, X, measure=True, timing_budget=0.2,
                           configs=("as_written", "smartvjp"))
   m = report.measured
   # the rounds stop at the first round past the budget: 4 programs of at
@@ -131,10 +131,10 @@ def test_the_budget_is_honoured():
   assert time.perf_counter() - t < 60
 
 
-@pytest.mark.parametrize("budget", [0, -1.0, "3", True])
+@pytest.mark.parametrize("budget", [-1.0, float("nan"), "3", True])
 def test_a_bad_budget_is_refused(budget):
-  with pytest.raises(ValueError, match="budget must be a positive number"):
-    smartvjp.audit(STEP, X, measure=True, budget=budget)
+  with pytest.raises(ValueError, match="timing_budget must be a number"):
+    smartvjp.audit(STEP, X, measure=True, timing_budget=budget)
 
 
 def test_settled_table():
@@ -293,7 +293,7 @@ def test_a_swapped_step_that_does_not_trace_is_recorded():
   F = jax.custom_vjp(f)
   F.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
   step = jax.grad(lambda x: jnp.sum(jax.checkpoint(F)(x)))
-  report = smartvjp.audit(step, X, measure=True, budget=0.2,
+  report = smartvjp.audit(step, X, measure=True, timing_budget=0.2,
                           configs=("as_written", "smartvjp"))
   (s,) = report.sites
   assert "Effects not supported" in s["measured"]["error"]
@@ -306,7 +306,7 @@ def test_a_swapped_step_that_does_not_trace_is_recorded():
 
 def test_shape_dtype_structs_are_filled_and_said():
   report = smartvjp.audit(STEP, jax.ShapeDtypeStruct((8,), jnp.float32),
-                          measure=True, budget=0.2,
+                          measure=True, timing_budget=0.2,
                           configs=("as_written", "smartvjp"))
   assert report.measured["inputs"].startswith("made up")
   assert all("saving" in s["measured"] for s in report.sites)
@@ -339,7 +339,7 @@ def loss(x):
                                out_specs=P("d"), check_vma=False)(x))
 
 r = smartvjp.audit(jax.value_and_grad(loss), jnp.linspace(0.1, 1, 16),
-                   measure=True, budget=3.0,
+                   measure=True, timing_budget=3.0,
                    configs=("as_written", "smartvjp"))
 m = r.measured
 f, g = sorted(r.sites, key=lambda s: s["index"])
@@ -372,7 +372,7 @@ def test_shard_map_site_and_step_on_one_basis():
 
 def test_one_site_is_timed_once_as_the_whole_swap():
   step = jax.value_and_grad(lambda x: jnp.sum(jax.checkpoint(SLOW)(x)))
-  report = smartvjp.audit(step, X, measure=True, budget=0.3,
+  report = smartvjp.audit(step, X, measure=True, timing_budget=0.3,
                           configs=("as_written", "smartvjp"))
   (s,) = report.sites
   m = report.measured

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import sys
 import types
 from typing import Any, Callable, Iterator
@@ -226,7 +227,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
           calibrate: bool = False,
           configs: tuple[str, ...] = CONFIGS,
           peaks: dict[str, float] | None = None,
-          budget: float | None = None, **kwargs: Any) -> Audit:
+          timing_budget: float | None = None, **kwargs: Any) -> Audit:
   """Audits every custom_vjp site of ``fn(*args, **kwargs)``.
 
   Args:
@@ -240,7 +241,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       alone swapped, and with every site swapped, in interleaved paired
       rounds until each saving's 95% interval is inside the tolerance band
       (half-width at most ±25% of the saving or 1 point of the step,
-      whichever is larger) or ``budget`` runs out; per site
+      whichever is larger) or ``timing_budget`` runs out; per site
       ``site["measured"]`` (the saving, its interval), for the step
       ``measured`` (the all-swapped step's paired ratio and saving). A
       configuration that does not trace, compile or run is recorded with
@@ -266,10 +267,11 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       model (a roofline, Williams et al. 2009, its compute and memory
       times summed, plus launches) gives ``predicted["predicted_ratio"]``
       and each site's ``predicted["seconds_saved"]``.
-    budget: seconds the timing rounds of ``measure=True`` may take at most
-      (default ``_measure.BUDGET_S``, 20 s; the compiles of the per-site
-      steps and one warm-up run of each come on top, and the first round
-      always completes); a positive number.
+    timing_budget: seconds of timing rounds ``measure=True`` may take at
+      most (default ``_measure.BUDGET_S``, 10 s; the compiles of the
+      per-site steps and one warm-up run of each come on top, and the
+      first round always completes); a number >= 0. The rounds stop
+      earlier where every saving's interval is narrow enough.
     **kwargs: its keyword arguments, as ``*args``.
 
   Returns:
@@ -285,7 +287,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
     ValueError: ``configs`` names an unknown configuration or does not
       start with ``"as_written"``, or ``peaks`` has a key other than
       ``flops``, ``bytes``, ``launch`` or a value that is not a positive
-      number, or ``budget`` is not a positive number.
+      number, or ``timing_budget`` is not a number of seconds >= 0.
     TypeError: ``fn`` is not callable, ``peaks`` is not a dict,
       ``measure`` or ``calibrate`` is not a bool, or an argument
       is a string (bind it with ``functools.partial``: the audit takes no
@@ -297,10 +299,12 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
   """
   check_arguments(fn, args, kwargs, configs=configs, measure=measure,
                   calibrate=calibrate)
-  if budget is not None and (isinstance(budget, bool) or not isinstance(
-      budget, (int, float)) or not budget > 0):
-    raise ValueError(f"smartvjp.audit: budget must be a positive number of "
-                     f"seconds, got {budget!r}")
+  if timing_budget is not None and (
+      isinstance(timing_budget, bool)
+      or not isinstance(timing_budget, (int, float))
+      or not math.isfinite(timing_budget) or timing_budget < 0):
+    raise ValueError(f"smartvjp.audit: timing_budget must be a number of "
+                     f"seconds >= 0, got {timing_budget!r}")
   data, builds = _audit.analyse(fn, args, kwargs, tuple(configs), peaks)
   if measure:
     sites = next(iter(builds.values())).sites
@@ -308,7 +312,8 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
         builds, data, args, kwargs, fn=fn,
         compile_configs=lambda cs: _audit._build_all(fn, args, kwargs, cs,
                                                      sites),
-        budget_s=_measure.BUDGET_S if budget is None else float(budget))
+        budget_s=(_measure.BUDGET_S if timing_budget is None
+                  else float(timing_budget)))
   if calibrate or measure:
     _calibrate.attach(data, builds, _audit.suggestion)
   for s in data["sites"]:

@@ -20,6 +20,7 @@ error, not raised.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -34,8 +35,9 @@ from smartvjp.audit import _trace as T
 # its interval's half-width at most a quarter of it or one point of the
 # step, whichever is larger, or at most half a point
 RELATIVE, ABSOLUTE, NARROW = 0.25, 0.01, 0.005
-# default seconds of timing rounds (the warm-up and compiles come on top)
-BUDGET_S = 20.0
+# the default of audit(..., timing_budget=): seconds of timing rounds (the
+# warm-up and compiles come on top)
+BUDGET_S = 10.0
 # the fewest rounds whose order statistics give a 95% interval of a median
 MIN_ROUNDS = 6
 ALL = "all"
@@ -67,7 +69,8 @@ def concrete(tree, seed: int = 0) -> tuple:
   """``(tree with each jax.ShapeDtypeStruct made an array, the pytree paths
   made up)``: floats drawn from N(0, 1) (the scale of normalized
   activations and initialized weights), integers and booleans zero (valid
-  indices); arrays as given."""
+  indices), PRNG keys split from one (JAX's default implementation);
+  arrays as given."""
   rng = np.random.default_rng(seed)
   made: list = []
 
@@ -75,6 +78,10 @@ def concrete(tree, seed: int = 0) -> tuple:
     if not isinstance(x, jax.ShapeDtypeStruct):
       return x
     made.append(jax.tree_util.keystr(path) or "(the argument)")
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):   # keys: split
+      n = math.prod(x.shape)
+      keys = jax.random.split(jax.random.key(seed + len(made)), max(n, 1))
+      return keys[:n].reshape(x.shape)
     dtype = np.dtype(x.dtype)
     if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
       return jax.numpy.zeros(x.shape, x.dtype)
@@ -250,7 +257,9 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
       disagrees=None,
       summary=summary + "; predicted (roofline) "
       + ("—" if pred is None else f"{pred:.3f}")
-      + f"; {stopped} after {n} rounds, {timing_s:.1f} s",
+      + f"; {stopped} after {n} rounds, {timing_s:.1f} s"
+      + ("" if not made else "; on made-up inputs (ShapeDtypeStruct "
+         "arguments)"),
       timing_s=timing_s, compile_s=compile_s,
       measure_s=time.perf_counter() - t0)
   return out
@@ -367,4 +376,4 @@ def suggestion(site: dict) -> str:
     return f"no action ({text})"
   points = (m["interval"][1] - m["interval"][0]) / 2 * 100
   return (f"cannot tell (±{points:.1f} points; {text}): a larger "
-          "budget= narrows the interval")
+          "timing_budget= narrows the interval")
