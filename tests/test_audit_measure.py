@@ -111,7 +111,8 @@ def test_the_step_measured_on_the_same_basis(report):
   (a, b), (c, d) = slow["measured"]["interval"], even["measured"]["interval"]
   assert lo <= b + d and a + c <= hi, (m, slow, even)
   assert set(m["seconds"]) == {"as_written", "smartvjp"}
-  assert m["seconds"]["as_written"]["median"] > 2 * SLEEP
+  assert m["seconds"]["as_written"]["median"] > 2 * SLEEP   # per run
+  assert m["loop"] == 1   # a run is longer than a sample needs
   assert m["measure_s"] >= m["timing_s"] > 0
   assert "paired" in report.table()
 
@@ -300,6 +301,8 @@ def test_a_swapped_step_that_does_not_trace_is_recorded():
   m = report.measured
   assert "smartvjp" in m["error"] and m["paired_ratio"] is None
   assert m["seconds"]["as_written"]["median"] > 0   # as written: timed
+  # microseconds a run: a sample is many runs, dispatched back to back
+  assert m["loop"] > 1
   assert s["advice"] != "swap"
   assert "did not run" in report.table()
 

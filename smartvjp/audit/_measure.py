@@ -41,6 +41,8 @@ BUDGET_S = 10.0
 # the fewest rounds whose order statistics give a 95% interval of a median
 MIN_ROUNDS = 6
 ALL = "all"
+# a sample of a short step is this many seconds of back-to-back runs
+SAMPLE_S, MAX_LOOP = 0.01, 100
 
 
 def band(saving: float) -> float:
@@ -211,6 +213,8 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
     _site_results(data, {}, errors, 0)
     return out
   swapped = [k for k in alias if k != "as_written" and alias[k] in programs]
+  loop = loop_count(programs["as_written"])
+  programs = {k: _repeated(p, loop) for k, p in programs.items()}
 
   def savings(samples: dict) -> dict:
     base = samples["as_written"]
@@ -228,8 +232,8 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
   stopped = "converged" if why == "converged" else "budget"
   by_key = savings(samples)
   _site_results(data, by_key, errors, n)
-  out.update(pairs=n, rounds=n, stopped=stopped,
-             seconds={c: _seconds(samples[alias[k]]) for c, k in (
+  out.update(pairs=n, rounds=n, stopped=stopped, loop=loop,
+             seconds={c: _seconds(samples[alias[k]], loop) for c, k in (
                  ("as_written", "as_written"), (cand, ALL)) if k in by_key
                  or k == "as_written"})
   if ALL in by_key:
@@ -265,11 +269,29 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
   return out
 
 
+def loop_count(program: Callable) -> int:
+  """Runs of a program per sample: enough that a sample lasts ``SAMPLE_S``
+  (dispatch then does not dominate a short step: the runs are dispatched
+  back to back, as a training loop dispatches its steps), at most
+  ``MAX_LOOP``; from one timed run after the warm-up."""
+  t = time.perf_counter()
+  jax.block_until_ready(program())
+  once = time.perf_counter() - t
+  return max(1, min(MAX_LOOP, math.ceil(SAMPLE_S / max(once, 1e-9))))
+
+
+def _repeated(program: Callable, k: int) -> Callable:
+  if k == 1:
+    return program
+  return lambda: [program() for _ in range(k)]
+
+
 def _key_text(key) -> str:
   return f"site {key[1]}" if isinstance(key, tuple) else str(key)
 
 
-def _seconds(xs: list) -> dict:
+def _seconds(xs: list, loop: int) -> dict:
+  xs = [x / loop for x in xs]
   iv = _timing.median_interval(xs)
   return dict(median=iv.median, min=float(min(xs)), max=float(max(xs)),
               low=iv.low, high=iv.high)
