@@ -17,7 +17,10 @@ the named scope the audit puts each rule under: a name in the metadata,
 which changes nothing XLA keeps or removes); the residuals (shape, dtype,
 bytes, name, and their fate: saved, written then dropped, recomputed); the
 difference between the compiled steps (``memory_analysis``,
-``cost_analysis``, kernel launches); a suggestion and hazards. Also a
+``cost_analysis``, kernel launches); a suggestion and hazards. With
+``measure=True``, each site's saving measured in the step (the step run
+with that site alone swapped against it as written), and
+``report.apply(step)``: the step with only the advised sites swapped. Also a
 context manager (``capture``), a CI assertion (``assert_no_duplicate_fwd``)
 and a command line (``python -m smartvjp.audit script.py:function``).
 The JSON schema is documented in ``docs/audit.md``.
