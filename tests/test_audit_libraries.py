@@ -5,10 +5,11 @@ CPU measurement bears out (``measure=True``). The libraries are installed
 by the ``ports`` extra (CI's newest leg); elsewhere these tests skip.
 
 Both sites here are JAX-coded: XLA already removes the forward pass's
-duplicate residual work (the compiled counts say so), the audit says "no
-action", and ``measure=True`` reports a paired ratio beside it. The ratio
-itself is not asserted: these steps take well under a millisecond, and on
-CI's shared 2-core CPU one run measured 1.50 (interquartile range
+duplicate residual work (the compiled counts say so), the time model
+predicts no saving, and ``measure=True`` measures the site's saving in the
+step, which its suggestion then follows. The saving itself is not
+asserted: these steps take well under a millisecond, and on CI's shared
+2-core CPU one run measured a paired ratio of 1.50 (interquartile range
 0.44-1.79) where another measured 1.0; timings belong in benchmarks/, not
 in unit tests.
 """
@@ -38,11 +39,14 @@ def _check(a, package, duplicate_in_jaxpr=True):
   assert abs(s["predicted"]["share_of_step"]) < 0.01
   m = a.measured
   assert m["paired_ratio"] > 0 and m["pairs"] > 0, m
-  # advice only where the estimates agree with the measurement (a noisy
-  # CPU timing of a sub-millisecond step may not)
-  assert s["suggestion"].startswith(
-      "no advice: the estimates" if m["disagrees"]
-      else "no action: XLA already removes"), (s["suggestion"], m["summary"])
+  # the site's saving measured in the step leads its advice and suggestion
+  # (on a shared CPU a sub-millisecond step's saving is known to a few
+  # points: what it says is the measurement's, checked in
+  # tests/test_audit_measure.py)
+  lo, hi = s["measured"]["interval"]
+  assert lo <= s["measured"]["saving"] <= hi
+  assert s["suggestion"].startswith(s["advice"]), (s["suggestion"],
+                                                   m["summary"])
   return s
 
 
