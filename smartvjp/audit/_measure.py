@@ -172,35 +172,13 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
              + data["errors"].get("as_written", "?"))
     return dict(candidate=cand, error=error, summary=error, pairs=0,
                 rounds=0, stopped=None, measure_s=time.perf_counter() - t0)
-  todo, ready, errors = plan(data, builds)
-  distinct = sorted(set(todo.values()))
-  built, build_errors = (compile_configs(tuple(distinct)) if distinct
-                         else ({}, {}))
-  for key, config in todo.items():
-    if config in built:
-      ready[key] = built[config]
-    else:
-      errors[key] = build_errors.get(config, "did not build")
+  ready, errors = _compile(data, builds, compile_configs)
   compile_s = time.perf_counter() - t0
   dyn_args, dyn_kwargs = dynamic_arguments(fn, args, kwargs)
   dyn_args, made_args = concrete(dyn_args, 0)
   dyn_kwargs, made_kwargs = concrete(dyn_kwargs, 1)
   made = made_args + [f"{k}" for k in made_kwargs]
-  programs, alias, first = {}, {}, {}   # one program per distinct build
-  for key, b in ready.items():
-    if id(b) in first:
-      alias[key] = first[id(b)]
-      if alias[key] in errors:
-        errors[key] = errors[alias[key]]
-      continue
-    first[id(b)] = alias[key] = key
-    program = (lambda c=b.compiled: c(*dyn_args, **dyn_kwargs))
-    try:
-      jax.block_until_ready(program())   # the warm-up run
-    except Exception as e:   # noqa: BLE001  (recorded, not raised)
-      errors[key] = _error(e)
-      continue
-    programs[key] = program
+  programs, alias = _warm(ready, errors, dyn_args, dyn_kwargs)
   inputs = ("the step's own arguments" if not made else
             "made up for the ShapeDtypeStruct argument(s) "
             + ", ".join(made) + ": N(0, 1) floats, zero integers")
@@ -236,23 +214,7 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
              seconds={c: _seconds(samples[alias[k]], loop) for c, k in (
                  ("as_written", "as_written"), (cand, ALL)) if k in by_key
                  or k == "as_written"})
-  if ALL in by_key:
-    ratios = [b / a for a, b in zip(samples["as_written"],
-                                    samples[alias[ALL]])]
-    step = by_key[ALL]
-    lo, hi = (float(np.percentile(ratios, q)) for q in (25, 75))
-    out.update(
-        paired_ratio=1.0 - step.median, paired_ratio_iqr=[lo, hi],
-        measured_saving=step.median,
-        measured_saving_interval=[step.low, step.high])
-    summary = (f"{cand} / jax.custom_vjp = {1.0 - step.median:.3f} (paired, "
-               f"median of {n}; its 95% interval {1.0 - step.high:.3f}-"
-               f"{1.0 - step.low:.3f})")
-  else:
-    out.update(paired_ratio=None, paired_ratio_iqr=None,
-               measured_saving=None, measured_saving_interval=None,
-               error=f"{cand}: {errors.get(ALL, '?')}")
-    summary = f"{cand} did not run: {errors.get(ALL, '?')}"
+  summary = _step_result(out, by_key, samples, alias, errors, cand, n)
   pred = data["predicted"].get("predicted_ratio")
   out.update(
       predicted_ratio=pred,
@@ -267,6 +229,65 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
       timing_s=timing_s, compile_s=compile_s,
       measure_s=time.perf_counter() - t0)
   return out
+
+
+def _compile(data: dict, builds: dict, compile_configs: Callable
+             ) -> tuple[dict, dict]:
+  """``({program: Build}, {program: error})``: ``plan``'s builds, the
+  missing ones compiled (``compile_configs``)."""
+  todo, ready, errors = plan(data, builds)
+  distinct = sorted(set(todo.values()))
+  built, build_errors = (compile_configs(tuple(distinct)) if distinct
+                         else ({}, {}))
+  for key, config in todo.items():
+    if config in built:
+      ready[key] = built[config]
+    else:
+      errors[key] = build_errors.get(config, "did not build")
+  return ready, errors
+
+
+def _warm(ready: dict, errors: dict, dyn_args, dyn_kwargs
+          ) -> tuple[dict, dict]:
+  """``({program: callable}, {program: the program timed for it})``: one
+  callable per distinct build, each run once (a run that raises is
+  recorded in ``errors``, and the program left out)."""
+  programs, alias, first = {}, {}, {}
+  for key, b in ready.items():
+    if id(b) in first:
+      alias[key] = first[id(b)]
+      if alias[key] in errors:
+        errors[key] = errors[alias[key]]
+      continue
+    first[id(b)] = alias[key] = key
+    program = (lambda c=b.compiled: c(*dyn_args, **dyn_kwargs))
+    try:
+      jax.block_until_ready(program())   # the warm-up run
+    except Exception as e:   # noqa: BLE001  (recorded, not raised)
+      errors[key] = _error(e)
+      continue
+    programs[key] = program
+  return programs, alias
+
+
+def _step_result(out: dict, by_key: dict, samples: dict, alias: dict,
+                 errors: dict, cand: str, n: int) -> str:
+  """The all-swapped step's keys of ``out``; returns its summary."""
+  if ALL not in by_key:
+    out.update(paired_ratio=None, paired_ratio_iqr=None,
+               measured_saving=None, measured_saving_interval=None,
+               error=f"{cand}: {errors.get(ALL, '?')}")
+    return f"{cand} did not run: {errors.get(ALL, '?')}"
+  ratios = [b / a for a, b in zip(samples["as_written"],
+                                  samples[alias[ALL]])]
+  step = by_key[ALL]
+  lo, hi = (float(np.percentile(ratios, q)) for q in (25, 75))
+  out.update(paired_ratio=1.0 - step.median, paired_ratio_iqr=[lo, hi],
+             measured_saving=step.median,
+             measured_saving_interval=[step.low, step.high])
+  return (f"{cand} / jax.custom_vjp = {1.0 - step.median:.3f} (paired, "
+          f"median of {n}; its 95% interval {1.0 - step.high:.3f}-"
+          f"{1.0 - step.low:.3f})")
 
 
 def loop_count(program: Callable) -> int:
