@@ -5,10 +5,11 @@ CPU measurement bears out (``measure=True``). The libraries are installed
 by the ``ports`` extra (CI's newest leg); elsewhere these tests skip.
 
 Both sites here are JAX-coded: XLA already removes the forward pass's
-duplicate residual work (the compiled counts say so), the audit says "no
-action", and ``measure=True`` reports a paired ratio beside it. The ratio
-itself is not asserted: these steps take well under a millisecond, and on
-CI's shared 2-core CPU one run measured 1.50 (interquartile range
+duplicate residual work (the compiled counts say so), the time model
+predicts no saving, and ``measure=True`` measures the site's saving in the
+step, which its suggestion then follows. The saving itself is not
+asserted: these steps take well under a millisecond, and on CI's shared
+2-core CPU one run measured a paired ratio of 1.50 (interquartile range
 0.44-1.79) where another measured 1.0; timings belong in benchmarks/, not
 in unit tests.
 """
@@ -39,13 +40,14 @@ def _check(a, package, duplicate_in_jaxpr=True,
   assert abs(s["predicted"]["share_of_step"]) < 0.01
   m = a.measured
   assert m["paired_ratio"] > 0 and m["pairs"] > 0, m
-  # advice only where the estimates agree with the measurement, and where
-  # the timed interval can tell (a noisy CPU timing of a sub-millisecond
-  # step may not)
-  assert s["suggestion"].startswith(
-      "cannot tell: the estimates" if m["disagrees"]
-      else (advice, "cannot tell (")), (
-          s["suggestion"], m["summary"])
+  # the site's saving measured in the step leads its advice and suggestion
+  # (on a shared CPU a sub-millisecond step's saving is known to a few
+  # points: what it says is the measurement's, checked in
+  # tests/test_audit_measure.py)
+  lo, hi = s["measured"]["interval"]
+  assert lo <= s["measured"]["saving"] <= hi
+  assert s["suggestion"].startswith(s["advice"]), (s["suggestion"],
+                                                   m["summary"])
   return s
 
 
@@ -61,7 +63,7 @@ def test_optax_scale_gradient_in_a_checkpointed_scan():
     return jax.grad(loss, argnums=(0, 1))(x, ws)
 
   a = smartvjp.audit(step, jnp.ones((8, 32)), jnp.full((3, 32, 32), 0.1),
-                     measure=True, timing_budget=0.2,
+                     measure=True, timing_budget=1.0,
                      configs=("as_written", "smartvjp"))
   # scale_gradient's fwd saves no residual: the backward pass recomputes
   # none of it, so fwd runs once a layer. (The jaxpr once held one unread
@@ -87,7 +89,7 @@ def test_jax_cce_fused_cross_entropy_under_checkpoint():
   S = jax.ShapeDtypeStruct
   a = smartvjp.audit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)),
                      S((256, 64), jnp.float32), S((512, 64), jnp.float32),
-                     measure=True, timing_budget=0.2,
+                     measure=True, timing_budget=1.0,
                      configs=("as_written", "smartvjp"))
   s = _check(a, _package_dir(jax_cce))
   assert s["remat"] and s["policy"] == "nothing_saveable"

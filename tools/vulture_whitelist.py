@@ -31,9 +31,8 @@ SHIPS_TRITON_PALLAS_OPS
 # (a defremat made first); the facade's old namespace _remat hid it.
 _remat
 
-# audit.Audit._builds: the compiled executables the audit counted, which
-# tests/test_audit.py runs to check the counts against what runs.
-_builds
+# audit.Audit.apply: public, called by the user on their step.
+apply
 
 # audit.Capture.watch: public, called by the user's training loop.
 watch

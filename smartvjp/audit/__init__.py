@@ -17,7 +17,10 @@ the named scope the audit puts each rule under: a name in the metadata,
 which changes nothing XLA keeps or removes); the residuals (shape, dtype,
 bytes, name, and their fate: saved, written then dropped, recomputed); the
 difference between the compiled steps (``memory_analysis``,
-``cost_analysis``, kernel launches); a suggestion and hazards. Also a
+``cost_analysis``, kernel launches); a suggestion and hazards. With
+``measure=True``, each site's saving measured in the step (the step run
+with that site alone swapped against it as written), and
+``report.apply(step)``: the step with only the advised sites swapped. Also a
 context manager (``capture``), a CI assertion (``assert_no_duplicate_fwd``)
 and a command line (``python -m smartvjp.audit script.py:function``).
 The JSON schema is documented in ``docs/audit.md``.
@@ -26,6 +29,7 @@ The JSON schema is documented in ``docs/audit.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -35,9 +39,11 @@ from typing import Any, Callable, Iterator
 
 import jax
 
+from smartvjp import _facade as jx
 from smartvjp.audit import _analysis as _audit
 from smartvjp.audit import _calibrate
 from smartvjp.audit import _capture
+from smartvjp.audit import _measure
 from smartvjp.audit import _report as _audit_report
 from smartvjp.audit import _trace as _audit_trace
 from smartvjp.audit._analysis import AuditError, SCHEMA
@@ -65,6 +71,9 @@ class Audit:
       ``predicted_ratio``).
     measured: ``data.get("measured")``: the timed A/B with ``measure=True``,
       else ``None``.
+
+  ``apply(step)`` gives the step with the swap made only at the sites the
+  report advises it for.
   """
 
   def __init__(self, data: dict, builds: dict | None = None):
@@ -98,6 +107,61 @@ class Audit:
       key = s["name"] if s["name"] not in out else f"{s['name']}#{s['index']}"
       out[key] = dict(runs[where])
     return out
+
+  def apply(self, step: Callable) -> Callable:
+    """``step`` with the swap made only at the sites whose ``advice`` is
+    ``"swap"`` (their measured saving with ``measure=True``, else the
+    estimate's; ``docs/audit.md``), each to its ``best_config``
+    (``smart_custom_vjp``, with its ``fwd_bwd`` where it has one); every
+    other custom_vjp call as written.
+
+    Args:
+      step: the audited step (or any function making the same custom_vjp
+        calls: a site is the ``jax.custom_vjp`` object the audit found).
+
+    Returns:
+      A function of ``step``'s arguments returning what ``step`` returns
+      (the same pytree, shapes and dtypes), traced through the audit's
+      interception of custom_vjp calls (``_trace.recording``: it clears
+      JAX's caches each time it traces). It can be called eagerly, under
+      ``jax.jit`` or any transformation; where ``step`` is a ``jax.jit``
+      function it is one too, with the same static arguments, so that it
+      traces once per signature. A custom_vjp object the audit did not see
+      (one made anew at each call) is left as written.
+
+    Raises:
+      ValueError: the report was not made in this process (read back from
+        JSON: it holds no sites to swap), or a site advised "swap" cannot be
+        swapped (refused, e.g. ``nondiff_argnums`` the swap does not take;
+        its ``refused`` says why).
+      TypeError: ``step`` is not callable.
+    """
+    if not callable(step):
+      raise TypeError(f"Audit.apply: the step must be a function, got "
+                      f"{step!r} ({type(step).__name__})")
+    sites = next((b.sites for b in self._builds.values() if b.sites), None)
+    if sites is None:
+      raise ValueError("Audit.apply needs the report smartvjp.audit made in "
+                       "this process (it holds the custom_vjp sites it "
+                       "found); a report read back from JSON holds none")
+    advised = [s for s in self.sites if s.get(
+        "advice", _measure.site_advice(s)) == "swap"]
+    bad = [f"{s['name']} ({s['refused'] or s['kind']})" for s in advised
+           if s["refused"] is not None or s["kind"] != "jax.custom_vjp"]
+    if bad:
+      raise ValueError("Audit.apply: the report advises a swap it cannot "
+                       "make at: " + ", ".join(bad))
+    config = _audit_trace.swapped(
+        {s["index"]: s["best_config"] for s in advised}, rest="as_is")
+
+    @functools.wraps(step)
+    def applied(*args, **kwargs):
+      with _audit_trace.recording(config, sites):
+        return step(*args, **kwargs)
+    if hasattr(step, "lower") and hasattr(step, "trace"):   # jax.jit's
+      nums, names = jx.jit_static_arguments(step)
+      return jax.jit(applied, static_argnums=nums, static_argnames=names)
+    return applied
 
   def table(self) -> str:
     """The terminal table: one row per site, then the step's totals."""
@@ -159,7 +223,7 @@ def check_arguments(fn, args, kwargs, *, configs, measure, calibrate,
     raise ValueError(
         f"smartvjp.audit: configs must be some of {CONFIGS} starting with "
         f"'as_written' (every saving is measured from it), got {configs!r}")
-  dyn_args, dyn_kwargs = _audit.dynamic_arguments(fn, args, kwargs)
+  dyn_args, dyn_kwargs = _measure.dynamic_arguments(fn, args, kwargs)
   leaves = jax.tree_util.tree_leaves_with_path((dyn_args, dyn_kwargs))
   for path, leaf in leaves:
     if isinstance(leaf, (str, bytes)):
@@ -176,7 +240,8 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
           calibrate: bool = False,
           timing_budget: float = _calibrate.BUDGET_S,
           configs: tuple[str, ...] = CONFIGS,
-          peaks: dict[str, float] | None = None, **kwargs: Any) -> Audit:
+          peaks: dict[str, float] | None = None,
+          timing_budget: float | None = None, **kwargs: Any) -> Audit:
   """Audits every custom_vjp site of ``fn(*args, **kwargs)``.
 
   Args:
@@ -185,10 +250,18 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
     *args: its positional arguments: arrays or ``jax.ShapeDtypeStruct``
       (pytrees of them), so a step too large for this machine can still be
       audited (nothing runs unless ``measure=True``).
-    measure: also run the compiled step as written and swapped, interleaved
-      (``_analysis.measure``: 20 pairs after a warm-up), and report median,
-      min-max and the paired ratio beside the prediction. Needs concrete
-      arrays or fills ``ShapeDtypeStruct`` arguments with random values.
+    measure: also measure each site's saving in the step (``_measure``):
+      the compiled step run on these arguments as written, with each site
+      alone swapped, and with every site swapped, in interleaved paired
+      rounds until each saving's 95% interval is inside the tolerance band
+      (half-width at most ±25% of the saving or 1 point of the step,
+      whichever is larger) or ``timing_budget`` runs out; per site
+      ``site["measured"]`` (the saving, its interval), for the step
+      ``measured`` (the all-swapped step's paired ratio and saving). A
+      configuration that does not trace, compile or run is recorded with
+      its error, not raised. ``ShapeDtypeStruct`` arguments are filled
+      with made-up values (N(0, 1) floats, zero integers) and the report
+      says so (``measured["inputs"]``).
     calibrate: also time each site's rules on this device, on the values
       the step gives them (captured from one more run of the step, as
       written, on these arguments; on made-up values of a realistic scale
@@ -204,8 +277,9 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       against the step's measured saving (within ±25% of it or 1 point of
       the step, whichever is larger; "cannot tell" where the
       measurement's own interval is wider).
-    timing_budget: seconds of timing rounds for ``calibrate`` (default
-      ``_calibrate.BUDGET_S``, 10 s), beside the capture's trace, compile
+    timing_budget: seconds of timing rounds for ``calibrate``, and as
+      many again for ``measure`` (default ``_calibrate.BUDGET_S``, 10 s),
+      beside the capture's trace, compile
       and run and the loops' compiles (``data["audit_cost"]`` says what
       each took); the rounds stop earlier where every interval is narrow.
     configs: the configurations to trace and compile, a subset of
@@ -218,10 +292,18 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       model (a roofline, Williams et al. 2009, its compute and memory
       times summed, plus launches) gives ``predicted["predicted_ratio"]``
       and each site's ``predicted["seconds_saved"]``.
+    timing_budget: seconds of timing rounds ``measure=True`` may take at
+      most (default ``_measure.BUDGET_S``, 10 s; the compiles of the
+      per-site steps and one warm-up run of each come on top, and the
+      first round always completes); a number >= 0. The rounds stop
+      earlier where every saving's interval is narrow enough.
     **kwargs: its keyword arguments, as ``*args``.
 
   Returns:
-    An ``Audit``; ``print(it)`` shows the table.
+    An ``Audit``; ``print(it)`` shows the table. Each site's ``advice``
+    (``"swap"``, ``"no action"``, ``"cannot tell"``) follows its measured
+    saving where measured, else the estimate; ``Audit.apply`` makes the
+    advised swaps.
 
   Raises:
     AuditError: ``fn`` does not trace or compile under any configuration
@@ -231,7 +313,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       start with ``"as_written"``, ``timing_budget`` is not a number of
       seconds >= 0, or ``peaks`` has a key other than
       ``flops``, ``bytes``, ``launch`` or a value that is not a positive
-      number.
+      number, or ``timing_budget`` is not a number of seconds >= 0.
     TypeError: ``fn`` is not callable, ``peaks`` is not a dict,
       ``measure`` or ``calibrate`` is not a bool, or an argument
       is a string (bind it with ``functools.partial``: the audit takes no
@@ -249,17 +331,24 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
               measure_s=0.0)
   if measure:
     t = time.perf_counter()
-    try:
-      data["measured"] = _audit.measure(builds, data, args, kwargs, fn=fn)
-    except _audit.AuditError as e:   # the report, with why nothing was timed
-      data["errors"]["measure"] = str(e)
+    sites = next(iter(builds.values())).sites
+    data["measured"] = _measure.measure(
+        builds, data, args, kwargs, fn=fn,
+        compile_configs=lambda cs: _audit._build_all(fn, args, kwargs, cs,
+                                                     sites),
+        budget_s=(_calibrate.BUDGET_S if timing_budget is None
+                  else float(timing_budget)))
     cost["measure_s"] = time.perf_counter() - t
   if calibrate or measure:
     t = time.perf_counter()
-    concrete = _calibrate.made_up(_audit.dynamic_arguments(fn, args, kwargs))
+    concrete = _calibrate.made_up(_measure.dynamic_arguments(fn, args, kwargs))
     _capture.attach(data, builds, _audit.advise, fn, args, kwargs,
-                      concrete, timing_budget)
+                    concrete, timing_budget)
     cost["rule_timing_s"] = time.perf_counter() - t
+  if measure:   # the advice follows each site's measured saving
+    for s in data["sites"]:
+      s["advice"], s["suggestion"] = _audit.advise(s)
+      s["suggestion"] = _measure.suggestion(s)
   data["audit_cost"] = dict(total_s=time.perf_counter() - start, **cost)
   return Audit(data, builds)
 

@@ -119,6 +119,7 @@ class Build:
   loop_cost: dict = dataclasses.field(default_factory=dict)
   loop_notes: list = dataclasses.field(default_factory=list)
   rules: dict = dataclasses.field(default_factory=dict)   # site -> Rules
+  sites: dict = dataclasses.field(default_factory=dict)   # as T.recording's
 
 
 def _jitted(fn):
@@ -175,7 +176,7 @@ def build(config: str, fn, args, kwargs, sites: dict) -> Build:
           "the same arguments. Audit the function without donation (the "
           "undecorated function, or jax.jit(fn) without donate_argnums)")
     b.seconds["lower"] = time.perf_counter() - t1
-  b.calls = rec.calls
+  b.calls, b.sites = rec.calls, sites
   return b
 
 
@@ -1075,75 +1076,3 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
       audit_seconds=seconds,
       audit_cost_in_compiles=seconds / max(sum(ref.seconds.values()), 1e-9))
   return data, builds
-
-
-# -- measure=True: the two compiled steps, interleaved ---------------------------------
-
-def _concrete(tree, seed=0):
-  rng = np.random.default_rng(seed)
-
-  def leaf(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-      dtype = np.dtype(x.dtype) if x.dtype != jax.numpy.bfloat16 else None
-      if dtype is not None and np.issubdtype(dtype, np.integer):
-        return jax.numpy.zeros(x.shape, x.dtype)
-      return jax.numpy.asarray(rng.standard_normal(x.shape) * 0.1, x.dtype)
-    return x
-  return jax.tree.map(leaf, tree)
-
-
-def dynamic_arguments(fn, args, kwargs) -> tuple[tuple, dict]:
-  """The arguments a compiled ``fn`` takes: without those ``jax.jit`` made
-  static (``static_argnums``/``static_argnames``), which it was compiled
-  for."""
-  nums, names = jx.jit_static_arguments(fn)
-  nums = {i % len(args) for i in nums if -len(args) <= i < len(args)}
-  return (tuple(a for i, a in enumerate(args) if i not in nums),
-          {k: v for k, v in kwargs.items() if k not in names})
-
-
-def measure(builds: dict, data: dict, args, kwargs, pairs: int = 20,
-            fn=None) -> dict:
-  """Times the compiled step as written (A) and swapped (B) in turn, each
-  pair in alternating order, after one warm-up run of each: median and
-  min-max seconds of each, and the median of the paired ratios B/A."""
-  cand = data["predicted"].get("candidate")
-  if "as_written" not in builds or cand not in builds:
-    raise AuditError("measure=True needs the step to compile as written and "
-                     "swapped; see the report's errors")
-  a, b = builds["as_written"].compiled, builds[cand].compiled
-  args, kwargs = dynamic_arguments(fn, args, kwargs)
-  args, kwargs = _concrete(args), _concrete(kwargs, 1)
-  run = lambda c: jax.block_until_ready(c(*args, **kwargs))
-  run(a), run(b)
-  times = {"as_written": [], cand: []}
-  for i in range(pairs):
-    order = (("as_written", a), (cand, b)) if i % 2 == 0 else (
-        (cand, b), ("as_written", a))
-    for name, c in order:
-      t = time.perf_counter()
-      run(c)
-      times[name].append(time.perf_counter() - t)
-  ratios = [tb / ta for ta, tb in zip(times["as_written"], times[cand])]
-  stats = {k: dict(median=float(np.median(v)), min=float(np.min(v)),
-                   max=float(np.max(v))) for k, v in times.items()}
-  ratio = float(np.median(ratios))
-  lo, hi = float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))
-  pred = data["predicted"].get("predicted_ratio")
-  disagree = None
-  if pred is not None:
-    # a prediction of no change is checked against the paired spread
-    if abs(pred - 1) < 1e-3:
-      disagree = not lo <= 1.0 <= hi and abs(ratio - 1) > 0.02
-    else:
-      disagree = (pred < 1) != (ratio < 1) and not lo <= 1.0 <= hi
-  return dict(
-      pairs=pairs, candidate=cand, seconds=stats, paired_ratio=ratio,
-      paired_ratio_iqr=[lo, hi], predicted_ratio=pred,
-      predicted_bytes_accessed_ratio=data["predicted"].get(
-          "bytes_accessed_ratio"),
-      disagrees=disagree,
-      summary=(f"{cand} / jax.custom_vjp = {ratio:.3f} (paired, median of "
-               f"{pairs}; IQR {lo:.3f}-{hi:.3f}); predicted (roofline) "
-               + ("—" if pred is None else f"{pred:.3f}")
-              ))

@@ -98,6 +98,8 @@ def _site_lines(s: dict, configs) -> list[str]:
                  f"{human_bytes(opp['residual_bytes_not_written'])} of "
                  f"residuals not written, {opp['launches_not_made']} "
                  "kernel launches not made")
+  if s.get("measured"):
+    lines.append("    measured " + _measured_text(s["measured"]))
   lines.append(f"    suggestion: {s['suggestion']}")
   for h in s["hazards"]:
     lines.append(f"    hazard: {h}")
@@ -160,6 +162,15 @@ def cost_text(data: dict) -> str:
   if c.get("measure_s"):
     parts.append(f"A/B {c['measure_s']:.2f} s")
   return f"{c['total_s']:.2f} s ({', '.join(parts)}; {ratio})"
+
+
+def _measured_text(m: dict) -> str:
+  """A site's ``measured`` (``measure=True``) in one line."""
+  if "error" in m:
+    return f"saving: none, its swapped step failed: {m['error']}"
+  lo, hi = m["interval"]
+  return (f"saving {m['saving']:.1%} of the step (95% interval {lo:.1%} to "
+          f"{hi:.1%}, {m['rounds']} rounds, {m['stopped']})")
 
 
 def seconds_text(x: float) -> str:

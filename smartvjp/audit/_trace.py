@@ -15,7 +15,11 @@ XLA removes or keeps. The configuration says which class the twin is:
 * ``smartvjp_fused``: ``smart_custom_vjp`` with ``fwd_bwd`` too, where the
   site has one, forced (``defvjp(..., fused=True)``);
 * ``as_is`` (for ``assert_no_duplicate_fwd``): each site with the decorator
-  it was made with.
+  it was made with;
+* ``swapped({index: config})`` (for ``measure=True`` and ``Audit.apply``):
+  the sites of those indices (a site's index in ``sites``, the same in
+  every trace) under their configurations, every other site as
+  ``as_written``.
 
 A site written with ``smart_custom_vjp`` is audited as the ``jax.custom_vjp``
 it replaces under ``as_written`` (a site given only ``fwd_bwd`` has none:
@@ -135,6 +139,35 @@ def _scoped(fn, name):
   return rule
 
 
+def swapped(choices: dict, rest: str = "as_written") -> tuple:
+  """The configuration under which only the sites ``choices`` names are
+  swapped: ``{site index: "smartvjp" or "smartvjp_fused"}`` (each site's
+  ``best_config``); every other site as ``rest`` (``"as_written"``, the
+  baseline the audit measures from, or ``"as_is"``: as its own decorator
+  makes it). Hashable, and the same value for the same choices."""
+  unknown = set(choices.values()) - {"smartvjp", "smartvjp_fused"}
+  if unknown or rest not in ("as_written", "as_is"):
+    raise ValueError(f"a site is swapped to smartvjp or smartvjp_fused, "
+                     f"the others as_written or as_is, not "
+                     f"{sorted(unknown) or rest}")
+  return ("sites", tuple(sorted(choices.items())), rest)
+
+
+def site_config(config, site: Site) -> tuple[str, bool]:
+  """``(the configuration site is traced under, whether a fused rule is
+  forced)`` for the recording's ``config``: ``as_is`` and ``swapped``
+  resolve per site."""
+  if isinstance(config, tuple) and config[0] == "sites":
+    own = dict(config[1]).get(site.index)
+    if own is None:
+      return site_config(config[2], site)
+    return own, own == "smartvjp_fused"
+  if config == "as_is":   # each site as its own decorator makes it
+    return ("as_written" if site.kind == "jax.custom_vjp"
+            else "smartvjp_fused"), False
+  return config, config == "smartvjp_fused"
+
+
 class Recorder:
   """The sites found while one configuration is traced."""
 
@@ -180,10 +213,7 @@ class Recorder:
   def twin(self, site: Site, call: int):
     if site.refused is not None:
       return None
-    config = self.config
-    if config == "as_is":   # each site as its own decorator makes it
-      config = ("as_written" if site.kind == "jax.custom_vjp"
-                else "smartvjp_fused")
+    config, forced = site_config(self.config, site)
     scoped = lambda fn, role: fn and self.wrap(
         site, role, _scoped(fn, C.tag(site.index, call, role)))
     fun = scoped(site.fun, "f")
@@ -206,7 +236,7 @@ class Recorder:
                   if fused else None,
                   # smartvjp_fused runs the fused pair wherever it can
                   fused=True if fused and site.fwd is not None
-                  and self.config == "smartvjp_fused" else None)
+                  and forced else None)
     self.twins.add(id(twin))
     self.funs.add(id(fun))
     return twin
@@ -229,7 +259,8 @@ class Recorder:
       self.funs.add(id(site.fun))
       return original_call(obj, *args, **kwargs)
     if twin == "unavailable":
-      site.unavailable = getattr(site, "unavailable", set()) | {self.config}
+      site.unavailable = getattr(site, "unavailable", set()) | {
+          site_config(self.config, site)[0]}
       return original_call(obj, *args, **kwargs)
     return _ORIGINAL[type(twin)](twin, *args, **kwargs)
 
