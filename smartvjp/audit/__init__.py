@@ -144,8 +144,8 @@ class Audit:
       raise ValueError("Audit.apply needs the report smartvjp.audit made in "
                        "this process (it holds the custom_vjp sites it "
                        "found); a report read back from JSON holds none")
-    advised = [s for s in self.sites if s.get(
-        "advice", _measure.site_advice(s)) == "swap"]
+    advised = [s for s in self.sites if (
+        s.get("advice") or _calibrate.site_advice(s).kind) == "swap"]
     bad = [f"{s['name']} ({s['refused'] or s['kind']})" for s in advised
            if s["refused"] is not None or s["kind"] != "jax.custom_vjp"]
     if bad:
@@ -240,8 +240,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
           calibrate: bool = False,
           timing_budget: float = _calibrate.BUDGET_S,
           configs: tuple[str, ...] = CONFIGS,
-          peaks: dict[str, float] | None = None,
-          timing_budget: float | None = None, **kwargs: Any) -> Audit:
+          peaks: dict[str, float] | None = None, **kwargs: Any) -> Audit:
   """Audits every custom_vjp site of ``fn(*args, **kwargs)``.
 
   Args:
@@ -278,10 +277,12 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       the step, whichever is larger; "cannot tell" where the
       measurement's own interval is wider).
     timing_budget: seconds of timing rounds for ``calibrate``, and as
-      many again for ``measure`` (default ``_calibrate.BUDGET_S``, 10 s),
-      beside the capture's trace, compile
-      and run and the loops' compiles (``data["audit_cost"]`` says what
-      each took); the rounds stop earlier where every interval is narrow.
+      many again for ``measure`` (default ``_calibrate.BUDGET_S``, 10 s;
+      a number >= 0), beside the capture's trace, compile and run, the
+      loops' and the per-site steps' compiles and one warm-up run of each
+      (``data["audit_cost"]`` says what each took); the first round always
+      completes, and the rounds stop earlier where every interval is
+      narrow enough.
     configs: the configurations to trace and compile, a subset of
       ``CONFIGS`` starting with ``"as_written"`` (fewer compiles: a cheaper
       audit).
@@ -292,11 +293,6 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       model (a roofline, Williams et al. 2009, its compute and memory
       times summed, plus launches) gives ``predicted["predicted_ratio"]``
       and each site's ``predicted["seconds_saved"]``.
-    timing_budget: seconds of timing rounds ``measure=True`` may take at
-      most (default ``_measure.BUDGET_S``, 10 s; the compiles of the
-      per-site steps and one warm-up run of each come on top, and the
-      first round always completes); a number >= 0. The rounds stop
-      earlier where every saving's interval is narrow enough.
     **kwargs: its keyword arguments, as ``*args``.
 
   Returns:
@@ -313,7 +309,7 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
       start with ``"as_written"``, ``timing_budget`` is not a number of
       seconds >= 0, or ``peaks`` has a key other than
       ``flops``, ``bytes``, ``launch`` or a value that is not a positive
-      number, or ``timing_budget`` is not a number of seconds >= 0.
+      number.
     TypeError: ``fn`` is not callable, ``peaks`` is not a dict,
       ``measure`` or ``calibrate`` is not a bool, or an argument
       is a string (bind it with ``functools.partial``: the audit takes no
@@ -334,10 +330,9 @@ def audit(fn: Callable, *args: Any, measure: bool = False,
     sites = next(iter(builds.values())).sites
     data["measured"] = _measure.measure(
         builds, data, args, kwargs, fn=fn,
-        compile_configs=lambda cs: _audit._build_all(fn, args, kwargs, cs,
+        compile_configs=lambda cs: _audit.build_all(fn, args, kwargs, cs,
                                                      sites),
-        budget_s=(_calibrate.BUDGET_S if timing_budget is None
-                  else float(timing_budget)))
+        budget_s=float(timing_budget))
     cost["measure_s"] = time.perf_counter() - t
   if calibrate or measure:
     t = time.perf_counter()

@@ -759,7 +759,7 @@ def _site_model(info: dict, rules: Rules | None, builds: dict, best: str,
                              if saved is not None and step_seconds else None))
 
 
-def _build_all(fn, args, kwargs, configs, sites: dict) -> tuple[dict, dict]:
+def build_all(fn, args, kwargs, configs, sites: dict) -> tuple[dict, dict]:
   """Stage 1: ``({config: Build}, {config: error})``, each configuration
   traced, lowered and compiled (the compiles at once: XLA compiles without
   the GIL). ``smartvjp_fused`` is ``smartvjp``'s build where no site has a
@@ -1036,7 +1036,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
   peaks, peaks_source = M.peaks_for(device.device_kind, device.platform, peaks)
   sites: dict = {}
   t0 = time.perf_counter()
-  builds, errors = _build_all(fn, args, kwargs, configs, sites)
+  builds, errors = build_all(fn, args, kwargs, configs, sites)
   name = _fn_name(fn)
   _check_found(name, builds, errors, sites)
   by_index = {s.index: s for s in sites.values()}

@@ -303,8 +303,11 @@ def verdict(data: dict) -> None:
   ``cannot tell`` where the measurement's interval is wider than the
   tolerance) and, where the leading estimate disagrees and a site has no
   saving measured of its own, gives that site's advice as "cannot tell"
-  with the finding."""
+  with the finding. Nothing where the step was not measured (its swapped
+  build failed: ``measured["error"]``)."""
   m = data["measured"]
+  if m.get("paired_ratio") is None:
+    return
   measured = _measured_interval(m)
   model = (1.0 - m["predicted_ratio"] if m.get("predicted_ratio") is not None
            else None)

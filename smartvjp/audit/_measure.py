@@ -147,7 +147,7 @@ def measure(builds: dict, data: dict, args, kwargs, *, fn,
       filled by ``concrete``).
     fn: the step (for its ``jax.jit`` static arguments).
     compile_configs: ``configs -> ({config: Build}, {config: error})``,
-      ``_analysis._build_all`` bound to the step and its sites (traced in
+      ``_analysis.build_all`` bound to the step and its sites (traced in
       turn, compiled in parallel threads).
     budget_s: seconds of timing rounds at most (the first round always
       completes).
