@@ -9,6 +9,7 @@ import dataclasses
 
 from smartvjp import _execute as ex
 from smartvjp import _facade as jx
+from smartvjp import _versions
 from smartvjp import _vmap
 from smartvjp._cache import differentiated_where_made, made_where_differentiated
 from smartvjp._primitive import (
@@ -87,8 +88,11 @@ def _rule_batching(axis_data, args, dims, **params):
     return outs, [0 if b else None for b in out_batched]
   fwd = params["fwd"]
   if which == "f":   # batched as the smartvjp_call it evaluates
+    # jax 0.10's remat3 perturbs every input of the checkpoint, so there the
+    # forward pass's primal is one even for an input no transformation
+    # perturbs, whose derivative is then the rule's: a smartvjp_call
     return _call_batching(axis_data, args, dims, call=call, fwd=fwd,
-                          primal=True)
+                          primal=not _versions.REMAT3_PERTURBS_EVERY_INPUT)
   if _vmap.unbatched(axis_data, dims, fwd.jaxpr.effects):
     return rule_p.bind(*args, **params), [None] * len(fwd.jaxpr.out_avals)
   bfwd, extra, out_batched = _vmap.batched_fwd(call, fwd, axis_data, dims)
