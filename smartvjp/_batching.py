@@ -9,6 +9,7 @@ import dataclasses
 
 from smartvjp import _execute as ex
 from smartvjp import _facade as jx
+from smartvjp import _versions
 from smartvjp import _vmap
 from smartvjp._cache import differentiated_where_made, made_where_differentiated
 from smartvjp._primitive import (
@@ -17,17 +18,30 @@ from smartvjp._primitive import (
 
 # -- smartvjp_call -------------------------------------------------------------------
 
-def _call_batching(axis_data, args, dims, *, call):
+def _call_batching(axis_data, args, dims, *, call, fwd=None, primal=False):
+  """``primal``: a ``smartvjp_primal`` (``f`` differentiated as its code,
+  or as ``fwd``'s primal outputs), batched as one again, so that a
+  derivative taken after ``vmap`` is still the code's (issue 70)."""
+  f_consts, fwd_consts, primals, _ = call.split_jvp_args(args, fwd)
+  cdims, wdims, pdims, _ = call.split_jvp_args(dims, fwd)
   if _vmap.unbatched(axis_data, dims, call.jaxpr.effects):
-    return call_p.bind(*args, call=call), [None] * call.num_outs
-  consts, primals = call.split_call_args(args)
-  cdims, pdims = call.split_call_args(dims)
+    return ((rule_p.bind(*args, call=call, which="f", fwd=fwd) if primal
+             else call_p.bind(*args, call=call)), [None] * call.num_outs)
   primals, pdims = _vmap.to_front_or_none(axis_data, primals, pdims)
-  bcall, bconsts = _vmap.batched_call(call, consts, cdims, pdims, axis_data)
+  bcall, bconsts = _vmap.batched_call(call, f_consts, cdims, pdims,
+                                      axis_data)
   with (differentiated_where_made(bcall)
         if made_where_differentiated.get() is call
         else contextlib.nullcontext()):
-    outs = call_p.bind(*bconsts, *primals, call=bcall)
+    if not primal:
+      outs = call_p.bind(*bconsts, *primals, call=bcall)
+    elif fwd is None:
+      outs = rule_p.bind(*bconsts, *primals, call=bcall, which="f", fwd=None)
+    else:   # fwd batched too, every output mapped as bcall's are
+      bfwd, extra, _ = _vmap.batched_fwd(call, fwd, axis_data,
+                                         [*wdims, *pdims], out_dim=0)
+      outs = rule_p.bind(*bconsts, *extra, *fwd_consts, *primals, call=bcall,
+                         which="f", fwd=bfwd)
   # an output f computes from unbatched inputs only is the same for every
   # example: one copy, unbatched, as JAX returns it; differentiated, fwd ran
   # and its outputs decide (_output_batching)
@@ -74,10 +88,11 @@ def _rule_batching(axis_data, args, dims, **params):
     return outs, [0 if b else None for b in out_batched]
   fwd = params["fwd"]
   if which == "f":   # batched as the smartvjp_call it evaluates
-    f_consts, _, primals, _ = call.split_jvp_args(args, fwd)
-    cdims, _, pdims, _ = call.split_jvp_args(dims, fwd)
-    return _call_batching(axis_data, [*f_consts, *primals], [*cdims, *pdims],
-                          call=call)
+    # jax 0.10's remat3 perturbs every input of the checkpoint, so there the
+    # forward pass's primal is one even for an input no transformation
+    # perturbs, whose derivative is then the rule's: a smartvjp_call
+    return _call_batching(axis_data, args, dims, call=call, fwd=fwd,
+                          primal=not _versions.REMAT3_PERTURBS_EVERY_INPUT)
   if _vmap.unbatched(axis_data, dims, fwd.jaxpr.effects):
     return rule_p.bind(*args, **params), [None] * len(fwd.jaxpr.out_avals)
   bfwd, extra, out_batched = _vmap.batched_fwd(call, fwd, axis_data, dims)

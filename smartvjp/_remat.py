@@ -197,8 +197,23 @@ def _handled(ctx, call) -> bool:
           and not call.references)
 
 
+def _fused_only(ctx, call) -> bool:
+  """Only ``fwd_bwd`` given: JAX's remat3 runs ``fwd`` (here ``f`` saving
+  its inputs) as code in the forward pass, so an outer derivative of the
+  primal output is ``f``'s, not the custom rule's (issue 70)."""
+  return (ctx.custom_vjp_rules and call.eager is None
+          and call.jaxpr is not None and call.rules.fwd is None
+          and not call.references)
+
+
 def _call_remat3(ctx, *in_vals, call):
   in_nz = call.perturbed((True,) * call.num_primals)
+  if _fused_only(ctx, call) and any(in_nz):
+    f_consts, primals = call.split_call_args(in_vals)
+    outs = ex.primal(ex.Bind(), call, None, f_consts, [], primals,
+                     _plan.Forward.F)
+    return (list(outs), (),
+            lambda _res, *rem_in: call_p.bind(*rem_in, call=call))
   if not _handled(ctx, call) or not any(in_nz):
     return _full_remat(call_p, in_vals, dict(call=call))
   fwd, fwd_consts = call.fwd_for(in_nz)

@@ -427,6 +427,15 @@ def _call_fwd(call: CallSpec, in_nz, primals):
         f"but returned {describe_tree(pair)}.")
   primal_out, res = pair
   check_fwd_output(rules, primal_out, res, primals)
+  if call.out_tree is None and getattr(jax.config, "jax_custom_vjp3", False):
+    # f not traced yet (differentiated where made): jax_custom_vjp3 traces
+    # f and checks fwd's primal output against it, so this does too, where
+    # f can be traced (an eager NumPy f is not, and works here as before)
+    try:
+      call = trace_call(rules, call.nondiff, call.num_args, call.in_tree,
+                        call.in_avals)[0]
+    except Exception:  # noqa: BLE001 - f untraceable: nothing to compare
+      pass
   check_primal_out(call, primal_out)
   check_jax_leaves(primal_out, rules, "fwd", "primal output")
   check_jax_leaves(res, rules, "fwd", "residuals")
