@@ -199,7 +199,8 @@ static const double kScale = 1e-3, kRt2 = std::sqrt(2.0),
                     kRt2Pi = std::sqrt(2.0 * M_PI);
 static double Phi(double x, int64_t work) {
   double s = 0;
-  for (int64_t r = 0; r < work; ++r) s += std::erf(x * (1.0 + r * kScale) / kRt2);
+  for (int64_t r = 0; r < work; ++r)
+    s += std::erf(x * (1.0 + r * kScale) / kRt2);
   return 0.5 * (1.0 + s / work);
 }
 static double Pdf(double x) { return std::exp(-0.5 * x * x) / kRt2Pi; }
@@ -247,7 +248,8 @@ static ffi::Error DX(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
 #define B ffi::Buffer<ffi::F32>
 #define R ffi::ResultBuffer<ffi::F32>
 #define ATTRS .Attr<int64_t>("slot").Attr<int64_t>("wy").Attr<int64_t>("wd")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(truth_y, Y, ffi::Ffi::Bind().Arg<B>().Ret<B>() ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(truth_y, Y,
+    ffi::Ffi::Bind().Arg<B>().Ret<B>() ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(truth_yd, YD,
     ffi::Ffi::Bind().Arg<B>().Ret<B>().Ret<B>() ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(truth_mul, Mul,
@@ -679,8 +681,10 @@ def truth(entry: Entry, args, pairs: int) -> dict:
   for config in ("as_written", "optimize_remat", "smartvjp",
                  "smartvjp_fused"):
     try:
+      fused = any(s.fused for s in entry.sites)
       step = (steps["as_written"] if config == "as_written" else
-              steps["all_swapped"] if config == "smartvjp_fused" else
+              steps["all_swapped"] if config == "smartvjp_fused" or (
+                  config == "smartvjp" and not fused) else
               entry.step({n: config for n in names}))
       counts[config] = host_runs(entry, step, args)
     except Exception as e:   # noqa: BLE001  (recorded)
@@ -823,7 +827,8 @@ def counts_equal(host: dict, audit: dict, entry: Entry) -> dict:
         if roles[r] is None:
           continue
         if got is None or got.get(r, 0) != roles[r]:
-          diffs.append(f"{site}.{r}: audit {None if got is None else got.get(r, 0)}"
+          seen = None if got is None else got.get(r, 0)
+          diffs.append(f"{site}.{r}: audit {seen}"
                        f", host {roles[r]}")
     out[config] = dict(ok=not diffs, diffs=diffs)
   return out
@@ -935,8 +940,9 @@ def print_entry(e: dict) -> None:
     print(f"   skipped: {e['skipped']}")
     return
   t = e["truth"]
-  print(f"   step as written: cpu {_report.Spread(t['step']['cpu']['samples']).fmt(1e3, 1, ' ms')}"
-        f", wall {_report.Spread(t['step']['wall']['samples']).fmt(1e3, 1, ' ms')}")
+  ms = {c: _report.Spread(t["step"][c]["samples"]).fmt(1e3, 1, " ms")
+        for c in ("cpu", "wall")}
+  print(f"   step as written: cpu {ms['cpu']}, wall {ms['wall']}")
   for mode in ("calibrate", "measure"):
     if "error" in e[mode]:
       print(f"   audit {mode}=True RAISED: {e[mode]['error'][:300]}")
@@ -983,6 +989,51 @@ def print_entry(e: dict) -> None:
           f"{yn(v['truth_resolves'])})")
 
 
+def markdown(doc: dict) -> str:
+  """The run's two tables (steps, then sites) in Markdown, for
+  ``docs/audit.md``."""
+  def cell(x, iv=None):
+    return pct(x) + (f" ({iv[0]:+.1%} to {iv[1]:+.1%})" if iv else "")
+  steps = ["| step | truth, CPU time (95% interval) | wall | calibrate=True "
+           "| measure=True | within ±25%/1 pt (calibrate, measure) | sign "
+           "| counts = host | audit s (calibrate, measure) | held to |",
+           "|---|---:|---:|---:|---:|---|---|---|---:|---|"]
+  sites = ["| step | site | truth, CPU time (95% interval) | right advice "
+           "| calibrate=True (advice) | measure=True (advice) "
+           "| within (calibrate, measure) |",
+           "|---|---|---:|---|---|---|---|"]
+  for e in doc["entries"]:
+    if "verdict" not in e:
+      why = e.get("skipped") or e.get("error", "")
+      steps.append(f"| `{e['name']}` | {why[:80]} | | | | | | | | |")
+      continue
+    t, v = e["truth"], e["verdict"]
+    cal, mea = e["calibrate"]["estimates"], e["measure"]["estimates"]
+    ts = t["cpu"]["step"]
+    steps.append(
+        f"| `{e['name']}` | {cell(ts['saving'], ts['interval'])} | "
+        f"{pct(t['wall']['step']['saving'])} | {pct(cal['step_calibrated'])}"
+        f" | {pct(mea['step_measured'])} | "
+        f"{yn(v['calibrated_step_within'])}, {yn(v['measured_step_within'])}"
+        f" | {'right' if v['signs_right'] else 'WRONG'} | "
+        f"{yn(v['counts_equal'])} | {e['calibrate']['wall_s']:.1f}, "
+        f"{e['measure']['wall_s']:.1f} | {_report.verdict(v['met'])} |")
+    for s in e["sites"]:
+      n = s["name"]
+      tsite, vs = t["cpu"]["sites"][n], v["sites"][n]
+      c, m = cal["sites"].get(n, {}), mea["sites"].get(n, {})
+      right = ("not judged (written as smart_custom_vjp)" if s["fused"]
+               else vs["truth_advice"])
+      measured = cell(m.get("measured"), m.get("measured_interval"))
+      sites.append(
+          f"| `{e['name']}` | `{n}` ({s['kind']}, {s['via']}) | "
+          f"{cell(tsite['saving'], tsite['interval'])} | {right} | "
+          f"{pct(c.get('calibrated'))} ({c.get('advice')}) | {measured} "
+          f"({m.get('advice')}) | {yn(vs['calibrated_within'])}, "
+          f"{yn(vs['measured_within'])} |")
+  return "\n".join(steps) + "\n\n" + "\n".join(sites)
+
+
 # -- load ----------------------------------------------------------------------
 
 def start_load(n: int, limit_s: float) -> list:
@@ -1023,7 +1074,13 @@ def main(argv=None):
                  help="start N CPU-bound processes for the run")
   p.add_argument("--only", nargs="*", default=None)
   p.add_argument("--out", default=None)
+  p.add_argument("--markdown", metavar="JSON", default=None,
+                 help="print a run's tables in Markdown and exit")
   opts = p.parse_args(argv)
+  if opts.markdown:
+    with open(opts.markdown, encoding="utf-8") as fh:
+      print(markdown(json.load(fh)))
+    return None
   t_start = time.perf_counter()
   pairs = opts.pairs or (4 if opts.smoke else 40)
   rows = opts.rows or (16 if opts.smoke else 256)
@@ -1033,7 +1090,8 @@ def main(argv=None):
   mach, vers = _report.machine(), _report.versions()
   print(_report.header(mach, vers))
   print(f"load: {opts.load} busy processes started by this run; load "
-        f"average before {load_before}; XLA_FLAGS={os.environ.get('XLA_FLAGS')}")
+        f"average before {load_before}; "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS')}")
   print(f"shapes: {LAYERS} layers, x ({rows}, {width}); {pairs} pairs per "
         "variant; truth = CPU time (process_time), wall beside it")
   doc = dict(schema="smartvjp/audit_truth/1", machine=mach, versions=vers,

@@ -129,3 +129,6 @@ def test_smoke_every_entry_and_counts_equal_host_counters(tmp_path):
   assert ran >= 8
   s = doc["summary"]
   assert s["entries"] == ran and isinstance(s["held_to"], bool)
+  table = T.markdown(doc)   # the docs' tables, a row per entry and site
+  assert table.count("\n| `") == len(names) + sum(
+      len(e["sites"]) for e in doc["entries"] if "verdict" in e)
