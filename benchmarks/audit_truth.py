@@ -977,6 +977,12 @@ def print_entry(e: dict) -> None:
   cost = " / ".join(f"{e[m]['wall_s']:.1f} s" for m in ("calibrate", "measure"))
   reported = [((e[m].get("estimates") or {}).get("audit_cost") or {}).get(
       "total_s") for m in ("calibrate", "measure")]
+  for mode in ("calibrate", "measure"):
+    st = (e[mode].get("estimates") or {}).get("step_time")
+    if st and st.get("median"):
+      wall, cpu = (t["step"][c]["median"] * 1e3 for c in ("wall", "cpu"))
+      print(f"   the audit's step time ({mode}): {st['median'] * 1e3:.1f} ms "
+            f"(the truth's as written: wall {wall:.1f} ms, cpu {cpu:.1f} ms)")
   print(f"   audit cost (calibrate / measure): {cost} wall"
         + (f"; reported {reported}" if any(reported) else ""))
   if "error" in v:
