@@ -79,6 +79,7 @@ import ctypes              # noqa: E402
 import dataclasses         # noqa: E402
 import functools           # noqa: E402
 import hashlib             # noqa: E402
+import inspect             # noqa: E402
 import json                # noqa: E402
 import math                # noqa: E402
 import shutil              # noqa: E402
@@ -880,8 +881,18 @@ def judge(entry: Entry, t: dict, cal: dict, mea: dict, counts: dict) -> dict:
 
 # -- one entry ---------------------------------------------------------------
 
+def audit_options(timing_budget: float | None) -> dict:
+  """``smartvjp.audit``'s keyword for its timing budget, where this
+  version of the audit has one (``timing_budget``) and one is given."""
+  params = inspect.signature(smartvjp.audit.audit).parameters
+  if timing_budget is None or "timing_budget" not in params:
+    return {}
+  return {"timing_budget": timing_budget}
+
+
 def run_entry(entry: Entry, rows: int, width: int, pairs: int,
-              modes=("calibrate", "measure")) -> dict:
+              modes=("calibrate", "measure"),
+              timing_budget: float | None = None) -> dict:
   args = arguments(entry, rows, width)
   out = dict(name=entry.name, what=entry.what, expect=entry.expect,
              sites=[dataclasses.asdict(s) for s in entry.sites],
@@ -895,7 +906,8 @@ def run_entry(entry: Entry, rows: int, width: int, pairs: int,
   for mode in modes:
     t0 = time.perf_counter()
     try:
-      report = smartvjp.audit(step, *args, **{mode: True})
+      report = smartvjp.audit(step, *args, **{mode: True},
+                              **audit_options(timing_budget))
       seconds = time.perf_counter() - t0
       out[mode] = dict(estimates=audit_estimates(report), wall_s=seconds,
                        counts=audit_counts(report, entry),
@@ -1076,6 +1088,9 @@ def main(argv=None):
   p.add_argument("--pairs", type=int, default=None)
   p.add_argument("--rows", type=int, default=None)
   p.add_argument("--width", type=int, default=None)
+  p.add_argument("--timing-budget", type=float, default=None,
+                 help="the audit's timing_budget (seconds), where it has "
+                 "one; --smoke: 1")
   p.add_argument("--load", type=int, default=0,
                  help="start N CPU-bound processes for the run")
   p.add_argument("--only", nargs="*", default=None)
@@ -1083,6 +1098,8 @@ def main(argv=None):
   p.add_argument("--markdown", metavar="JSON", default=None,
                  help="print a run's tables in Markdown and exit")
   opts = p.parse_args(argv)
+  if opts.smoke and opts.timing_budget is None:
+    opts.timing_budget = 1.0
   if opts.markdown:
     with open(opts.markdown, encoding="utf-8") as fh:
       print(markdown(json.load(fh)))
@@ -1102,8 +1119,8 @@ def main(argv=None):
         "variant; truth = CPU time (process_time), wall beside it")
   doc = dict(schema="smartvjp/audit_truth/1", machine=mach, versions=vers,
              smoke=opts.smoke, pairs=pairs, rows=rows, width=width,
-             layers=LAYERS, load=dict(busy_processes=opts.load,
-                                      loadavg_before=load_before),
+             layers=LAYERS, timing_budget=opts.timing_budget,
+             load=dict(busy_processes=opts.load, loadavg_before=load_before),
              xla_flags=os.environ.get("XLA_FLAGS"),
              tolerance=dict(relative=RELATIVE, points=POINTS, worth=WORTH),
              entries=[])
@@ -1123,7 +1140,8 @@ def main(argv=None):
         continue
       try:
         e = run_entry(entry, rows, width, pairs,
-                      ("measure",) if opts.smoke else ("calibrate", "measure"))
+                      ("measure",) if opts.smoke else ("calibrate", "measure"),
+                      opts.timing_budget)
       except Exception as ex:   # noqa: BLE001  (recorded; the next one runs)
         e = dict(name=entry.name, what=entry.what, expect=entry.expect,
                  sites=[dataclasses.asdict(s) for s in entry.sites],
