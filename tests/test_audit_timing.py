@@ -348,3 +348,17 @@ def test_loop_program_cycles_through_the_input_sets():
   stacked = jnp.stack([jnp.full(4, v) for v in (1.0, 2.0, 3.0)])
   jax.block_until_ready(prog(jnp.int32(6), jnp.asarray(False), stacked))
   assert seen == [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
+
+
+def test_median_interval_of_many_samples():
+  # more rounds than a float's exponent holds 2**n for (a short step timed
+  # for the whole budget): no OverflowError, and a narrow interval
+  iv = T.median_interval(list(range(3001)))
+  assert iv.median == 1500 and 1440 < iv.low < 1500 < iv.high < 1560
+
+
+@pytest.mark.parametrize("n", [401, 1000, 3001])
+def test_normal_approximation_ranks_cover(n):
+  j, k = T._ranks(n, 0.95)
+  cover = T.coverage(n, j)
+  assert 0.95 <= cover < 0.97, cover   # conservative, never short

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from typing import Callable, Hashable, Sequence
 
@@ -24,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 LEVEL = 0.95
+# beyond this many samples the ranks come from the normal approximation
+EXACT_UP_TO = 400
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +56,13 @@ def _ranks(n: int, level: float) -> tuple[int, int] | None:
   # 0-based ranks [j, n-1-j] of the interval's ends: the largest j with
   # P(B <= j) <= (1 - level) / 2, B ~ Binomial(n, 1/2) the samples below the
   # median (x(j) <= median needs B >= j + 1); None where even j = 0 fails
+  if n > EXACT_UP_TO:   # the normal approximation to the binomial
+    z = statistics.NormalDist().inv_cdf((1 + level) / 2)
+    j = math.floor((n - z * math.sqrt(n)) / 2) - 1
+    return (j, n - 1 - j) if j >= 0 else None
   tail, cdf, j = (1 - level) / 2, 0.0, -1
   while j + 1 < n:
-    p = math.comb(n, j + 1) / 2.0 ** n
+    p = math.comb(n, j + 1) / (1 << n)   # exact ints: no overflow past n = 1023
     if cdf + p > tail:
       break
     cdf += p
@@ -66,7 +73,10 @@ def _ranks(n: int, level: float) -> tuple[int, int] | None:
 def coverage(n: int, j: int) -> float:
   """The probability that ``[x(j), x(n-1-j)]`` (0-based order statistics
   of ``n`` samples) holds the median: ``1 - 2 P(B <= j)``."""
-  return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(j + 1)) / 2.0 ** n
+  if n > EXACT_UP_TO:
+    return 1.0 - 2.0 * statistics.NormalDist(n / 2, math.sqrt(n) / 2).cdf(
+        j + 0.5)
+  return 1.0 - 2.0 * (sum(math.comb(n, i) for i in range(j + 1)) / (1 << n))
 
 
 def median_interval(xs: Sequence[float], level: float = LEVEL) -> Interval:
