@@ -76,7 +76,7 @@ def test_narrow():
   assert not T.narrow(0.05)({"a": [1.0]})
 
 
-def test_repeat_in_loop_runs_each_time_on_the_original_values():
+def test_loop_program_runs_each_time_on_the_original_values():
   seen = []
 
   def host(x):
@@ -88,14 +88,14 @@ def test_repeat_in_loop_runs_each_time_on_the_original_values():
     return y + 1, n
 
   x = jnp.arange(4.0)
-  looped = T.repeat_in_loop(rule, 5)
-  jax.block_until_ready(looped(jnp.asarray(False), x, jnp.int32(3)))
+  looped = T.loop_program(rule)
+  jax.block_until_ready(looped(5, jnp.asarray(False), x, jnp.int32(3)))
   assert len(seen) == 5
   for s in seen:
     np.testing.assert_array_equal(s, np.arange(4.0))
 
 
-def test_repeat_in_loop_is_not_hoisted_and_computes_every_output():
+def test_loop_program_is_not_hoisted_and_computes_every_output():
   # a pure JAX rule: XLA would hoist a loop-invariant body; the dependence
   # keeps k runs in the loop. And a consumer of one element of an
   # elementwise rule would compute that element alone: the outputs are
@@ -112,8 +112,7 @@ def test_repeat_in_loop_is_not_hoisted_and_computes_every_output():
            if "f32[4096]" in line.split("=", 1)[1][:30]]
   assert sines, hlo
   assert "sine(" in hlo
-  looped = T.repeat_in_loop(rule, 8)
-  assert float(looped(jnp.asarray(False), jnp.ones(16))) == 0.0
+  assert float(program(8, jnp.asarray(False), jnp.ones(16))) == 0.0
 
 
 # -- the advice and the agreement, from intervals (issue 68 items 1 and 6) ------

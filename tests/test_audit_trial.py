@@ -16,6 +16,7 @@ import pytest
 
 import smartvjp
 from smartvjp.audit import _calibrate, _count, _report
+from smartvjp.audit._timing import Interval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -272,7 +273,10 @@ def test_argument_checks():
 def test_agrees_table(predicted, measured, spread, want):
   # issue 68 item 6: against the measurement's 95% interval, not its IQR;
   # where that interval is wider than the band, it cannot tell (None)
-  assert _calibrate.agrees(predicted, measured, spread) is want
+  lo, hi = spread or (measured, measured)
+  got = _calibrate.agreement(predicted, Interval(measured, lo, hi, 0))
+  assert {"agrees": True, "disagrees": False, "cannot tell": None,
+          None: None}[got] is want
 
 
 def _callback_pair(delay):

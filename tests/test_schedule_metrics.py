@@ -68,10 +68,19 @@ def test_prints_json(metrics, capsys):
 # issue 70's _jaxprs.py (the facade's jaxpr reading and _policy's costs
 # moved there, 19 lines of its own head; the invariance check's jaxpr
 # reading moved from _checks) and the JAX objects read by shape gathered in
-# the facade (moved in from _swap and the audit, 50 lines with docstrings)
-CORE_LINES = 6_624
-# the audit (smartvjp/audit/), held the same way
-AUDIT_LINES = 2_691
+# the facade (moved in from _swap and the audit, 50 lines with docstrings);
+# 6,700 with issue 70's drop-in fixes under the remat3 flags (the forward
+# pass binds smartvjp_primal, a batched smartvjp_primal stays one, fwd's
+# primal output checked under jax_custom_vjp3) and the exported
+# smartvjp.NotTransposableError (its class and docstring)
+CORE_LINES = 6_700
+# the audit (smartvjp/audit/), held the same way: 2,691 at issue 70's
+# redesign; 4,100 with issue 68 (_timing: intervals of medians, interleaved
+# rounds, rules looped K times; _capture: the step's values captured, the
+# step timed beside the rules; _measure: each site's saving measured in the
+# step, Audit.apply; the model that abstains; the last count errors; the
+# fwd_bwd opportunity; the advice from intervals)
+AUDIT_LINES = 4_100
 # module switches outside _facade in the walk of design/walkthrough.py's F
 # (issue 47's target, 90, is not met) and of the seed's, per JAX minor
 # version (measured on jax 0.10.2, 0.11.2, 0.12.1; the same at 82a7469)

@@ -50,3 +50,8 @@ equation
 from smartvjp._primitive import _SmartPrimitive  # noqa: E402
 _SmartPrimitive.multiple_results
 
+
+# audit._calibrate.ADVICE: the advice's three words, which the tests and the
+# docs' schema name (an Advice's kind is one of them).
+from smartvjp.audit import _calibrate  # noqa: E402
+_calibrate.ADVICE

@@ -677,7 +677,7 @@ def suggestion(info) -> str:
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "callback"})
 
 
-def _model_notes(backend: str, out_sites: list, rule_jaxprs: dict) -> list:
+def _model_notes(out_sites: list, rule_jaxprs: dict) -> list:
   notes = []
   for s in out_sites:
     jaxprs = rule_jaxprs.get(s["index"], {})
@@ -1070,7 +1070,7 @@ def analyse(fn, args, kwargs, configs=T.CONFIGS, peaks=None
                                 unpriced_kernels(ref.closed.jaxpr)),
       model=dict(name=M.MODEL, device_kind=device.device_kind, peaks=peaks,
                  peaks_source=peaks_source,
-                 notes=_model_notes(jax.default_backend(), out_sites, {
+                 notes=_model_notes(out_sites, {
                      i: r.jaxprs for i, r in rules.items() if r})),
       summary=_summary(out_sites, step, builds),
       audit_seconds=seconds,

@@ -37,7 +37,6 @@ from smartvjp.audit._timing import Interval
 # whichever is larger (``band``); the swap is advised from 0.5% of the step
 RELATIVE = 0.25
 ABSOLUTE = 0.01
-SMALL = ABSOLUTE / RELATIVE   # below this saving the 1 point is the larger
 WORTH = 0.005
 
 ADVICE = ("swap", "no action", "cannot tell")
@@ -136,22 +135,6 @@ def agreement(estimate: float | None, measured: Interval, *,
   if measured.half_width > tol:
     return "cannot tell"
   return "agrees" if abs(estimate - measured.median) <= tol else "disagrees"
-
-
-def agrees(predicted: float | None, measured: float,
-           spread: tuple[float, float] | None = None) -> bool | None:
-  """Whether a predicted saving (share of the step) is within the
-  tolerance of the measured one (``band``); ``None`` without a prediction.
-  ``spread``: the measurement's 95% interval ``(low, high)``, where known:
-  where it is wider than the band the measurement cannot tell, and the
-  answer is ``None`` (``agreement`` gives the words)."""
-  if predicted is None:
-    return None
-  if spread is None:
-    return abs(predicted - measured) <= band(measured)
-  lo, hi = min(spread), max(spread)
-  verdict = agreement(predicted, Interval(measured, lo, hi, 0))
-  return None if verdict == "cannot tell" else verdict == "agrees"
 
 
 # -- the values the rules are timed on ------------------------------------------------

@@ -4,7 +4,7 @@ each estimate's 95% interval is narrow enough, or a time budget runs out.
 The conventions of benchmark harnesses (pyperf, Criterion.rs,
 ``triton.testing.do_bench``): repeat until the estimate is stable, report an
 interval and not a point, and time many runs per sample where one run is
-short against the cost of dispatching it (``repeat_in_loop``).
+short against the cost of dispatching it (``loop_program``).
 
 The interval of a median is distribution-free, from order statistics: with
 ``n`` samples sorted, ``[x(j), x(k)]`` holds the true median with probability
@@ -47,9 +47,6 @@ class Interval:
 
   def holds(self, x: float) -> bool:
     return self.low <= x <= self.high
-
-  def as_dict(self) -> dict:
-    return dataclasses.asdict(self)
 
 
 def _ranks(n: int, level: float) -> tuple[int, int] | None:
@@ -191,15 +188,6 @@ def loop_program(fn: Callable, sets: int = 1) -> Callable:
       return fn(*ins), acc + bump
     return jax.lax.fori_loop(0, k, body, (first, jnp.float32(0)))[1]
   return jax.jit(looped)
-
-
-def repeat_in_loop(fn: Callable, k: int) -> Callable:
-  """``fn`` run ``k`` times in one compiled loop (``loop_program``): the
-  result takes ``(flag, *args)``; pass ``jnp.asarray(False)``. A rule with
-  no inexact input still runs ``k`` times, chained by its carried outputs
-  where XLA cannot prove them unchanged (a kernel, a callback)."""
-  program = loop_program(fn)
-  return lambda flag, *args: program(jnp.int32(k), flag, *args)
 
 
 def loop_length(run: Callable[[int], object], target_s: float = TARGET_S,
