@@ -29,6 +29,7 @@ import numpy as np
 
 from smartvjp import _facade as jx
 from smartvjp.audit import _calibrate
+from smartvjp.audit import _report
 from smartvjp.audit import _timing
 from smartvjp.audit import _trace as T
 
@@ -334,19 +335,6 @@ def interval(site: dict) -> _timing.Interval | None:
                           m["rounds"])
 
 
-def _pct(x: float) -> str:
-  return f"{x:.1%}"
-
-
-def measured_text(m: dict) -> str:
-  """One line of a site's ``measured`` for people."""
-  if "error" in m:
-    return f"not measured: the step with it swapped failed: {m['error']}"
-  lo, hi = m["interval"]
-  return (f"{_pct(m['saving'])} of the step saved (95% interval "
-          f"{_pct(lo)} to {_pct(hi)}, {m['rounds']} rounds, {m['stopped']})")
-
-
 def suggestion(site: dict) -> str:
   """The site's suggestion, following its measured saving where it was
   measured (else the estimate's suggestion, ``site["suggestion"]``, as
@@ -354,7 +342,7 @@ def suggestion(site: dict) -> str:
   m, current = site.get("measured"), site["suggestion"]
   if not m or "error" in m:
     return current
-  text = "measured in the step: " + measured_text(m)
+  text = "measured in the step: " + _report.measured_text(m)
   kind = site["advice"]
   if kind == "swap":
     how = (current.removeprefix("swap: ") if current.startswith("swap: ")

@@ -99,7 +99,7 @@ def _site_lines(s: dict, configs) -> list[str]:
                  f"residuals not written, {opp['launches_not_made']} "
                  "kernel launches not made")
   if s.get("measured"):
-    lines.append("    measured " + _measured_text(s["measured"]))
+    lines.append("    measured: " + measured_text(s["measured"]))
   lines.append(f"    suggestion: {s['suggestion']}")
   for h in s["hazards"]:
     lines.append(f"    hazard: {h}")
@@ -164,12 +164,12 @@ def cost_text(data: dict) -> str:
   return f"{c['total_s']:.2f} s ({', '.join(parts)}; {ratio})"
 
 
-def _measured_text(m: dict) -> str:
+def measured_text(m: dict) -> str:
   """A site's ``measured`` (``measure=True``) in one line."""
   if "error" in m:
-    return f"saving: none, its swapped step failed: {m['error']}"
+    return f"not measured: the step with it swapped failed: {m['error']}"
   lo, hi = m["interval"]
-  return (f"saving {m['saving']:.1%} of the step (95% interval {lo:.1%} to "
+  return (f"{m['saving']:.1%} of the step saved (95% interval {lo:.1%} to "
           f"{hi:.1%}, {m['rounds']} rounds, {m['stopped']})")
 
 
