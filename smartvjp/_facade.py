@@ -268,6 +268,12 @@ def jit_static_arguments(fn) -> tuple[tuple[int, ...], tuple[str, ...]]:
           tuple(getattr(info, "static_argnames", ()) or ()))
 
 
+def is_jit_function(fn) -> bool:
+  """``fn`` is a ``jax.jit`` function (what it returns can be traced and
+  lowered without another ``jax.jit`` around it)."""
+  return hasattr(fn, "trace") and hasattr(fn, "lower")
+
+
 def is_jax_private_module(name: str) -> bool:
   """``name`` is one of JAX's private modules."""
   return name == "jax._src" or name.startswith("jax._src.")

@@ -158,7 +158,7 @@ class Audit:
     def applied(*args, **kwargs):
       with _audit_trace.recording(config, sites):
         return step(*args, **kwargs)
-    if hasattr(step, "lower") and hasattr(step, "trace"):   # jax.jit's
+    if jx.is_jit_function(step):
       nums, names = jx.jit_static_arguments(step)
       return jax.jit(applied, static_argnums=nums, static_argnames=names)
     return applied

@@ -123,7 +123,7 @@ class Build:
 
 
 def _jitted(fn):
-  return fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
+  return fn if jx.is_jit_function(fn) else jax.jit(fn)
 
 
 def _memory(compiled) -> dict:

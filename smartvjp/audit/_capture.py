@@ -127,7 +127,7 @@ def capture(fn, args, kwargs, concrete: tuple, sets: int = SETS) -> StepValues:
   ``concrete``: its dynamic arguments as arrays) with every site as
   written and its rules sending their values (``StepValues``)."""
   cap = StepValues(sets)
-  jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
+  jitted = fn if jx.is_jit_function(fn) else jax.jit(fn)
   with TR.recording("as_written", {}, wrap=cap.wrap):
     compiled = jitted.trace(*args, **kwargs).lower().compile()
   jax.block_until_ready(compiled(*concrete[0], **concrete[1]))
