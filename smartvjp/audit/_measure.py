@@ -288,11 +288,11 @@ def loop_count(program: Callable) -> int:
   """Runs of a program per sample: enough that a sample lasts ``SAMPLE_S``
   (dispatch then does not dominate a short step: the runs are dispatched
   back to back, as a training loop dispatches its steps), at most
-  ``MAX_LOOP``; from one timed run after the warm-up."""
-  t = time.perf_counter()
-  jax.block_until_ready(program())
-  once = time.perf_counter() - t
-  return max(1, min(MAX_LOOP, math.ceil(SAMPLE_S / max(once, 1e-9))))
+  ``MAX_LOOP``; searched as the rules' loops are (``_timing.loop_length``,
+  one try per guess)."""
+  k, _ = _timing.loop_length(lambda k: _repeated(program, k)(), SAMPLE_S,
+                             MAX_LOOP, tries=1)
+  return k
 
 
 def _repeated(program: Callable, k: int) -> Callable:
